@@ -1,0 +1,1 @@
+"""Clients of dyngen: the `dyngen` command line, and (later) the Python gRPC client."""

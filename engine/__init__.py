@@ -1,0 +1,1 @@
+"""dyngen's engine: model, paged KV cache, and (later) the dynamic generator."""

@@ -1,0 +1,55 @@
+"""Typed errors raised at the engine's edges.
+
+Each carries a message written for the person who caused it (which file, which
+field, which limit), so the CLI and the gRPC service can show it as is and map
+its kind to an exit code or a status without parsing text.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong, coarse enough to map onto CLI exit codes and gRPC statuses."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    UNSUPPORTED = "unsupported"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+
+
+class DyngenError(Exception):
+    """Base of every error dyngen raises on purpose."""
+
+    kind: ErrorKind = ErrorKind.INVALID_ARGUMENT
+
+
+class ModelNotFoundError(DyngenError):
+    """The model path does not exist or holds no loadable model."""
+
+    kind = ErrorKind.NOT_FOUND
+
+
+class UnsupportedModelError(DyngenError):
+    """The model's architecture, a tensor's quant type or a config value is not supported."""
+
+    kind = ErrorKind.UNSUPPORTED
+
+
+class ModelFormatError(DyngenError):
+    """The model files are present but malformed (missing tensor, wrong shape, bad metadata)."""
+
+    kind = ErrorKind.INVALID_ARGUMENT
+
+
+class PromptTooLongError(DyngenError):
+    """A prompt (plus the tokens asked for) does not fit the context or the cache."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class InvalidRequestError(DyngenError):
+    """A request's argument is out of range (names the field and the limit)."""
+
+    kind = ErrorKind.INVALID_ARGUMENT

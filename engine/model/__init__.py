@@ -1,0 +1,1 @@
+"""Llama-family model: config, weight sources (GGUF, safetensors), tokenizer, forward."""

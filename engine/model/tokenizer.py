@@ -1,0 +1,96 @@
+"""The model's own tokenizer and chat template, through Hugging Face tokenizers.
+
+A GGUF file carries its vocabulary, merges and chat template in its metadata; a
+Hugging Face folder carries tokenizer.json and tokenizer_config.json. Both are read
+by transformers' AutoTokenizer, so encoding and chat rendering match the reference
+exactly; dyngen hand-writes none of it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from engine.errors import InvalidRequestError, ModelFormatError
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str: ...
+
+    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]: ...
+
+
+class HFTokenizer:
+    """A Tokenizer backed by transformers (fast tokenizers under the hood)."""
+
+    def __init__(self, model_path: Path, extra_eos: Sequence[int] = ()) -> None:
+        # transformers is imported here, not at module top, so importing the engine stays cheap.
+        import transformers
+        from transformers import AutoTokenizer
+
+        transformers.logging.set_verbosity_error()
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        try:
+            if model_path.is_file():
+                self._tok = AutoTokenizer.from_pretrained(
+                    str(model_path.parent), gguf_file=model_path.name, local_files_only=True
+                )
+            else:
+                self._tok = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        except Exception as exc:  # transformers raises many kinds; all mean "no usable tokenizer"
+            raise ModelFormatError(f"cannot load the tokenizer of {model_path}: {exc}") from exc
+        eos: set[int] = set(int(i) for i in extra_eos)
+        if self._tok.eos_token_id is not None:
+            eos.add(int(self._tok.eos_token_id))
+        self._eos = frozenset(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(len(self._tok))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(i) for i in self._tok.encode(text, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if not self.has_chat_template:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        rendered = self._tok.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+        return str(rendered)
+
+    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        # The rendered template already holds every special token, as transformers does it.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)

@@ -1,0 +1,1 @@
+"""The gRPC front end (grpc.aio) that feeds the engine process."""
