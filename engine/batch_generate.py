@@ -10,6 +10,7 @@ correct driver of the forward, used by the CLI and the parity tests.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +49,14 @@ class Completion:
     stop_reason: StopReason
     stop_token: int | None
     step_logits: tuple[torch.Tensor, ...] = ()  # float32 [vocab] per generated token, when asked
+    prefill_seconds: float = 0.0  # start of the wave -> first token sampled
+    decode_seconds: float = 0.0  # first token -> last token
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # Tokens after the first, over the time they took: the steady-state decode rate.
+        steps = len(self.token_ids) + (self.stop_token is not None) - 1
+        return steps / self.decode_seconds if self.decode_seconds > 0 and steps > 0 else 0.0
 
 
 @dataclass
@@ -60,13 +69,16 @@ class _Running:
     generated: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     result: Completion | None = None
+    first_token_at: float | None = None
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
 
-def _check_fits(prompt_len: int, settings: GenerationSettings, model: LlamaModel, cache: PagedKVCache) -> None:
+def _check_fits(
+    prompt_len: int, settings: GenerationSettings, model: LlamaModel, cache: PagedKVCache
+) -> None:
     need = prompt_len + settings.max_new_tokens
     context = model.config.max_position_embeddings
     if need > context:
@@ -104,7 +116,9 @@ def generate_batch(
         for i, table in enumerate(page_tables):
             if len(table) < pages_per[i]:
                 raise InvalidRequestError(f"page table {i} has {len(table)} pages, needs {pages_per[i]}")
-        return _run_wave(model, cache, list(range(len(prompts))), prompts, list(page_tables), settings, keep_logits)
+        return _run_wave(
+            model, cache, list(range(len(prompts))), prompts, list(page_tables), settings, keep_logits
+        )
 
     results: list[Completion | None] = [None] * len(prompts)
     start = 0
@@ -117,7 +131,9 @@ def generate_batch(
             used += pages_per[start]
             wave.append(start)
             start += 1
-        for i, r in zip(wave, _run_wave(model, cache, wave, prompts, tables, settings, keep_logits), strict=True):
+        for i, r in zip(
+            wave, _run_wave(model, cache, wave, prompts, tables, settings, keep_logits), strict=True
+        ):
             results[i] = r
     return [r for r in results if r is not None]
 
@@ -141,6 +157,7 @@ def _run_wave(
             gen = torch.Generator().manual_seed((settings.seed or 0) + n)
         running.append(_Running(i, list(prompts[i]), list(table), gen))
     active = list(running)
+    started = time.perf_counter()
     while active:
         budget = settings.max_chunk_tokens
         step: list[tuple[_Running, SequenceInput]] = []
@@ -169,19 +186,25 @@ def _run_wave(
             if keep_logits:
                 r.logits.append(token_logits.clone())
             token = _sample(token_logits, settings.temperature, r.generator)
+            now = time.perf_counter()
+            if r.first_token_at is None:
+                r.first_token_at = now
             if token in stops:
                 reason = StopReason.EOS if token in model.config.eos_token_ids else StopReason.STOP_TOKEN
-                r.result = _finish(r, reason, token)
+                r.result = _finish(r, reason, token, started, now)
             else:
                 r.generated.append(token)
                 if len(r.generated) >= settings.max_new_tokens:
-                    r.result = _finish(r, StopReason.MAX_NEW_TOKENS, None)
+                    r.result = _finish(r, StopReason.MAX_NEW_TOKENS, None, started, now)
         active = [r for r in active if r.result is None]
     return [r.result for r in running if r.result is not None]
 
 
-def _finish(r: _Running, reason: StopReason, token: int | None) -> Completion:
-    return Completion(tuple(r.prompt), tuple(r.generated), reason, token, tuple(r.logits))
+def _finish(r: _Running, reason: StopReason, token: int | None, started: float, now: float) -> Completion:
+    first = r.first_token_at if r.first_token_at is not None else now
+    return Completion(
+        tuple(r.prompt), tuple(r.generated), reason, token, tuple(r.logits), first - started, now - first
+    )
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

@@ -22,7 +22,9 @@ class AttentionKind(enum.Enum):
 
 
 class PreparedAttention(Protocol):
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """Store this step's k, v ([T, kv_heads, head_dim]) into the layer's cache slots."""
         ...
 
@@ -32,8 +34,9 @@ class PreparedAttention(Protocol):
 
 
 class AttentionBackend(Protocol):
-    def prepare(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> PreparedAttention:
-        ...
+    def prepare(
+        self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    ) -> PreparedAttention: ...
 
 
 def select_attention(kind: AttentionKind, device: torch.device) -> AttentionBackend:

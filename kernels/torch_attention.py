@@ -87,7 +87,9 @@ class _PreparedTorchAttention:
         # When the whole batch is one group in order, outputs need no scatter.
         self._in_order = len(self._groups) == 1 and self._groups[0].queries == 1
 
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         k_cache.index_copy_(0, self._slot_mapping, k)
         v_cache.index_copy_(0, self._slot_mapping, v)
 

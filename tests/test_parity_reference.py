@@ -46,7 +46,9 @@ def test_chat_prompt_rendering_matches_reference(smollm: LoadedModel, reference:
 
 
 @pytest.mark.parametrize("text", PARITY_PROMPTS)
-def test_greedy_tokens_and_logits_match_reference(smollm: LoadedModel, reference: Reference, text: str) -> None:
+def test_greedy_tokens_and_logits_match_reference(
+    smollm: LoadedModel, reference: Reference, text: str
+) -> None:
     prompt = smollm.tokenizer.encode_chat([ChatMessage("user", text)])
     ref_tokens, ref_logits = reference_greedy(reference, prompt)
     cache = smollm.model.new_cache(num_pages=8, page_size=16)

@@ -26,9 +26,29 @@ _BLOCK_TYPES = {
     for t in gguf.GGMLQuantizationType
     if t.name
     in {
-        "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-        "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
-        "TQ1_0", "TQ2_0", "MXFP4",
+        "BF16",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ1_S",
+        "IQ1_M",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ2_S",
+        "IQ3_XXS",
+        "IQ3_S",
+        "IQ4_NL",
+        "IQ4_XS",
+        "TQ1_0",
+        "TQ2_0",
+        "MXFP4",
     }
 }
 SUPPORTED_TENSOR_TYPES = tuple(sorted(t.name for t in _FLOAT_TYPES | _BLOCK_TYPES))
@@ -111,17 +131,25 @@ class GGUFSource:
             raise ModelFormatError(f"{self._path.name}: GGUF metadata lacks {key}")
         return value
 
-    def _int(self, key: str, default: int | None = None) -> int:
+    def _number(self, key: str) -> int | float | None:
         value = self._field(key)
+        if value is None:
+            return None
+        if not isinstance(value, int | float):
+            raise ModelFormatError(f"{self._path.name}: GGUF metadata {key} is not a number: {value!r}")
+        return value
+
+    def _int(self, key: str, default: int | None = None) -> int:
+        value = self._number(key)
         if value is None:
             if default is None:
                 raise ModelFormatError(f"{self._path.name}: GGUF metadata lacks {key}")
             return default
-        return int(value)  # type: ignore[call-overload]
+        return int(value)
 
     def _float(self, key: str, default: float) -> float:
-        value = self._field(key)
-        return default if value is None else float(value)  # type: ignore[arg-type]
+        value = self._number(key)
+        return default if value is None else float(value)
 
     def _read_config(self) -> ModelConfig:
         arch = str(self._required("general.architecture"))
@@ -144,8 +172,8 @@ class GGUFSource:
             scaling = RopeScaling(RopeScalingKind.LINEAR, self._float(f"{arch}.rope.scaling.factor", 1.0))
         elif kind not in (None, "none"):
             raise UnsupportedModelError(f"{self._path.name}: rope scaling {kind!r} is not supported")
-        eos = self._field("tokenizer.ggml.eos_token_id")
-        bos = self._field("tokenizer.ggml.bos_token_id")
+        eos = self._number("tokenizer.ggml.eos_token_id")
+        bos = self._number("tokenizer.ggml.bos_token_id")
         return ModelConfig(
             vocab_size=vocab,
             hidden_size=hidden,
@@ -159,8 +187,8 @@ class GGUFSource:
             max_position_embeddings=self._int(f"{arch}.context_length", 4096),
             tie_word_embeddings="output.weight" not in names,
             rope_scaling=scaling,
-            bos_token_id=None if bos is None else int(bos),  # type: ignore[call-overload]
-            eos_token_ids=() if eos is None else (int(eos),),  # type: ignore[call-overload]
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=() if eos is None else (int(eos),),
             name=str(self._field("general.name") or self._path.stem),
         )
 

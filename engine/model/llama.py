@@ -81,7 +81,9 @@ class LlamaModel:
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            biases = [opt(p + f"self_attn.{n}_proj.bias", (size,)) for n, size in (("q", q), ("k", kv), ("v", kv))]
+            biases = [
+                opt(p + f"self_attn.{n}_proj.bias", (size,)) for n, size in (("q", q), ("k", kv), ("v", kv))
+            ]
             present = [b for b in biases if b is not None]
             if present and len(present) != 3:
                 raise ModelFormatError(f"{where}: layer {i} has biases on only some of q/k/v")

@@ -40,7 +40,9 @@ def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None =
 class RotaryEmbedding:
     """cos/sin tables for every position up to the model's context, looked up per token."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, freq_factors: torch.Tensor | None = None
+    ) -> None:
         inv = inverse_frequencies(config, freq_factors)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         angles = positions[:, None] * inv[None, :]

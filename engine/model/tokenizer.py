@@ -36,7 +36,9 @@ class Tokenizer(Protocol):
 
     def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str: ...
 
-    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
 
 class HFTokenizer:
@@ -44,10 +46,8 @@ class HFTokenizer:
 
     def __init__(self, model_path: Path, extra_eos: Sequence[int] = ()) -> None:
         # transformers is imported here, not at module top, so importing the engine stays cheap.
-        import transformers
         from transformers import AutoTokenizer
 
-        transformers.logging.set_verbosity_error()
         logging.getLogger("transformers").setLevel(logging.ERROR)
         try:
             if model_path.is_file():
@@ -65,7 +65,7 @@ class HFTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return int(len(self._tok))
+        return len(self._tok)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -1,0 +1,49 @@
+"""`dyngen generate` on the shipped model, through the installed console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("dyngen")
+    assert exe is not None, "the dyngen console script is not installed (pip install -e .)"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_generate_chat_answers_france(tmp_path: Path) -> None:
+    done = run_cli("generate", "--chat", "What is the capital of France?", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "The capital of France is Paris."
+
+
+def test_prompts_file_json_lines_in_order(tmp_path: Path) -> None:
+    questions = ["What is the capital of France?", "What is 2 + 2?", "Name a color."]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in questions))
+    done = run_cli("generate", "--chat", "--prompts-file", str(prompts), "--max-new-tokens", "24", "--quiet")
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(records) == 3
+    assert records[0]["text"] == "The capital of France is Paris."
+    assert records[0]["stop_reason"] == "eos"
+    for r in records:
+        assert set(r) >= {"text", "token_ids", "stop_reason", "prompt_tokens", "new_tokens"}
+        assert r["new_tokens"] == len(r["token_ids"]) <= 24
+        assert 2 not in r["token_ids"]  # the stop token is not part of the output
+
+
+def test_json_single_prompt_max_tokens() -> None:
+    done = run_cli(
+        "generate", "Once upon a time", "--max-new-tokens", "7", "--ignore-eos", "--json", "--quiet"
+    )
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert record["stop_reason"] == "max_new_tokens" and len(record["token_ids"]) == 7
