@@ -88,7 +88,7 @@ def random_llama_weights(spec: TinyLlamaSpec, seed: int, tied: bool) -> dict[str
     def norm() -> F32Array:
         return (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32)
 
-    weights: dict[str, F32Array] = {"model.embed_tokens.weight": normal(spec.vocab_size, h, std=0.5)}
+    weights: dict[str, F32Array] = {"model.embed_tokens.weight": normal(spec.vocab_size, h)}
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
         weights[p + "input_layernorm.weight"] = norm()
@@ -118,7 +118,9 @@ def permute_rotary(weight: F32Array, n_heads: int) -> F32Array:
     """llama.cpp convert_hf_to_gguf's ``LlamaModel.permute``: interleave each head's rotary halves."""
     rows = weight.shape[0]
     return (
-        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
     )
 
 
@@ -219,7 +221,7 @@ def stored_values(weight: F32Array, qtype: QType) -> F32Array:
 def _byte_level_vocab(spec: TinyLlamaSpec) -> tuple[list[str], list[int], list[str]]:
     """Special tokens, the 256 byte tokens, then two-letter merges up to vocab_size."""
     spelling = [chr(c) for c in _bytes_to_unicode()]
-    specials = ["<|pad|>", "<|bos|>", "<|eos|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # as SmolLM2 numbers them
     tokens = specials + spelling
     letters = "etaoinshrdlucmfwypvbgkjqxz"
     merges: list[str] = []
@@ -282,12 +284,13 @@ def write_tiny_gguf(
     writer.add_bos_token_id(spec.bos_token_id)
     writer.add_eos_token_id(spec.eos_token_id)
     writer.add_add_bos_token(False)
-    for hf_name, weight in weights.items():
+    for hf_name, original in weights.items():
         name = gguf_name(hf_name)
+        weight = original
         if ".q_proj." in hf_name:
-            weight = permute_rotary(weight, spec.num_heads)
+            weight = permute_rotary(original, spec.num_heads)
         elif ".k_proj." in hf_name:
-            weight = permute_rotary(weight, spec.num_kv_heads)
+            weight = permute_rotary(original, spec.num_kv_heads)
         # As real files do, 1-D tensors (the norms) stay F32 whatever the file's type.
         kind = QType.F32 if weight.ndim == 1 else qtype
         kind = (overrides or {}).get(name, kind)
