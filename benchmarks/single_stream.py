@@ -50,9 +50,10 @@ def run(new_tokens: int = 128, workloads: Path | None = None) -> str:
 
         import transformers
 
+        # from_pretrained returns the model in eval mode.
         ref: Any = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=dtype.torch
-        ).eval()
+        )
         ids = torch.tensor([prompt])
 
         def theirs(n: int, ref: Any = ref, ids: torch.Tensor = ids) -> None:
