@@ -1,11 +1,175 @@
-"""What a generation is asked to do and why it stopped."""
+"""What a job asks for (JobSpec), what it reports (JobEvent), and why it stopped.
+
+Plain frozen dataclasses: they cross thread and process boundaries as values and
+know nothing of gRPC or tensors.
+"""
 
 from __future__ import annotations
 
 import enum
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import NewType
+
+from engine.errors import InvalidRequestError
+
+JobId = NewType("JobId", str)
+
+
+def new_job_id() -> JobId:
+    """128 random bits, hex: unguessable, so one caller cannot name another's job."""
+    return JobId(secrets.token_hex(16))
 
 
 class StopReason(enum.Enum):
     EOS = "eos"  # the model emitted one of its end-of-sequence tokens
-    STOP_TOKEN = "stop_token"  # one of the request's stop token ids
+    STOP_TOKEN = "stop_token"  # one of the job's stop token ids
+    STOP_STRING = "stop_string"  # one of the job's stop strings appeared in the text
     MAX_NEW_TOKENS = "max_new_tokens"
+    CANCELLED = "cancelled"
+
+
+class JobStage(enum.Enum):
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Per-job sampling. temperature 0 is greedy; every other knob then only shapes logprobs."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    typical: float = 1.0  # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off; >1 discourages tokens already in prompt or output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    presence_penalty: float = 0.0  # subtracted once if present in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    banned_token_ids: frozenset[int] = frozenset()
+    seed: int | None = None  # a seeded job is reproducible whatever runs beside it
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError naming the field and its limit."""
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be finite and >= 0"
+        )
+        _check(self.top_k >= 0, "top_k must be >= 0 (0 = off)")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        _check(0.0 <= self.min_p < 1.0, "min_p must be in [0, 1)")
+        _check(0.0 < self.typical <= 1.0, "typical must be in (0, 1]")
+        _check(
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty must be finite and > 0",
+        )
+        _check(math.isfinite(self.frequency_penalty), "frequency_penalty must be finite")
+        _check(math.isfinite(self.presence_penalty), "presence_penalty must be finite")
+        for token, bias in self.logit_bias:
+            _check(0 <= token < vocab_size, f"logit_bias token id {token} is outside [0, {vocab_size})")
+            _check(not math.isnan(bias), f"logit_bias for token {token} is NaN")
+        for token in self.banned_token_ids:
+            _check(0 <= token < vocab_size, f"banned token id {token} is outside [0, {vocab_size})")
+        _check(len(self.banned_token_ids) < vocab_size, "banned_token_ids cannot ban the whole vocabulary")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0  # stop tokens and EOS are suppressed until this many tokens exist
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    decode_special_tokens: bool = False  # include special tokens' text in the streamed text
+    return_logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token, with return_logprobs
+    identifier: str | None = None  # the caller's own tag, echoed back in every event
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+
+    def validate(self, vocab_size: int) -> None:
+        _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
+        _check(
+            all(0 <= t < vocab_size for t in self.prompt_ids),
+            f"prompt token ids must be in [0, {vocab_size})",
+        )
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}",
+        )
+        _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        _check(all(s for s in self.stop_strings), "stop strings must not be empty")
+        for token in self.stop_token_ids:
+            _check(0 <= token < vocab_size, f"stop token id {token} is outside [0, {vocab_size})")
+        self.sampling.validate(vocab_size)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class JobTimings:
+    queued: float  # seconds from enqueue to first scheduled
+    prefill: float  # seconds from first scheduled to first token
+    decode: float  # seconds from first token to finish
+
+
+@dataclass(frozen=True)
+class JobStarted:
+    job_id: JobId
+    identifier: str | None
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens found in the prefix cache
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    job_id: JobId
+    identifier: str | None
+    done_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True)
+class TokensGenerated:
+    job_id: JobId
+    identifier: str | None
+    text: str  # new text, safe to show: whole UTF-8 characters, never past a stop string
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobFinished:
+    job_id: JobId
+    identifier: str | None
+    stop_reason: StopReason
+    stop_token: int | None  # the token that stopped the job (not part of token ids)
+    stop_string: str | None  # the stop string that matched (not part of the text)
+    prompt_tokens: int
+    new_tokens: int
+    cached_tokens: int
+    timings: JobTimings
+    text: str = ""  # held-back text released at the end, if any
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
+
+
+JobEvent = JobStarted | PrefillProgress | TokensGenerated | JobFinished
