@@ -53,3 +53,15 @@ class InvalidRequestError(DyngenError):
     """A request's argument is out of range (names the field and the limit)."""
 
     kind = ErrorKind.INVALID_ARGUMENT
+
+
+class QueueFullError(DyngenError):
+    """The generator's queue holds max_q_size jobs already; try again later."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class JobNotFoundError(DyngenError):
+    """No job with that id (never existed, or finished and forgotten)."""
+
+    kind = ErrorKind.NOT_FOUND

@@ -3,9 +3,11 @@
 Sequences are split into two groups: decode (one query token) and the rest (prefill
 chunks, speculative verification). Each group is handled with batched tensor ops:
 its K/V are gathered from the pages into a padded [B, L] block through one
-index_select per layer, and grouped-query heads are matched by broadcasting, so no
-K/V head is copied per query head. The gather indices and masks are built once per
-forward and reused by every layer.
+index_select per layer, then one scaled_dot_product_attention call. Grouped-query
+heads are folded into the query axis (the heads sharing a K/V head become extra
+query rows with the same mask), so no K/V head is copied per query head and the
+fused CPU kernel sees few, larger blocks. The gather indices and masks are built
+once per forward and reused by every layer.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 
@@ -25,13 +28,13 @@ class _Group:
     out_rows: torch.Tensor  # [N] flattened batch rows that are real queries
     out_select: torch.Tensor  # [N] positions in the flattened [B * Q] block that are real queries
     slots: torch.Tensor  # [B * L] cache slots to gather (padding -> 0)
-    mask: torch.Tensor  # [B, 1, 1, Q, L] additive: 0 where visible, -inf elsewhere
+    mask: torch.Tensor  # [B, 1, per_kv * Q, L] bool: True where visible
     batch: int
     queries: int
     keys: int
 
 
-def _build_group(batch: ForwardBatch, members: list[int], dtype: torch.dtype) -> _Group:
+def _build_group(batch: ForwardBatch, members: list[int], per_kv: int) -> _Group:
     device = batch.input_ids.device
     starts = [0]
     for n in batch.query_lens:
@@ -60,8 +63,8 @@ def _build_group(batch: ForwardBatch, members: list[int], dtype: torch.dtype) ->
     visible = (kj[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
     # Padded query rows see key 0 so their softmax stays finite; their output is dropped.
     visible = visible | (~q_valid[:, :, None] & (kj == 0)[None, None, :])
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, float("-inf"))
+    # Query rows are ordered (head within its K/V group, position): repeat the mask per head.
+    mask = visible[:, None].expand(-1, per_kv, -1, -1).reshape(len(members), 1, per_kv * q_max, l_max)
 
     flat_valid = q_valid.reshape(-1)
     return _Group(
@@ -69,7 +72,7 @@ def _build_group(batch: ForwardBatch, members: list[int], dtype: torch.dtype) ->
         out_rows=rows.reshape(-1)[flat_valid],
         out_select=torch.nonzero(flat_valid).reshape(-1),
         slots=slots.reshape(-1),
-        mask=mask[:, None, None, :, :],
+        mask=mask,
         batch=len(members),
         queries=q_max,
         keys=l_max,
@@ -83,7 +86,8 @@ class _PreparedTorchAttention:
         self._kv_heads = num_kv_heads
         decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
         longer = [i for i, n in enumerate(batch.query_lens) if n > 1]
-        self._groups = [_build_group(batch, members, dtype) for members in (decode, longer) if members]
+        per_kv = num_heads // num_kv_heads
+        self._groups = [_build_group(batch, members, per_kv) for members in (decode, longer) if members]
         # When the whole batch is one group in order, outputs need no scatter.
         self._in_order = len(self._groups) == 1 and self._groups[0].queries == 1
 
@@ -116,16 +120,15 @@ class _PreparedTorchAttention:
     ) -> torch.Tensor:
         _, heads, head_dim = q.shape
         kv_heads = self._kv_heads
-        # [B, Q, kv, per_kv, D] -> [B, kv, per_kv, Q, D]
-        qg = q[g.rows.reshape(-1)].view(g.batch, g.queries, kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
-        k = k_cache.index_select(0, g.slots).view(g.batch, g.keys, kv_heads, head_dim)
-        v = v_cache.index_select(0, g.slots).view(g.batch, g.keys, kv_heads, head_dim)
-        k_t = k.permute(0, 2, 3, 1).unsqueeze(2)  # [B, kv, 1, D, L]
-        scores = torch.matmul(qg, k_t)  # [B, kv, per_kv, Q, L]
-        scores.mul_(scale).add_(g.mask)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        ctx = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2))  # [B, kv, per_kv, Q, D]
-        ctx = ctx.permute(0, 3, 1, 2, 4).reshape(g.batch * g.queries, heads * head_dim)
+        # [B, Q, kv, per_kv, D] -> [B, kv, per_kv * Q, D]
+        qg = q[g.rows.reshape(-1)].view(g.batch, g.queries, kv_heads, per_kv, head_dim)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(g.batch, kv_heads, per_kv * g.queries, head_dim)
+        k = k_cache.index_select(0, g.slots).view(g.batch, g.keys, kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, g.slots).view(g.batch, g.keys, kv_heads, head_dim).transpose(1, 2)
+        ctx = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
+        # [B, kv, per_kv, Q, D] -> [B, Q, kv, per_kv, D] -> rows
+        ctx = ctx.view(g.batch, kv_heads, per_kv, g.queries, head_dim).permute(0, 3, 1, 2, 4)
+        ctx = ctx.reshape(g.batch * g.queries, heads * head_dim)
         if g.queries == 1:
             return ctx
         return ctx[g.out_select]

@@ -21,6 +21,7 @@ from engine.errors import ModelFormatError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedKVCache
 from engine.model.config import ModelConfig
+from engine.model.linear import Linear
 from engine.model.rope import RotaryEmbedding
 from engine.model.weight_source import WeightSource
 from kernels.attention import AttentionBackend, AttentionKind, select_attention
@@ -29,13 +30,11 @@ from kernels.attention import AttentionBackend, AttentionKind, select_attention
 @dataclass(frozen=True)
 class LayerWeights:
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor  # [q + 2 * kv, hidden]
-    bqkv: torch.Tensor | None
-    wo: torch.Tensor
-    bo: torch.Tensor | None
+    qkv: Linear  # [q + 2 * kv, hidden]
+    o: Linear
     ffn_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    w_down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,9 +74,9 @@ class LlamaModel:
         self.embed = get("model.embed_tokens.weight", (c.vocab_size, h))
         self.final_norm = get("model.norm.weight", (h,))
         if c.tie_word_embeddings or "lm_head.weight" not in tensors:
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed)
         else:
-            self.lm_head = get("lm_head.weight", (c.vocab_size, h))
+            self.lm_head = Linear(get("lm_head.weight", (c.vocab_size, h)))
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -90,24 +89,29 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     attn_norm=get(p + "input_layernorm.weight", (h,)),
-                    wqkv=torch.cat(
-                        [
-                            get(p + "self_attn.q_proj.weight", (q, h)),
-                            get(p + "self_attn.k_proj.weight", (kv, h)),
-                            get(p + "self_attn.v_proj.weight", (kv, h)),
-                        ]
-                    ).contiguous(),
-                    bqkv=torch.cat(present) if present else None,
-                    wo=get(p + "self_attn.o_proj.weight", (h, q)),
-                    bo=opt(p + "self_attn.o_proj.bias", (h,)),
+                    qkv=Linear(
+                        torch.cat(
+                            [
+                                get(p + "self_attn.q_proj.weight", (q, h)),
+                                get(p + "self_attn.k_proj.weight", (kv, h)),
+                                get(p + "self_attn.v_proj.weight", (kv, h)),
+                            ]
+                        ).contiguous(),
+                        torch.cat(present) if present else None,
+                    ),
+                    o=Linear(
+                        get(p + "self_attn.o_proj.weight", (h, q)), opt(p + "self_attn.o_proj.bias", (h,))
+                    ),
                     ffn_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                    w_gate_up=torch.cat(
-                        [
-                            get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
-                            get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
-                        ]
-                    ).contiguous(),
-                    w_down=get(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+                    gate_up=Linear(
+                        torch.cat(
+                            [
+                                get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
+                                get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
+                            ]
+                        ).contiguous()
+                    ),
+                    down=Linear(get(p + "mlp.down_proj.weight", (h, c.intermediate_size))),
                 )
             )
         freq_factors = tensors.get("rope_freqs")
@@ -157,7 +161,7 @@ class LlamaModel:
         x = self.embed[batch.input_ids]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = F.linear(h, layer.wqkv, layer.bqkv)
+            qkv = layer.qkv(h)
             q = qkv[:, :q_size].view(tokens, c.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(tokens, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
@@ -165,10 +169,9 @@ class LlamaModel:
             k = self.rope.apply(k, cos, sin)
             attn.write_kv(cache.k[i], cache.v[i], k, v)
             o = attn.attend(q, cache.k[i], cache.v[i])
-            x = x + F.linear(o, layer.wo, layer.bo)
+            x = x + layer.o(o)
             h = rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
-            gate_up = F.linear(h, layer.w_gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         last = rms_norm(x[batch.logits_indices], self.final_norm, c.rms_norm_eps)
-        return F.linear(last, self.lm_head).to(torch.float32)
+        return self.lm_head(last).to(torch.float32)

@@ -1,0 +1,307 @@
+"""The dynamic generator: the in-process API of the engine.
+
+`enqueue(spec) -> JobId`, `iterate() -> list[JobEvent]`, `cancel(job_id)`, and
+`generate(...)` for simple use. Each `iterate()` asks the scheduler for this
+iteration's chunks (decode steps and prefill chunks of many jobs), runs them in one
+forward over the paged KV cache, samples every job whose chunk reached its last
+token, and turns the results into events. Jobs join and leave at every iteration.
+
+Not thread-safe: one thread (the engine loop) owns a generator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError, JobNotFoundError, PromptTooLongError
+from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.job_state import JobState
+from engine.jobs import (
+    JobEvent,
+    JobFinished,
+    JobId,
+    JobSpec,
+    JobStage,
+    JobStarted,
+    JobTimings,
+    PrefillProgress,
+    StopReason,
+    TokenLogprob,
+    TokensGenerated,
+    new_job_id,
+)
+from engine.kv_cache import PagedKVCache
+from engine.model.llama import LlamaModel
+from engine.model.tokenizer import Tokenizer
+from engine.pages import PagePool
+from engine.sampler import DEFAULT_MIN_SAMPLING_THREADS, Sampler, SampleRequest, SamplerMode, SamplerState
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.text_stream import TextStream
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    page_size: int = 256
+    num_pages: int = 128
+    max_seq_len: int | None = None  # default: the model's context length
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sampling_threads: int = 2
+    min_sampling_threads: int = DEFAULT_MIN_SAMPLING_THREADS
+    sampler_mode: SamplerMode = SamplerMode.AUTO
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.num_pages < 1:
+            raise InvalidRequestError(
+                f"page_size and num_pages must be >= 1, got {self.page_size}, {self.num_pages}"
+            )
+
+
+@dataclass(frozen=True)
+class GeneratorStats:
+    queued: int
+    running: int
+    pages_free: int
+    pages_cached: int
+    pages_used: int
+    forwarded_tokens: int  # tokens run through the model since start
+    iterations: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The whole result of one job, for `generate()`."""
+
+    job_id: JobId
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    finished: JobFinished
+
+
+class DynamicGenerator:
+    def __init__(
+        self, model: LlamaModel, tokenizer: Tokenizer, config: GeneratorConfig | None = None
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or GeneratorConfig()
+        c = self.config
+        self.max_seq_len = min(
+            c.max_seq_len or model.config.max_position_embeddings, model.config.max_position_embeddings
+        )
+        self.cache: PagedKVCache = model.new_cache(c.num_pages, c.page_size)
+        self.pool = PagePool(c.num_pages, c.page_size)
+        self.scheduler = Scheduler(c.scheduler, self.pool)
+        self.sampler = Sampler(
+            model.config.vocab_size, c.sampling_threads, c.min_sampling_threads, c.sampler_mode
+        )
+        self.jobs: dict[JobId, JobState] = {}
+        self._eos = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
+        self._orders = 0
+        self._forwarded = 0
+        self._iterations = 0
+        self._pending_events: list[JobEvent] = []
+
+    # -- the job API ---------------------------------------------------------------------------
+
+    def enqueue(self, spec: JobSpec) -> JobId:
+        """Validate and queue a job; raises InvalidRequestError, PromptTooLongError or QueueFullError."""
+        spec.validate(self.model.config.vocab_size)
+        total = len(spec.prompt_ids) + spec.max_new_tokens
+        if total > self.max_seq_len:
+            raise PromptTooLongError(
+                f"prompt of {len(spec.prompt_ids)} tokens + max_new_tokens {spec.max_new_tokens} = {total} "
+                f"tokens exceeds max_seq_len {self.max_seq_len}"
+            )
+        capacity = self.pool.num_pages * self.pool.page_size
+        if total > capacity:
+            raise PromptTooLongError(
+                f"prompt of {len(spec.prompt_ids)} tokens + max_new_tokens {spec.max_new_tokens} = {total} "
+                f"tokens exceeds the whole KV cache of {capacity} tokens "
+                f"({self.pool.num_pages} pages of {self.pool.page_size})"
+            )
+        job_id = new_job_id()
+        job = JobState(
+            job_id=job_id,
+            spec=spec,
+            sampler=SamplerState(spec.sampling, spec.prompt_ids, self.model.config.vocab_size),
+            text=TextStream(self.tokenizer, spec.stop_strings, not spec.decode_special_tokens),
+            enqueued_at=time.perf_counter(),
+            order=0,
+            tokens=list(spec.prompt_ids),
+        )
+        self.scheduler.submit(job)
+        self.jobs[job_id] = job
+        return job_id
+
+    def cancel(self, job_id: JobId) -> None:
+        """Stop a job now (queued, mid-prefill or mid-decode); its pages are freed at once."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise JobNotFoundError(f"no job {job_id}")
+        self._pending_events.append(self._finish(job, StopReason.CANCELLED, None, None, ""))
+
+    def has_work(self) -> bool:
+        return not self.scheduler.idle() or bool(self._pending_events)
+
+    def stats(self) -> GeneratorStats:
+        p = self.pool.stats()
+        return GeneratorStats(
+            queued=len(self.scheduler.queue),
+            running=len(self.scheduler.running),
+            pages_free=p.free,
+            pages_cached=p.cached,
+            pages_used=p.referenced,
+            forwarded_tokens=self._forwarded,
+            iterations=self._iterations,
+            prefix_hit_tokens=p.prefix_hit_tokens,
+            prefix_query_tokens=p.prefix_query_tokens,
+        )
+
+    def page_tables(self) -> list[list[int]]:
+        return [list(j.pages) for j in self.scheduler.running]
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants(j.pages for j in self.jobs.values() if j.pages)
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def iterate(self) -> list[JobEvent]:
+        """Run one forward over this iteration's chunks; return the events it produced."""
+        events, self._pending_events = self._pending_events, []
+        chunks = self.scheduler.schedule(on_preempt=self._on_preempt)
+        if not chunks:
+            return events
+        now = time.perf_counter()
+        inputs: list[SequenceInput] = []
+        for c in chunks:
+            job = c.job
+            if not job.started:
+                job.started = True
+                job.scheduled_at = now
+                events.append(JobStarted(job.job_id, job.spec.identifier, job.prompt_len, job.cached_tokens))
+            job.stage = JobStage.DECODE if job.computed >= job.prompt_len else JobStage.PREFILL
+            end = job.computed + c.num_tokens
+            inputs.append(
+                SequenceInput(job.tokens[job.computed : end], job.computed, job.pages, end == len(job.tokens))
+            )
+        batch = ForwardBatch.build(inputs, self.pool.page_size, self.model.device)
+        logits = self.model.forward(batch, self.cache)
+        self._forwarded += batch.num_tokens
+        self._iterations += 1
+
+        sampled: list[ScheduledChunk] = []
+        for c, seq in zip(chunks, inputs, strict=True):
+            job = c.job
+            job.computed = seq.end_pos
+            self._register_full_pages(job)
+            if seq.want_logits:
+                sampled.append(c)
+            elif job.computed <= job.prompt_len:
+                events.append(PrefillProgress(job.job_id, job.spec.identifier, job.computed, job.prompt_len))
+        if sampled:
+            requests = [self._sample_request(c.job) for c in sampled]
+            results = self.sampler.sample(logits, requests)
+            for c, result in zip(sampled, results, strict=True):
+                events.extend(self._accept(c.job, result.token_id, result.logprob))
+        return events
+
+    def _sample_request(self, job: JobState) -> SampleRequest:
+        spec = job.spec
+        banned: frozenset[int] = frozenset()
+        if job.new_tokens < spec.min_new_tokens:
+            banned = spec.stop_token_ids | (frozenset() if spec.ignore_eos else self._eos)
+        return SampleRequest(job.sampler, banned, spec.return_logprobs, spec.top_logprobs)
+
+    def _accept(self, job: JobState, token: int, logprob: TokenLogprob | None) -> list[JobEvent]:
+        spec = job.spec
+        now = time.perf_counter()
+        if job.first_token_at is None:
+            job.first_token_at = now
+        if token in spec.stop_token_ids or (not spec.ignore_eos and token in self._eos):
+            reason = StopReason.STOP_TOKEN if token in spec.stop_token_ids else StopReason.EOS
+            return [self._finish(job, reason, token, None, job.text.finish())]
+        job.tokens.append(token)
+        job.sampler.accept(token)
+        delta = job.text.push([token])
+        events: list[JobEvent] = []
+        logprobs = (logprob,) if logprob is not None else ()
+        events.append(TokensGenerated(job.job_id, spec.identifier, delta.text, (token,), logprobs))
+        if delta.stop_string is not None:
+            events.append(self._finish(job, StopReason.STOP_STRING, None, delta.stop_string, ""))
+        elif job.new_tokens >= spec.max_new_tokens:
+            events.append(self._finish(job, StopReason.MAX_NEW_TOKENS, None, None, job.text.finish()))
+        return events
+
+    def _register_full_pages(self, job: JobState) -> None:
+        """Make every newly filled page findable; switch to an identical page if one exists."""
+        ps = self.pool.page_size
+        while (job.registered + 1) * ps <= job.computed:
+            i = job.registered
+            parent = job.pages[i - 1] if i > 0 else None
+            job.pages[i] = self.pool.register_full(job.pages[i], parent, job.tokens[i * ps : (i + 1) * ps])
+            job.registered += 1
+
+    def _on_preempt(self, job: JobState) -> None:
+        job.stage = JobStage.QUEUED
+
+    def _finish(
+        self, job: JobState, reason: StopReason, token: int | None, stop_string: str | None, text: str
+    ) -> JobFinished:
+        self.scheduler.remove(job)
+        del self.jobs[job.job_id]
+        job.stage = JobStage.FINISHED
+        now = time.perf_counter()
+        scheduled = job.scheduled_at if job.scheduled_at is not None else now
+        first = job.first_token_at if job.first_token_at is not None else now
+        return JobFinished(
+            job_id=job.job_id,
+            identifier=job.spec.identifier,
+            stop_reason=reason,
+            stop_token=token,
+            stop_string=stop_string,
+            prompt_tokens=job.prompt_len,
+            new_tokens=job.new_tokens,
+            cached_tokens=job.cached_tokens,
+            timings=JobTimings(scheduled - job.enqueued_at, first - scheduled, now - first),
+            text=text,
+        )
+
+    # -- convenience ---------------------------------------------------------------------------
+
+    def generate(self, specs: Sequence[JobSpec]) -> list[Completion]:
+        """Run jobs to completion together; results in the specs' order."""
+        ids = [self.enqueue(s) for s in specs]
+        texts: dict[JobId, list[str]] = {i: [] for i in ids}
+        tokens: dict[JobId, list[int]] = {i: [] for i in ids}
+        logprobs: dict[JobId, list[TokenLogprob]] = {i: [] for i in ids}
+        done: dict[JobId, JobFinished] = {}
+        while len(done) < len(ids):
+            for event in self.iterate():
+                if event.job_id not in texts:
+                    continue
+                match event:
+                    case TokensGenerated():
+                        texts[event.job_id].append(event.text)
+                        tokens[event.job_id].extend(event.token_ids)
+                        logprobs[event.job_id].extend(event.logprobs)
+                    case JobFinished():
+                        texts[event.job_id].append(event.text)
+                        done[event.job_id] = event
+                    case JobStarted() | PrefillProgress():
+                        pass
+        return [Completion(i, "".join(texts[i]), tuple(tokens[i]), tuple(logprobs[i]), done[i]) for i in ids]
+
+    def warmup(self) -> None:
+        """Run a few throwaway forwards so first requests don't pay one-time kernel setup."""
+        bos = self.model.config.bos_token_id or 0
+        for n in (1, 8):
+            spec = JobSpec(prompt_ids=(bos,) * n, max_new_tokens=2, ignore_eos=True)
+            self.generate([spec])
+
+    def close(self) -> None:
+        self.sampler.close()

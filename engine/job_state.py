@@ -1,0 +1,57 @@
+"""A job's mutable state inside the generator: tokens, page table, progress, per-job helpers.
+
+Owned by the generator thread alone. Per-job sampler state and text stream live here,
+never on shared settings objects, so nothing leaks from one job to another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.ids import PageId
+from engine.jobs import JobId, JobSpec, JobStage
+from engine.sampler import SamplerState
+from engine.text_stream import TextStream
+
+
+@dataclass
+class JobState:
+    job_id: JobId
+    spec: JobSpec
+    sampler: SamplerState
+    text: TextStream
+    enqueued_at: float
+    order: int  # admission order; the newest running job is preempted first
+    stage: JobStage = JobStage.QUEUED
+    tokens: list[int] = field(default_factory=list)  # prompt + accepted output
+    pages: list[PageId] = field(default_factory=list)
+    computed: int = 0  # tokens whose K/V are in this job's pages
+    registered: int = 0  # leading pages already registered as full in the pool
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
+    skips: int = 0  # times smaller jobs were admitted past this one
+    started: bool = False
+    preemptions: int = 0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.spec.prompt_ids)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the cache: the rest of the prompt, or the last sampled token."""
+        return len(self.tokens) - self.computed
+
+    @property
+    def decoding(self) -> bool:
+        # One pending token after the prompt is done: the last sampled token.
+        return self.computed >= self.prompt_len and self.pending == 1
+
+    def pages_for(self, total_tokens: int, page_size: int) -> int:
+        """Pages this job must hold to store `total_tokens` tokens."""
+        return -(-total_tokens // page_size)

@@ -1,0 +1,417 @@
+"""The page pool of the paged KV cache: who holds which page, and what a page holds.
+
+Pure bookkeeping, no tensors. Every page is in exactly one state:
+
+- FREE: holds nothing worth keeping; `allocate` takes these first.
+- CACHED: nobody holds it, but it is a full page registered under its prefix hash, so
+  `match_prefix` can revive it; `allocate` evicts these least recently used first.
+- REFERENCED: held by one or more page tables (ref count = number of tables).
+
+Prefix identity. A full page's hash chains over everything before it,
+`h_i = chain_hash(h_{i-1}, tokens of page i)`, and finds candidates in a dict. The
+hash alone does not decide a hit: every registration also records its exact tokens
+and the registration it was computed on top of (a serial number never reused), and a
+hit must match both. So by induction a matched page's KV was computed over exactly the
+caller's prefix, whatever the hash does; a collision costs at most a missed hit.
+(Checking only the page's own tokens would not suffice: the parent would then be
+identified by its hash alone.) Hence `register_full` takes the parent page, not its hash.
+
+How a generator drives it, per job:
+1. `table = pool.match_prefix(prompt, max_tokens=len(prompt) - 1)`: the first
+   `len(table) * page_size` tokens are already in the cache.
+2. `pool.allocate(k)` for the rest (None: queue or preempt).
+3. When page i fills: `table[i] = pool.register_full(table[i], table[i - 1] if i else None, its tokens)`.
+4. Before writing into a page (or rolling tokens back in it) that `is_shared`: copy on
+   write (allocate, copy the KV, release the old one). A rolled-back page that is not
+   shared: `unregister` it, then overwrite in place.
+5. Finish, cancel, preempt: `pool.release(table)`, in table order.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+import hashlib
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.ids import PageId
+
+_ROOT_SERIAL = 0  # the "parent registration" of every first page
+
+
+class PageState(enum.Enum):
+    FREE = "free"
+    CACHED = "cached"
+    REFERENCED = "referenced"
+
+
+def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """The prefix hash of a page holding `tokens` after the page hashed `parent` (None: first page).
+
+    blake2b (64-bit digest) rather than Python's tuple hash: about 1 us per 16-token
+    page, the same in every process and Python version (so it can leave the process,
+    e.g. for prefix-aware routing), and callers cannot steer it to make their pages
+    displace someone else's in the index, as they could with `hash()` of ints.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"\x00" if parent is None else b"\x01" + parent.to_bytes(8, "little"))
+    h.update(array.array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(frozen=True)
+class PageKey:
+    """What a registered (full) page holds: its chained hash, its parent's hash and its tokens."""
+
+    hash: int
+    parent_hash: int | None
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    num_pages: int
+    free: int
+    cached: int
+    referenced: int
+    prefix_lookups: int  # match_prefix calls
+    prefix_query_tokens: int  # tokens those calls offered (after max_tokens)
+    prefix_hit_tokens: int  # tokens they found in the cache
+    dedup_hits: int  # register_full calls that switched the caller to an existing page
+    evictions: int  # cached pages dropped by allocate
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Registration:
+    key: PageKey
+    serial: int  # unique for the pool's lifetime: names this content, not this page slot
+    parent_serial: int
+
+
+class PagePool:
+    """Ref counts, prefix index and LRU of the KV cache's pages. Every operation is O(pages touched)."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"page count and page size must be positive, got {num_pages} and {page_size}")
+        self._num_pages = num_pages
+        self._page_size = page_size
+        self._ref = [0] * num_pages
+        # A stack; reversed so that a fresh pool hands out 0, 1, 2, ...
+        self._free: list[PageId] = [PageId(p) for p in reversed(range(num_pages))]
+        self._lru: OrderedDict[PageId, None] = OrderedDict()  # CACHED pages, least recently used first
+        self._reg: dict[PageId, _Registration] = {}
+        self._index: dict[int, PageId] = {}  # hash -> the one page a lookup finds
+        self._next_serial = _ROOT_SERIAL + 1
+        self._prefix_lookups = 0
+        self._prefix_query_tokens = 0
+        self._prefix_hit_tokens = 0
+        self._dedup_hits = 0
+        self._evictions = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    # -- queries -------------------------------------------------------------------------
+
+    def available(self) -> int:
+        """Pages `allocate` can hand out now: FREE + CACHED."""
+        return len(self._free) + len(self._lru)
+
+    def ref_count(self, page: PageId) -> int:
+        self._check_page(page)
+        return self._ref[page]
+
+    def is_shared(self, page: PageId) -> bool:
+        """Held by more than one table: must not be written in place (copy on write)."""
+        return self.ref_count(page) > 1
+
+    def state(self, page: PageId) -> PageState:
+        self._check_page(page)
+        if self._ref[page] > 0:
+            return PageState.REFERENCED
+        return PageState.CACHED if page in self._lru else PageState.FREE
+
+    def page_key(self, page: PageId) -> PageKey | None:
+        """Hash, parent hash and tokens of a registered page; None if it has none."""
+        self._check_page(page)
+        reg = self._reg.get(page)
+        return None if reg is None else reg.key
+
+    def page_hash(self, page: PageId) -> int | None:
+        key = self.page_key(page)
+        return None if key is None else key.hash
+
+    def stats(self) -> PoolStats:
+        free, cached = len(self._free), len(self._lru)
+        return PoolStats(
+            num_pages=self._num_pages,
+            free=free,
+            cached=cached,
+            referenced=self._num_pages - free - cached,
+            prefix_lookups=self._prefix_lookups,
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            dedup_hits=self._dedup_hits,
+            evictions=self._evictions,
+        )
+
+    # -- operations ----------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[PageId]:
+        """Reference the longest run of cached leading full pages of `token_ids` (at most `max_tokens` tokens).
+
+        Pages other tables hold are shared (ref + 1); CACHED ones are revived (ref 1).
+        The generator passes `max_tokens=len(prompt) - 1`: it must still run at least one
+        prompt token to get logits.
+        """
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        limit = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
+        ps = self._page_size
+        matched: list[PageId] = []
+        parent_hash: int | None = None
+        parent_serial = _ROOT_SERIAL
+        for start in range(0, limit - ps + 1, ps):
+            tokens = tuple(token_ids[start : start + ps])
+            h = chain_hash(parent_hash, tokens)
+            page = self._index.get(h)
+            if page is None:
+                break
+            reg = self._reg[page]
+            # The hash only proposes; exact tokens on top of the exact parent decide. This
+            # also rules out a page matching twice (its parent chain ends at the root once).
+            if reg.key.tokens != tokens or reg.parent_serial != parent_serial:
+                break
+            matched.append(page)
+            parent_hash, parent_serial = h, reg.serial
+        for page in matched:
+            self._take(page)
+        self._prefix_lookups += 1
+        self._prefix_query_tokens += limit
+        self._prefix_hit_tokens += len(matched) * ps
+        return matched
+
+    def allocate(self, n: int) -> list[PageId] | None:
+        """`n` pages for new content (ref 1): FREE first, then evicting CACHED ones LRU first.
+
+        None, taking nothing, if fewer than `n` are available.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > self.available():
+            return None
+        pages: list[PageId] = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._lru.popitem(last=False)
+                self._drop_registration(page)
+                self._evictions += 1
+            self._ref[page] = 1
+            pages.append(page)
+        return pages
+
+    def register_full(self, page: PageId, parent: PageId | None, tokens: Sequence[int]) -> PageId:
+        """Record that the caller's `page` is full with `tokens` on top of its `parent` page (None: first page).
+
+        If an identical page (same tokens on the same parent) exists, the caller switches
+        to it: it gains the caller's reference, the caller's page is released, and its id
+        is returned. Otherwise `page` becomes findable and is returned. `parent` must be
+        the caller's previous page, already registered (register in table order).
+        Registering a page again with the same content (forked holders) returns it as is.
+        """
+        self._check_page(page)
+        if len(tokens) != self._page_size:
+            raise ValueError(f"a full page holds {self._page_size} tokens, got {len(tokens)}")
+        if self._ref[page] == 0:
+            raise ValueError(f"page {page} is not held by anyone; only a held page can be registered")
+        page_tokens = tuple(tokens)
+        parent_hash: int | None = None
+        parent_serial = _ROOT_SERIAL
+        if parent is not None:
+            self._check_page(parent)
+            parent_reg = self._reg.get(parent)
+            if parent_reg is None or self._ref[parent] == 0:
+                raise ValueError(f"parent page {parent} is not a registered page the caller holds")
+            parent_hash, parent_serial = parent_reg.key.hash, parent_reg.serial
+        own = self._reg.get(page)
+        if own is not None:
+            if own.key.tokens == page_tokens and own.parent_serial == parent_serial:
+                return page
+            raise ValueError(f"page {page} is already registered with other content; unregister it first")
+        h = chain_hash(parent_hash, page_tokens)
+        owner = self._index.get(h)
+        if owner is not None:
+            owner_reg = self._reg[owner]
+            if owner_reg.key.tokens == page_tokens and owner_reg.parent_serial == parent_serial:
+                self._take(owner)
+                self.release([page])
+                self._dedup_hits += 1
+                return owner
+            # Same hash, other content: a collision, or an orphan whose parent registration is
+            # gone (it can never be matched again). The newcomer is the one worth finding; a
+            # displaced page nobody holds is useless, so it is freed now.
+            if self._ref[owner] == 0:
+                del self._lru[owner]
+                self._drop_registration(owner)
+                self._free.append(owner)
+        self._reg[page] = _Registration(
+            PageKey(h, parent_hash, page_tokens), self._next_serial, parent_serial
+        )
+        self._next_serial += 1
+        self._index[h] = page
+        return page
+
+    def release(self, pages: Sequence[PageId]) -> None:
+        """Drop one reference to each page (pass a page table in table order).
+
+        A page reaching 0 becomes CACHED if it is findable, else FREE. Pages enter the LRU
+        tail first, so a table's last page is evicted first and its first pages (the
+        prefix most prompts share) last. Raises, changing nothing, if a page is not held.
+        """
+        self._check_releasable(pages)
+        for page in reversed(pages):
+            self._ref[page] -= 1
+            if self._ref[page] > 0:
+                continue
+            reg = self._reg.get(page)
+            if reg is not None and self._index.get(reg.key.hash) == page:
+                self._lru[page] = None
+            else:
+                # Unfindable (a displaced collision): caching it would only crowd out findable pages.
+                self._reg.pop(page, None)
+                self._free.append(page)
+
+    def retain(self, pages: Sequence[PageId]) -> None:
+        """One more reference to each held page: another table now holds them too (fork)."""
+        for page in pages:
+            if self.ref_count(page) == 0:
+                raise ValueError(f"page {page} is not held; only held pages can be shared")
+        for page in pages:
+            self._ref[page] += 1
+
+    def unregister(self, page: PageId) -> None:
+        """Forget a page's hash because its content is about to change (rolled-back tokens).
+
+        Only for a page the caller holds alone (ref 1); a shared page's content belongs to
+        its other holders too, so the caller must copy it on write instead. No-op for a page
+        with no hash.
+        """
+        ref = self.ref_count(page)
+        if ref != 1:
+            raise ValueError(
+                f"page {page} has ref count {ref}; only a page held by one table can be changed in place"
+            )
+        self._drop_registration(page)
+
+    # -- checking ------------------------------------------------------------------------
+
+    def check_invariants(self, tables: Iterable[Sequence[PageId]]) -> None:
+        """Raise AssertionError listing every broken invariant, given all live page tables."""
+        problems: list[str] = []
+        n = self._num_pages
+        holders = [0] * n
+        for t, table in enumerate(tables):
+            seen: set[PageId] = set()
+            for page in table:
+                if not 0 <= page < n:
+                    problems.append(f"table {t} holds page {page}, outside 0..{n - 1}")
+                    continue
+                if page in seen:
+                    problems.append(f"table {t} holds page {page} twice")
+                seen.add(page)
+                holders[page] += 1
+            problems.extend(self._table_chain_problems(t, table))
+        free = set(self._free)
+        if len(free) != len(self._free):
+            problems.append("the free list holds a page twice")
+        for p in range(n):
+            page = PageId(p)
+            ref, reg = self._ref[p], self._reg.get(page)
+            states = [name for name, on in (("FREE", page in free), ("CACHED", page in self._lru)) if on]
+            if ref > 0:
+                states.append("REFERENCED")
+            if len(states) != 1:
+                problems.append(f"page {p} is in {len(states)} states {states} (ref count {ref})")
+            if ref != holders[p]:
+                problems.append(f"page {p} has ref count {ref} but {holders[p]} tables hold it")
+            if page in free and reg is not None:
+                problems.append(f"FREE page {p} still has a hash")
+            if page in self._lru and (reg is None or self._index.get(reg.key.hash) != page):
+                problems.append(f"CACHED page {p} cannot be found by its hash")
+            if reg is not None:
+                key = reg.key
+                if len(key.tokens) != self._page_size:
+                    problems.append(f"page {p} is registered with {len(key.tokens)} tokens")
+                if key.hash != chain_hash(key.parent_hash, key.tokens):
+                    problems.append(f"page {p}'s hash does not match its parent hash and tokens")
+                if (key.parent_hash is None) != (reg.parent_serial == _ROOT_SERIAL):
+                    problems.append(f"page {p} disagrees with itself on whether it is a first page")
+        for h, page in self._index.items():
+            reg = self._reg.get(page)
+            if reg is None or reg.key.hash != h:
+                problems.append(f"the index maps hash {h:#x} to page {page}, not registered under it")
+        if len({reg.serial for reg in self._reg.values()}) != len(self._reg):
+            problems.append("two registrations share a serial")
+        if problems:
+            shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+            raise AssertionError("page pool invariants broken:\n  " + "\n  ".join(shown))
+
+    def _table_chain_problems(self, t: int, table: Sequence[PageId]) -> list[str]:
+        """Registered pages must be a prefix of the table, each on top of the table's previous page."""
+        parent_serial = _ROOT_SERIAL
+        unregistered_at: int | None = None
+        for i, page in enumerate(table):
+            reg = self._reg.get(page) if 0 <= page < self._num_pages else None
+            if reg is None:
+                unregistered_at = i if unregistered_at is None else unregistered_at
+                continue
+            if unregistered_at is not None:
+                return [
+                    f"table {t}: page {page} at {i} is registered after unregistered page at {unregistered_at}"
+                ]
+            if reg.parent_serial != parent_serial:
+                return [
+                    f"table {t}: page {page} at {i} was registered on top of another page than the table's"
+                ]
+            parent_serial = reg.serial
+        return []
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _check_page(self, page: PageId) -> None:
+        if not 0 <= page < self._num_pages:
+            raise ValueError(f"page {page} is outside the pool (0..{self._num_pages - 1})")
+
+    def _check_releasable(self, pages: Sequence[PageId]) -> None:
+        # Validate everything before changing anything, so a bad call leaves the pool intact.
+        for page, count in Counter(pages).items():
+            self._check_page(page)
+            if self._ref[page] < count:
+                raise ValueError(
+                    f"page {page} is held {self._ref[page]} times, cannot release it {count} times"
+                )
+
+    def _take(self, page: PageId) -> None:
+        """A new reference to a findable page; a CACHED one leaves the LRU."""
+        if self._ref[page] == 0:
+            del self._lru[page]
+        self._ref[page] += 1
+
+    def _drop_registration(self, page: PageId) -> None:
+        reg = self._reg.pop(page, None)
+        if reg is not None and self._index.get(reg.key.hash) == page:
+            del self._index[reg.key.hash]

@@ -1,0 +1,172 @@
+"""Which jobs run in the next forward, with how many tokens each.
+
+There is no prefill phase and no decode phase: every job has tokens in the cache and
+tokens it wants there (the prompt, then each sampled token), and each iteration hands
+out a token budget (`max_chunk_size`) so the first catches up with the second. Decode
+tokens of running jobs come first (one each, cheap, latency-critical), then prefill
+chunks of running jobs, then new jobs admitted from the queue in FIFO order.
+
+Pages are taken on demand: a job gets pages for its prompt when admitted and one page
+at a time as its output grows, never its whole max_new_tokens budget up front. When
+the pool runs dry, the newest running job is preempted: its pages go back to the pool
+(full ones stay findable, so its recompute is mostly a prefix hit) and it waits at
+the head of the queue with its output kept.
+
+Admission fairness (`max_skips`): a job whose prompt does not fit yet may be passed
+by smaller jobs behind it at most max_skips times; then the queue waits for it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError, QueueFullError
+from engine.job_state import JobState
+from engine.jobs import JobStage
+from engine.pages import PagePool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 64  # running jobs at once
+    max_chunk_size: int = 2048  # tokens per forward: decode tokens plus prefill chunks
+    max_q_size: int = 1024  # jobs waiting for admission
+    max_skips: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_chunk_size", "max_q_size"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_skips < 0:
+            raise InvalidRequestError(f"max_skips must be >= 0, got {self.max_skips}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    job: JobState
+    num_tokens: int  # new tokens of this job in the forward, starting at job.computed
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
+        self.config = config
+        self.pool = pool
+        self.queue: deque[JobState] = deque()
+        self.running: list[JobState] = []
+        self._admitted = 0
+
+    def submit(self, job: JobState) -> None:
+        if len(self.queue) >= self.config.max_q_size:
+            raise QueueFullError(
+                f"the queue is full ({self.config.max_q_size} jobs waiting); try again later"
+            )
+        self.queue.append(job)
+
+    def remove(self, job: JobState) -> None:
+        """Take a job out (finish or cancel) and give its pages back."""
+        if job in self.running:
+            self.running.remove(job)
+        elif job in self.queue:
+            self.queue.remove(job)
+        self._release(job)
+
+    def idle(self) -> bool:
+        return not self.running and not self.queue
+
+    def schedule(self, on_preempt: Callable[[JobState], None]) -> list[ScheduledChunk]:
+        """The next forward's chunks. Jobs preempted to make room are reported to `on_preempt`."""
+        budget = self.config.max_chunk_size
+        ps = self.pool.page_size
+        chunks: list[ScheduledChunk] = []
+        # 1. Decode steps, oldest first: each may need one more page; preempt the newest when dry.
+        for job in sorted((j for j in self.running if j.decoding), key=lambda j: j.order):
+            if budget < 1 or job not in self.running:
+                continue
+            if not self._ensure_pages(job, job.computed + 1, ps, on_preempt):
+                continue
+            chunks.append(ScheduledChunk(job, 1))
+            budget -= 1
+        # 2. Prefill chunks of running jobs (their prompt pages were taken at admission).
+        for job in self.running:
+            if budget < 1:
+                break
+            if job.decoding or any(c.job is job for c in chunks):
+                continue
+            take = min(job.pending, budget)
+            chunks.append(ScheduledChunk(job, take))
+            budget -= take
+        # 3. Admit queued jobs while the budget, the batch and the pool allow.
+        while self.queue and budget >= 1 and len(self.running) < self.config.max_batch_size:
+            job = self.queue[0]
+            if not self._admit(job):
+                if job.skips >= self.config.max_skips or len(self.queue) == 1:
+                    break
+                # Let a later job try to pass this one (it has been passed `skips` times).
+                passer = next((j for j in list(self.queue)[1:] if self._admit(j)), None)
+                if passer is None:
+                    break
+                job.skips += 1
+                self.queue.remove(passer)
+                job = passer
+            else:
+                self.queue.popleft()
+            take = min(job.pending, budget)
+            chunks.append(ScheduledChunk(job, take))
+            budget -= take
+        return chunks
+
+    def _admit(self, job: JobState) -> bool:
+        """Give `job` its prompt pages (prefix hits first) and make it running, if they fit."""
+        ps = self.pool.page_size
+        # Everything but the last token may come from the prefix cache (its logits are needed).
+        # A preempted job recomputes prompt + output, and its old full pages are likely cached.
+        matched = self.pool.match_prefix(job.tokens, max_tokens=len(job.tokens) - 1)
+        need = job.pages_for(len(job.tokens), ps) - len(matched)
+        # Keep one page spare per running job so decode can continue without preempting at once.
+        fresh = self.pool.allocate(need) if need <= self.pool.available() - len(self.running) else None
+        if fresh is None:
+            self.pool.release(matched)
+            return False
+        job.pages = matched + fresh
+        job.computed = len(matched) * ps
+        job.registered = len(matched)
+        if not job.started:
+            job.cached_tokens = job.computed
+        job.stage = JobStage.PREFILL
+        job.order = self._admitted
+        self._admitted += 1
+        self.running.append(job)
+        return True
+
+    def _ensure_pages(
+        self, job: JobState, total_tokens: int, page_size: int, on_preempt: Callable[[JobState], None]
+    ) -> bool:
+        """Make `job` hold pages for `total_tokens`, preempting newer jobs if the pool is dry."""
+        need = job.pages_for(total_tokens, page_size) - len(job.pages)
+        while need > 0:
+            got = self.pool.allocate(need)
+            if got is not None:
+                job.pages.extend(got)
+                return True
+            victim = max(self.running, key=lambda j: j.order)
+            self._preempt(victim)
+            on_preempt(victim)
+            if victim is job:
+                return False
+        return True
+
+    def _preempt(self, job: JobState) -> None:
+        self.running.remove(job)
+        self._release(job)
+        job.stage = JobStage.QUEUED
+        job.preemptions += 1
+        self.queue.appendleft(job)
+
+    def _release(self, job: JobState) -> None:
+        if job.pages:
+            self.pool.release(job.pages)
+        job.pages = []
+        job.computed = 0
+        job.registered = 0

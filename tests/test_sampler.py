@@ -1,0 +1,425 @@
+"""The per-job sampler: processors against HF's logits processors, per-job reproducibility, paths agree."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.jobs import SamplingSettings
+from engine.sampler import TOP_P_CANDIDATES, Sampler, SampleRequest, SamplerMode, SamplerState
+
+hf = pytest.importorskip("transformers.generation.logits_process")
+
+V = 1000
+REALISTIC = SamplingSettings(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1)
+NO_IDS = torch.zeros(1, 0, dtype=torch.long)
+
+
+@pytest.fixture(scope="module", params=[SamplerMode.BATCHED, SamplerMode.THREADED])
+def sampler(request: pytest.FixtureRequest) -> Iterator[Sampler]:
+    with Sampler(V, mode=request.param) as s:
+        yield s
+
+
+def rand_logits(n: int, vocab: int = V, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def state(settings: SamplingSettings, prompt: Sequence[int] = (1, 2, 3), vocab: int = V) -> SamplerState:
+    settings.validate(vocab)
+    return SamplerState(settings, prompt, vocab)
+
+
+def probs_of(sampler: Sampler, logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    vocab = logits.shape[1]
+    s = sampler if sampler.vocab_size == vocab else Sampler(vocab, mode=sampler.mode)
+    return s.processed_probs(logits, [SampleRequest(state(settings, vocab=vocab))])[0]
+
+
+def hf_probs(scores: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(scores, dim=-1)[0]
+
+
+def assert_same_distribution(ours: torch.Tensor, ref_scores: torch.Tensor) -> None:
+    kept = torch.isfinite(ref_scores[0])
+    assert torch.equal(ours > 0, kept), f"kept {int((ours > 0).sum())} tokens, HF kept {int(kept.sum())}"
+    torch.testing.assert_close(ours, hf_probs(ref_scores), rtol=1e-4, atol=1e-6)
+
+
+# -- greedy -------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_id(sampler: Sampler) -> None:
+    logits = rand_logits(6)
+    logits[2, 10] = logits[2, 700] = logits[2].max() + 1
+    reqs = [SampleRequest(state(SamplingSettings())) for _ in range(6)]
+    tokens = [r.token_id for r in sampler.sample(logits, reqs)]
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert tokens[2] == 10
+
+
+def test_greedy_applies_penalties_bias_and_bans(sampler: Sampler) -> None:
+    logits = rand_logits(1)
+    top = int(logits.argmax())
+    prompt = [top]
+    st_rep = state(SamplingSettings(repetition_penalty=50.0), prompt)
+    ref = hf.RepetitionPenaltyLogitsProcessor(50.0)(torch.tensor([prompt]), logits.clone())
+    assert sampler.sample(logits, [SampleRequest(st_rep)])[0].token_id == int(ref.argmax())
+    banned = state(SamplingSettings(banned_token_ids=frozenset({top})))
+    assert sampler.sample(logits, [SampleRequest(banned)])[0].token_id != top
+    extra = SampleRequest(state(SamplingSettings()), banned_extra=frozenset({top}))
+    assert sampler.sample(logits, [extra])[0].token_id != top
+    biased = state(SamplingSettings(logit_bias=((7, 1000.0),)))
+    assert sampler.sample(logits, [SampleRequest(biased)])[0].token_id == 7
+
+
+# -- each processor against transformers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_temperature(sampler: Sampler, temperature: float) -> None:
+    logits = rand_logits(1, seed=1)
+    ours = probs_of(sampler, logits, SamplingSettings(temperature=temperature))
+    assert_same_distribution(ours, hf.TemperatureLogitsWarper(temperature)(NO_IDS, logits.clone()))
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 50, V - 1])
+def test_top_k(sampler: Sampler, top_k: int) -> None:
+    logits = rand_logits(1, seed=2)
+    ours = probs_of(sampler, logits, SamplingSettings(temperature=1.0, top_k=top_k))
+    assert_same_distribution(ours, hf.TopKLogitsWarper(top_k)(NO_IDS, logits.clone()))
+
+
+def test_top_k_keeps_ties_at_the_boundary(sampler: Sampler) -> None:
+    logits = torch.full((1, V), -5.0)
+    logits[0, [3, 9, 40, 41, 42]] = torch.tensor([9.0, 8.0, 7.0, 7.0, 7.0])
+    ours = probs_of(sampler, logits, SamplingSettings(temperature=1.0, top_k=3))
+    assert_same_distribution(ours, hf.TopKLogitsWarper(3)(NO_IDS, logits.clone()))
+    assert (ours > 0).nonzero().flatten().tolist() == [3, 9, 40, 41, 42]
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize(("vocab", "scale"), [(V, 3.0), (4096, 6.0), (4096, 0.5)])
+def test_top_p(sampler: Sampler, top_p: float, vocab: int, scale: float) -> None:
+    # V=1000: whole-row sort; 4096 peaky: nucleus found among the candidates; 4096 flat: falls back.
+    logits = rand_logits(1, vocab, seed=3, scale=scale)
+    ours = probs_of(sampler, logits, SamplingSettings(temperature=1.0, top_p=top_p))
+    assert_same_distribution(ours, hf.TopPLogitsWarper(top_p)(NO_IDS, logits.clone()))
+
+
+def test_top_p_candidate_shortcut_is_exercised() -> None:
+    logits = rand_logits(1, 4096, seed=3, scale=6.0)
+    probs = torch.softmax(logits[0], -1).sort(descending=True).values
+    assert float(probs[:TOP_P_CANDIDATES].sum()) > 0.99  # the peaky case above stays within the candidates
+
+
+@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 0.99])
+def test_min_p(sampler: Sampler, min_p: float) -> None:
+    logits = rand_logits(1, seed=4)
+    ours = probs_of(sampler, logits, SamplingSettings(temperature=1.0, min_p=min_p))
+    assert_same_distribution(ours, hf.MinPLogitsWarper(min_p)(NO_IDS, logits.clone()))
+
+
+@pytest.mark.parametrize("typical", [0.1, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_typical(sampler: Sampler, typical: float, top_k: int) -> None:
+    logits = rand_logits(1, seed=5)
+    ref = logits.clone()
+    if top_k:
+        ref = hf.TopKLogitsWarper(top_k)(NO_IDS, ref)
+    ref = hf.TypicalLogitsWarper(typical)(NO_IDS, ref)
+    ours = probs_of(sampler, logits, SamplingSettings(temperature=1.0, top_k=top_k, typical=typical))
+    assert_same_distribution(ours, ref)
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.3, 5.0])
+def test_repetition_penalty_covers_prompt_and_output(sampler: Sampler, penalty: float) -> None:
+    logits = rand_logits(1, seed=6)
+    prompt = [5, 17, 17, 300, 999]
+    st_ = state(SamplingSettings(temperature=1.0, repetition_penalty=penalty), prompt)
+    for t in (0, 17, 42, 42):
+        st_.accept(t)
+    ids = torch.tensor([[*prompt, 0, 17, 42, 42]])
+    ref = hf.RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+    ours = sampler.processed_probs(logits, [SampleRequest(st_)])[0]
+    assert_same_distribution(ours, ref)
+
+
+def test_frequency_and_presence_penalties_count_output_only(sampler: Sampler) -> None:
+    logits = rand_logits(1, seed=7)
+    prompt = [1, 2, 3]
+    st_ = state(SamplingSettings(temperature=1.0, frequency_penalty=0.7, presence_penalty=1.5), prompt)
+    output = [3, 3, 3, 8, 500]
+    for t in output:
+        st_.accept(t)
+    ref = logits.clone()
+    for t in set(output):
+        ref[0, t] -= output.count(t) * 0.7 + 1.5
+    assert_same_distribution(sampler.processed_probs(logits, [SampleRequest(st_)])[0], ref)
+
+
+def test_logit_bias_and_bans(sampler: Sampler) -> None:
+    logits = rand_logits(1, seed=8)
+    settings_ = SamplingSettings(
+        temperature=1.0,
+        logit_bias=((4, 2.0), (4, 0.5), (9, -3.0), (11, float("-inf"))),
+        banned_token_ids=frozenset({20, 21}),
+    )
+    req = SampleRequest(state(settings_), banned_extra=frozenset({22}))
+    ref = logits.clone()
+    ref[0, 4] += 2.5
+    ref[0, 9] -= 3.0
+    ref[0, [11, 20, 21, 22]] = float("-inf")
+    assert_same_distribution(sampler.processed_probs(logits, [req])[0], ref)
+
+
+def test_full_chain_in_documented_order(sampler: Sampler) -> None:
+    logits = rand_logits(1, seed=9, scale=2.0)
+    prompt = [int(i) for i in logits[0].topk(20).indices]  # penalize the favourites
+    s = SamplingSettings(
+        temperature=0.7, top_k=200, top_p=0.8, typical=0.95, min_p=0.02, repetition_penalty=1.3
+    )
+    ref = hf.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt]), logits.clone())
+    for warper in (
+        hf.TemperatureLogitsWarper(0.7),
+        hf.TopKLogitsWarper(200),
+        hf.TopPLogitsWarper(0.8),
+        hf.TypicalLogitsWarper(0.95),
+        hf.MinPLogitsWarper(0.02),
+    ):
+        ref = warper(NO_IDS, ref)
+    ours = sampler.processed_probs(logits, [SampleRequest(state(s, prompt))])[0]
+    assert_same_distribution(ours, ref)
+
+
+# -- logprobs ---------------------------------------------------------------------------------------
+
+
+def test_logprobs_and_top_n(sampler: Sampler) -> None:
+    logits = rand_logits(3, seed=10)
+    sets = [
+        REALISTIC,
+        SamplingSettings(temperature=1.5, banned_token_ids=frozenset({int(logits[1].argmax())})),
+        SamplingSettings(repetition_penalty=1.2),  # greedy: logprobs at temperature 1
+    ]
+    states = [state(s, prompt=[7, 8]) for s in sets]
+    reqs = [SampleRequest(s_, want_logprobs=True, top_n=5) for s_ in states]
+    results = sampler.sample(logits, reqs)
+    for i, (res, s) in enumerate(zip(results, sets, strict=True)):
+        x = hf.RepetitionPenaltyLogitsProcessor(s.repetition_penalty)(
+            torch.tensor([[7, 8]]), logits[i : i + 1]
+        )
+        x[0, list(s.banned_token_ids)] = float("-inf")
+        ref = torch.log_softmax(x[0] / (s.temperature or 1.0), dim=-1)
+        assert res.logprob is not None
+        assert res.logprob.token_id == res.token_id
+        assert res.logprob.logprob == pytest.approx(float(ref[res.token_id]), abs=1e-4)
+        top = res.logprob.top
+        assert [t for t, _ in top] == ref.topk(5).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(ref.topk(5).values.tolist(), abs=1e-4)
+        assert all(a[1] >= b[1] for a, b in itertools.pairwise(top))
+    greedy = results[2].logprob
+    assert greedy is not None and greedy.top[0][0] == results[2].token_id
+    no = sampler.sample(logits[:1], [SampleRequest(state(REALISTIC))])[0]
+    assert no.logprob is None
+
+
+# -- reproducibility and the two paths ----------------------------------------------------------------
+
+
+def mixed_settings(seed_base: int) -> list[SamplingSettings]:
+    return [
+        replace(REALISTIC, seed=seed_base),
+        SamplingSettings(temperature=1.0, seed=seed_base + 1),
+        SamplingSettings(temperature=0.6, top_p=0.5, seed=seed_base + 2),
+        SamplingSettings(temperature=1.2, min_p=0.1, top_k=100, seed=seed_base + 3),
+        SamplingSettings(temperature=0.9, typical=0.7, frequency_penalty=0.5, seed=seed_base + 4),
+        SamplingSettings(repetition_penalty=1.3, seed=seed_base + 5),  # greedy
+        SamplingSettings(temperature=1.0, top_k=40, presence_penalty=1.0, seed=seed_base + 6),
+        SamplingSettings(temperature=0.7, top_k=7, logit_bias=((3, 4.0),), seed=seed_base + 7),
+    ]
+
+
+def run_jobs(
+    sampler: Sampler, sets: Sequence[SamplingSettings], steps: int, vocab: int, rows: Sequence[int]
+) -> dict[int, list[int]]:
+    """Jobs sets[j] for j in rows (in that row order) decoding side by side; prompt and logits depend
+    on the job alone, so a job's tokens must not depend on which rows surround it."""
+    states = {j: state(sets[j], prompt=[j, j + 1, 100], vocab=vocab) for j in rows}
+    out: dict[int, list[int]] = {j: [] for j in rows}
+    for step in range(steps):
+        logits = torch.cat([rand_logits(1, vocab, seed=1000 * j + step) for j in rows])
+        results = sampler.sample(
+            logits, [SampleRequest(states[j], want_logprobs=True, top_n=2) for j in rows]
+        )
+        for j, r in zip(rows, results, strict=True):
+            states[j].accept(r.token_id)
+            out[j].append(r.token_id)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [V, 49152])
+def test_batched_and_threaded_give_identical_tokens(vocab: int) -> None:
+    sets = mixed_settings(100)
+    order = list(range(len(sets)))
+    with Sampler(vocab, mode=SamplerMode.BATCHED) as b, Sampler(vocab, mode=SamplerMode.THREADED) as t:
+        assert run_jobs(b, sets, 6, vocab, order) == run_jobs(t, sets, 6, vocab, order)
+        logits = rand_logits(len(sets), vocab, seed=5)
+        reqs_b = [SampleRequest(state(s, vocab=vocab)) for s in sets]
+        reqs_t = [SampleRequest(state(s, vocab=vocab)) for s in sets]
+        assert torch.equal(b.processed_probs(logits, reqs_b), t.processed_probs(logits, reqs_t))
+
+
+def test_seeded_job_is_reproducible_alone_and_amid_others() -> None:
+    sets = mixed_settings(7)
+    n = len(sets)
+    with Sampler(V, mode=SamplerMode.BATCHED) as b, Sampler(V, mode=SamplerMode.THREADED) as t:
+        together = run_jobs(b, sets, 8, V, list(range(n)))
+        assert run_jobs(t, sets, 8, V, list(reversed(range(n)))) == together
+        for j in range(n):
+            assert run_jobs(b, sets, 8, V, [j])[j] == together[j]
+            assert run_jobs(t, sets, 8, V, [j])[j] == together[j]
+        assert run_jobs(b, sets, 8, V, [5, 0, 3])[0] == together[0]
+
+
+def test_different_seeds_differ_and_unseeded_jobs_do_not_share_state(sampler: Sampler) -> None:
+    flat = torch.zeros(1, V)
+    shared = SamplingSettings(temperature=1.0)  # one settings object, as a careless caller might share
+
+    def draws(s: SamplerState) -> list[int]:
+        return [sampler.sample(flat, [SampleRequest(s)])[0].token_id for _ in range(10)]
+
+    assert draws(state(replace(shared, seed=1))) == draws(state(replace(shared, seed=1)))
+    assert draws(state(replace(shared, seed=1))) != draws(state(replace(shared, seed=2)))
+    a, b = state(shared), state(shared)
+    assert a.generator is not b.generator and a.seed != b.seed
+    both = [r.token_id for r in sampler.sample(torch.zeros(2, V), [SampleRequest(a), SampleRequest(b)])]
+    assert both[0] != both[1] or draws(a) != draws(b)
+
+
+def test_sample_equals_draw_from_processed_probs(sampler: Sampler) -> None:
+    sets = mixed_settings(40)
+    logits = rand_logits(len(sets), seed=11)
+    first = [state(s) for s in sets]
+    second = [state(s) for s in sets]
+    tokens = [r.token_id for r in sampler.sample(logits, [SampleRequest(s) for s in first])]
+    probs = sampler.processed_probs(logits, [SampleRequest(s) for s in second])
+    drawn = [sampler.draw(probs[i], s) for i, s in enumerate(second)]
+    assert tokens == drawn
+    assert all(float(probs[i, t]) > 0 for i, t in enumerate(tokens))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(sets)))
+
+
+def test_banned_tokens_are_never_sampled(sampler: Sampler) -> None:
+    favourites = frozenset(range(10))
+    logits = torch.zeros(1, V)
+    logits[0, :10] = 20.0  # the banned ids would win almost every draw
+    s_ = state(SamplingSettings(temperature=2.0, banned_token_ids=frozenset(range(5)), seed=3))
+    req = SampleRequest(s_, banned_extra=frozenset(range(5, 10)))
+    assert not {sampler.sample(logits, [req])[0].token_id for _ in range(200)} & favourites
+
+
+def test_bans_covering_the_vocabulary_fall_back_to_the_jobs_own_bans(sampler: Sampler) -> None:
+    vocab = 8
+    s = Sampler(vocab, mode=sampler.mode)
+    st_ = state(SamplingSettings(temperature=1.0, banned_token_ids=frozenset({0, 1})), vocab=vocab)
+    req = SampleRequest(st_, banned_extra=frozenset(range(2, vocab)))
+    for _ in range(20):
+        assert s.sample(rand_logits(1, vocab), [req])[0].token_id >= 2
+    s.close()
+
+
+def test_rejects_bad_input(sampler: Sampler) -> None:
+    s_ = state(REALISTIC)
+    with pytest.raises(ValueError, match="one row per sample call"):
+        sampler.sample(rand_logits(2), [SampleRequest(s_), SampleRequest(s_)])
+    with pytest.raises(ValueError, match="logits must be"):
+        sampler.sample(rand_logits(1, 10), [SampleRequest(s_)])
+
+
+def test_logits_are_not_modified(sampler: Sampler) -> None:
+    logits = rand_logits(2)
+    before = logits.clone()
+    reqs = [SampleRequest(state(s, prompt=list(range(50)))) for s in mixed_settings(0)[:2]]
+    sampler.sample(logits, reqs)
+    sampler.processed_probs(logits, reqs)
+    assert torch.equal(logits, before)
+
+
+def test_auto_mode_switches_at_min_sampling_threads() -> None:
+    sets = mixed_settings(3)
+    order = list(range(len(sets)))
+    with Sampler(V, min_sampling_threads=2) as auto, Sampler(V, mode=SamplerMode.BATCHED) as b:
+        assert run_jobs(auto, sets, 3, V, order) == run_jobs(b, sets, 3, V, order)
+        assert auto._pool is not None  # went through the pool
+
+
+# -- statistics and extremes ---------------------------------------------------------------------------
+
+
+def test_temperature_one_follows_softmax_chi_square() -> None:
+    vocab, rows, calls = 8, 1000, 10
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2]])
+    expected = torch.softmax(logits[0], -1) * rows * calls
+    counts = torch.zeros(vocab)
+    with Sampler(vocab, mode=SamplerMode.BATCHED) as s:
+        states = [state(SamplingSettings(temperature=1.0, seed=i), vocab=vocab) for i in range(rows)]
+        for _ in range(calls):
+            tokens = [
+                r.token_id for r in s.sample(logits.expand(rows, vocab), [SampleRequest(x) for x in states])
+            ]
+            counts += torch.bincount(torch.tensor(tokens), minlength=vocab)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 24.3  # chi-square, 7 degrees of freedom, p = 0.001
+
+
+@st.composite
+def extreme_settings(draw: st.DrawFn, vocab: int) -> SamplingSettings:
+    temperature = draw(st.one_of(st.just(0.0), st.floats(1e-45, 1e300), st.sampled_from([1e-30, 1.0, 1e30])))
+    ids = st.integers(0, vocab - 1)
+    return SamplingSettings(
+        temperature=temperature,
+        top_k=draw(st.integers(0, vocab + 3)),
+        top_p=draw(st.floats(1e-9, 1.0, exclude_min=False)),
+        min_p=draw(st.floats(0.0, 0.999999)),
+        typical=draw(st.floats(1e-9, 1.0)),
+        repetition_penalty=draw(st.floats(1e-30, 1e30)),
+        frequency_penalty=draw(st.floats(-1e30, 1e30)),
+        presence_penalty=draw(st.floats(-1e30, 1e30)),
+        logit_bias=tuple(
+            draw(st.lists(st.tuples(ids, st.floats(allow_nan=False, allow_infinity=True)), max_size=4))
+        ),
+        banned_token_ids=frozenset(draw(st.sets(ids, max_size=vocab - 1))),
+        seed=draw(st.integers(-(2**70), 2**70)),
+    )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), vocab=st.sampled_from([1, 2, 7, 64]), mode=st.sampled_from(list(SamplerMode)))
+def test_extreme_settings_keep_a_token(data: st.DataObject, vocab: int, mode: SamplerMode) -> None:
+    s = data.draw(extreme_settings(vocab))
+    extra = frozenset(data.draw(st.sets(st.integers(0, vocab - 1), max_size=vocab)))
+    output = data.draw(st.lists(st.integers(0, vocab - 1), max_size=6))
+    logits = rand_logits(
+        1, vocab, seed=data.draw(st.integers(0, 1000)), scale=data.draw(st.sampled_from([0.0, 1.0, 50.0]))
+    )
+    a, b = SamplerState(s, [0], vocab), SamplerState(s, [0], vocab)
+    for t in output:
+        a.accept(t)
+        b.accept(t)
+    with Sampler(vocab, mode=mode, min_sampling_threads=1) as sampler:
+        probs = sampler.processed_probs(logits, [SampleRequest(a, extra)])[0]
+        token = sampler.sample(logits, [SampleRequest(b, extra, want_logprobs=True, top_n=3)])[0]
+    assert bool(torch.isfinite(probs).all()) and float(probs.min()) >= 0
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-4)
+    assert float(probs[token.token_id]) > 0
+    assert token.token_id not in s.banned_token_ids
+    if len(s.banned_token_ids | extra) < vocab and not any(b_ == float("-inf") for _, b_ in s.logit_bias):
+        assert token.token_id not in extra
