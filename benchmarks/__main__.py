@@ -12,7 +12,12 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
-    parser.add_argument("workload", choices=["single"], help="single: single-stream decode tok/s")
+    parser.add_argument(
+        "workload",
+        choices=["single", "w1", "w2", "all"],
+        help="single: single-stream decode; w1: throughput; w2: shared prefix; all: w1 and w2",
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
@@ -20,6 +25,12 @@ def main() -> None:
         from benchmarks.single_stream import run
 
         print(run(args.new_tokens, args.workloads))
+        return
+    from benchmarks.throughput import run as run_throughput
+    from engine.model.loader import WeightDtype
+
+    dtypes = list(WeightDtype) if args.dtype == "both" else [WeightDtype(args.dtype)]
+    print(run_throughput(args.workload, dtypes, args.workloads))
 
 
 if __name__ == "__main__":

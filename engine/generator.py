@@ -240,6 +240,8 @@ class DynamicGenerator:
     def _register_full_pages(self, job: JobState) -> None:
         """Make every newly filled page findable; switch to an identical page if one exists."""
         ps = self.pool.page_size
+        if not self.scheduler.config.prefix_cache:
+            return
         while (job.registered + 1) * ps <= job.computed:
             i = job.registered
             parent = job.pages[i - 1] if i > 0 else None

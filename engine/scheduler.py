@@ -14,6 +14,11 @@ the head of the queue with its output kept.
 
 Admission fairness (`max_skips`): a job whose prompt does not fit yet may be passed
 by smaller jobs behind it at most max_skips times; then the queue waits for it.
+
+Shared prefixes arriving together: a job whose next prompt page is being computed right
+now by a running job waits (without losing its place) until that page is registered,
+then takes it as a prefix hit. So 32 jobs with one long system prompt compute it once,
+not 32 times.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.job_state import JobState
 from engine.jobs import JobStage
-from engine.pages import PagePool
+from engine.pages import PagePool, chain_hash
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class SchedulerConfig:
     max_chunk_size: int = 2048  # tokens per forward: decode tokens plus prefill chunks
     max_q_size: int = 1024  # jobs waiting for admission
     max_skips: int = 4
+    prefix_cache: bool = True  # reuse full pages across jobs (off: every job computes its whole prompt)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_chunk_size", "max_q_size"):
@@ -56,6 +62,8 @@ class Scheduler:
         self.queue: deque[JobState] = deque()
         self.running: list[JobState] = []
         self._admitted = 0
+        # Chain hash of a full prompt page -> the running job computing it (entries go stale harmlessly).
+        self._inflight: dict[int, JobState] = {}
 
     def submit(self, job: JobState) -> None:
         if len(self.queue) >= self.config.max_q_size:
@@ -98,8 +106,12 @@ class Scheduler:
             chunks.append(ScheduledChunk(job, take))
             budget -= take
         # 3. Admit queued jobs while the budget, the batch and the pool allow.
+        waiting: list[JobState] = []
         while self.queue and budget >= 1 and len(self.running) < self.config.max_batch_size:
             job = self.queue[0]
+            if self._awaits_inflight_prefix(job):
+                waiting.append(self.queue.popleft())
+                continue
             if not self._admit(job):
                 if job.skips >= self.config.max_skips or len(self.queue) == 1:
                     break
@@ -115,14 +127,43 @@ class Scheduler:
             take = min(job.pending, budget)
             chunks.append(ScheduledChunk(job, take))
             budget -= take
+        self.queue.extendleft(reversed(waiting))
         return chunks
+
+    def _full_page_hashes(self, job: JobState) -> list[int]:
+        """Chain hashes of the job's full pages that a prefix match may cover (all but the last token)."""
+        ps = self.pool.page_size
+        hashes: list[int] = []
+        parent: int | None = None
+        for start in range(0, len(job.tokens) - ps, ps):
+            parent = chain_hash(parent, job.tokens[start : start + ps])
+            hashes.append(parent)
+        return hashes
+
+    def _awaits_inflight_prefix(self, job: JobState) -> bool:
+        """Whether a running job is computing a page this job could otherwise take from the cache."""
+        if not self.config.prefix_cache:
+            return False
+        ps = self.pool.page_size
+        for i, h in enumerate(self._full_page_hashes(job)):
+            owner = self._inflight.get(h)
+            if owner is None:
+                continue
+            if owner in self.running and owner.registered <= i and owner.computed < (i + 1) * ps:
+                return True
+            del self._inflight[h]  # computed (now a cache hit) or abandoned
+        return False
 
     def _admit(self, job: JobState) -> bool:
         """Give `job` its prompt pages (prefix hits first) and make it running, if they fit."""
         ps = self.pool.page_size
         # Everything but the last token may come from the prefix cache (its logits are needed).
         # A preempted job recomputes prompt + output, and its old full pages are likely cached.
-        matched = self.pool.match_prefix(job.tokens, max_tokens=len(job.tokens) - 1)
+        matched = (
+            self.pool.match_prefix(job.tokens, max_tokens=len(job.tokens) - 1)
+            if self.config.prefix_cache
+            else []
+        )
         need = job.pages_for(len(job.tokens), ps) - len(matched)
         # Keep one page spare per running job so decode can continue without preempting at once.
         fresh = self.pool.allocate(need) if need <= self.pool.available() - len(self.running) else None
@@ -134,6 +175,9 @@ class Scheduler:
         job.registered = len(matched)
         if not job.started:
             job.cached_tokens = job.computed
+        if self.config.prefix_cache:
+            for h in self._full_page_hashes(job)[len(matched) :]:
+                self._inflight.setdefault(h, job)
         job.stage = JobStage.PREFILL
         job.order = self._admitted
         self._admitted += 1

@@ -1,0 +1,186 @@
+"""W1 (throughput) and W2 (shared prefix) from workloads.json: dyngen's generator vs transformers.
+
+transformers runs static batches (left-padded, greedy) on the same GGUF weights in the
+same dtype; for W1 the better of batch sizes 16 and 64 is its figure. Everything is
+measured in this one process, one engine at a time.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.table import Row, render
+from benchmarks.workloads import load_workloads
+from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.jobs import JobSpec
+from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from engine.model.tokenizer import ChatMessage
+from engine.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class RunResult:
+    seconds: float
+    new_tokens: int
+    ttft_mean: float
+    ttft_p50: float
+    texts: tuple[str, ...] = ()
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds
+
+
+def run_dyngen(
+    loaded: LoadedModel, prompts: Sequence[tuple[int, ...]], new_tokens: int, ignore_eos: bool, **config: Any
+) -> RunResult:
+    page_size = int(config.pop("page_size", 256))
+    prefix_cache = bool(config.pop("prefix_cache", True))
+    need = sum(-(-(len(p) + new_tokens) // page_size) for p in prompts) + 8
+    gen = DynamicGenerator(
+        loaded.model,
+        loaded.tokenizer,
+        GeneratorConfig(
+            page_size=page_size,
+            num_pages=need,
+            scheduler=SchedulerConfig(max_batch_size=64, max_chunk_size=2048, prefix_cache=prefix_cache),
+        ),
+    )
+    gen.warmup()
+    specs = [JobSpec(p, max_new_tokens=new_tokens, ignore_eos=ignore_eos) for p in prompts]
+    t0 = time.perf_counter()
+    results = gen.generate(specs)
+    seconds = time.perf_counter() - t0
+    gen.close()
+    ttfts = [r.finished.timings.queued + r.finished.timings.prefill for r in results]
+    return RunResult(
+        seconds,
+        sum(len(r.token_ids) for r in results),
+        statistics.mean(ttfts),
+        statistics.median(ttfts),
+        tuple(r.text for r in results),
+    )
+
+
+def run_transformers(
+    path: Path,
+    dtype: torch.dtype,
+    prompts: Sequence[tuple[int, ...]],
+    new_tokens: int,
+    batch: int,
+    ignore_eos: bool,
+) -> RunResult:
+    import transformers
+
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype
+    )
+    pad = 2
+    total = 0
+    first_tokens: list[float] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        group = prompts[start : start + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens if ignore_eos else 0,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        # Static batching: every job of a batch gets its first token after the batch's prefill;
+        # approximate that by the batch's start plus its share of the batch's time.
+        first_tokens.extend([time.perf_counter() - t0] * len(group))
+        gen_part = out[:, width:]
+        total += int((gen_part != pad).sum()) if not ignore_eos else gen_part.numel()
+    seconds = time.perf_counter() - t0
+    del model
+    gc.collect()
+    return RunResult(seconds, total, statistics.mean(first_tokens), statistics.median(first_tokens))
+
+
+def w1(path: Path, dtypes: Sequence[WeightDtype], workloads: Path | None) -> str:
+    w = load_workloads(workloads)["W1"]
+    rows: list[Row] = []
+    for dtype in dtypes:
+        loaded = load_model(path, dtype, progress=False)
+        prompts = [tuple(loaded.tokenizer.encode_chat([ChatMessage("user", m)])) for m in w["user_messages"]]
+        ours = run_dyngen(loaded, prompts, w["max_new_tokens"], w["ignore_eos"])
+        del loaded
+        gc.collect()
+        best: tuple[float, int] = (0.0, 0)
+        for batch in (16, 64):
+            theirs = run_transformers(path, dtype.torch, prompts, w["max_new_tokens"], batch, w["ignore_eos"])
+            best = max(best, (theirs.tokens_per_second, batch))
+        rows.append(
+            Row("dyngen", dtype.value, ours.tokens_per_second, "transformers", f"{ours.seconds:.1f} s wall")
+        )
+        rows.append(Row("transformers", dtype.value, best[0], "", f"static batch {best[1]}"))
+    return render("W1: 64 chat prompts x 128 new tokens (greedy, EOS ignored), all at once", "tok/s", rows)
+
+
+def w2(path: Path, dtypes: Sequence[WeightDtype], workloads: Path | None, page_sizes: Sequence[int]) -> str:
+    w = load_workloads(workloads)["W2"]
+    lines = [
+        "### W2: 32 requests sharing a ~1000-token system prompt, 32 new tokens each, all at once, cold cache",
+        "",
+        "| engine | dtype | page size | prefix cache | wall s | TTFT mean s | TTFT p50 s | speed-up |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for dtype in dtypes:
+        loaded = load_model(path, dtype, progress=False)
+        prompts = [
+            tuple(
+                loaded.tokenizer.encode_chat(
+                    [ChatMessage("system", w["system_message"]), ChatMessage("user", q)]
+                )
+            )
+            for q in w["user_messages"]
+        ]
+        off = run_dyngen(
+            loaded, prompts, w["max_new_tokens"], w["ignore_eos"], prefix_cache=False, page_size=256
+        )
+        lines.append(
+            f"| dyngen | {dtype.value} | 256 | off | {off.seconds:.2f} | {off.ttft_mean:.2f} | {off.ttft_p50:.2f} | 1.00x |"
+        )
+        for ps in page_sizes:
+            on = run_dyngen(
+                loaded, prompts, w["max_new_tokens"], w["ignore_eos"], prefix_cache=True, page_size=ps
+            )
+            same = "same text" if on.texts == off.texts else "TEXT DIFFERS"
+            lines.append(
+                f"| dyngen | {dtype.value} | {ps} | on | {on.seconds:.2f} | {on.ttft_mean:.2f} | {on.ttft_p50:.2f} "
+                f"| {off.seconds / on.seconds:.2f}x ({same}) |"
+            )
+        del loaded
+        gc.collect()
+        theirs = run_transformers(path, dtype.torch, prompts, w["max_new_tokens"], 32, w["ignore_eos"])
+        lines.append(
+            f"| transformers (static batch 32) | {dtype.value} | - | - | {theirs.seconds:.2f} | "
+            f"{theirs.ttft_mean:.2f} | {theirs.ttft_p50:.2f} | {off.seconds / theirs.seconds:.2f}x vs dyngen off |"
+        )
+    return "\n".join(lines)
+
+
+def run(which: str, dtypes: Sequence[WeightDtype], workloads: Path | None) -> str:
+    path = default_model_path()
+    parts = []
+    if which in ("w1", "all"):
+        parts.append(w1(path, dtypes, workloads))
+    if which in ("w2", "all"):
+        parts.append(w2(path, dtypes, workloads, page_sizes=(256, 64, 16)))
+    header = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return header + "\n\n" + "\n\n".join(parts)
