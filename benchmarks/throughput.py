@@ -42,7 +42,7 @@ class RunResult:
 def run_dyngen(
     loaded: LoadedModel, prompts: Sequence[tuple[int, ...]], new_tokens: int, ignore_eos: bool, **config: Any
 ) -> RunResult:
-    page_size = int(config.pop("page_size", 256))
+    page_size = int(config.pop("page_size", GeneratorConfig().page_size))
     prefix_cache = bool(config.pop("prefix_cache", True))
     need = sum(-(-(len(p) + new_tokens) // page_size) for p in prompts) + 8
     gen = DynamicGenerator(

@@ -1,7 +1,7 @@
 """The `dyngen` command line.
 
-`dyngen generate` runs the model in-process: one prompt, or a JSON-lines file of
-prompts run together in batches. Errors dyngen raises on purpose are printed as one
+`dyngen generate` runs the model in-process through the dynamic generator: one
+prompt, or a JSON-lines file of prompts run concurrently. Errors dyngen raises on purpose are printed as one
 line on stderr with exit status 2; nothing is printed as a traceback.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.errors import DyngenError, InvalidRequestError
 
-DEFAULT_PAGE_SIZE = 256
+DEFAULT_PAGE_SIZE = 64  # engine.generator.GeneratorConfig's default (see there why)
 DEFAULT_CACHE_TOKENS = 16384
 
 
@@ -53,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--max-new-tokens", type=_positive, default=256)
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token"
     )
@@ -67,8 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--cache-tokens", type=_positive, default=DEFAULT_CACHE_TOKENS, help="KV cache size in tokens"
     )
+    gen.add_argument("--max-batch-size", type=_positive, default=64, help="jobs running at once")
+    gen.add_argument("--chunk-size", type=_positive, default=2048, help="tokens per forward")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--quiet", action="store_true", help="no progress bar while loading")
+    gen.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        default=None,
+        help="run through a dyngen server instead of in-process",
+    )
+    from service.config import add_serve_arguments
+
+    serve = sub.add_parser("serve", help="serve the model over gRPC (health, reflection, metrics)")
+    add_serve_arguments(serve)
     return parser
 
 
@@ -93,46 +110,161 @@ def read_prompts_file(path: Path) -> list[PromptLine]:
     return prompts
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
-    from engine.batch_generate import GenerationSettings, generate_batch
-    from engine.model.loader import WeightDtype, load_model
-    from engine.model.tokenizer import ChatMessage
+def _record(
+    text: str,
+    token_ids: Sequence[int],
+    stop_reason: str,
+    stop_string: str | None,
+    counts: tuple[int, int, int],
+    timings: tuple[float, float, float],
+) -> str:
+    record = {
+        "text": text,
+        "token_ids": list(token_ids),
+        "stop_reason": stop_reason,
+        "stop_string": stop_string,
+        "prompt_tokens": counts[0],
+        "new_tokens": counts[1],
+        "cached_tokens": counts[2],
+        "queued_seconds": round(timings[0], 4),
+        "prefill_seconds": round(timings[1], 4),
+        "decode_seconds": round(timings[2], 4),
+    }
+    return json.dumps(record, ensure_ascii=False)
 
+
+def run_generate_remote(args: argparse.Namespace, texts: list[str]) -> int:
+    """Send every prompt to a server at once (one thread per stream) and print in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from clients.client import Chat, Client, Request, Result, Sampling, collect
+
+    sampling = Sampling(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+    with Client(args.server) as client:
+
+        def one(text: str) -> Result:
+            prompt: str | Chat = Chat.user(text) if args.chat else text
+            request = Request(
+                prompt,
+                max_new_tokens=args.max_new_tokens,
+                sampling=sampling,
+                stop_strings=tuple(args.stop),
+                ignore_eos=args.ignore_eos,
+            )
+            return collect(list(client.generate(request)))
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(64, len(texts))) as pool:
+                results = list(pool.map(one, texts))
+        except grpc.RpcError as exc:
+            raise ServerError(f"{exc.code().name}: {exc.details()}") from None
+    as_json = args.json or args.prompts_file is not None
+    for r in results:
+        f = r.finished
+        if as_json:
+            reason = pb_stop_reason_name(f.stop_reason)
+            t = f.timings
+            print(
+                _record(
+                    r.text,
+                    r.token_ids,
+                    reason,
+                    f.stop_string if f.HasField("stop_string") else None,
+                    (f.prompt_tokens, f.new_tokens, f.cached_tokens),
+                    (t.queued_seconds, t.prefill_seconds, t.decode_seconds),
+                )
+            )
+        else:
+            print(r.text)
+    return 0
+
+
+def pb_stop_reason_name(value: int) -> str:
+    from service.proto.dyngen.v1 import generator_pb2 as pb
+
+    return pb.StopReason.Name(value).removeprefix("STOP_REASON_").lower()  # type: ignore[arg-type]
+
+
+class ServerError(DyngenError):
+    """The server answered with an error status."""
+
+
+def run_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         raise InvalidRequestError("give exactly one of PROMPT or --prompts-file")
+    if args.server is not None:
+        texts = (
+            [args.prompt]
+            if args.prompts_file is None
+            else [p.text for p in read_prompts_file(args.prompts_file)]
+        )
+        return run_generate_remote(args, texts)
+    # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
+    from engine.generator import DynamicGenerator, GeneratorConfig
+    from engine.jobs import JobSpec, SamplingSettings
+    from engine.model.loader import WeightDtype, load_model
+    from engine.model.tokenizer import ChatMessage
+    from engine.scheduler import SchedulerConfig
+
     texts = (
         [args.prompt] if args.prompts_file is None else [p.text for p in read_prompts_file(args.prompts_file)]
     )
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens,
+    sampling = SamplingSettings(
         temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
-        ignore_eos=args.ignore_eos,
     )
     loaded = load_model(args.model, WeightDtype(args.dtype), progress=not args.quiet)
     tok = loaded.tokenizer
-    prompts = [tok.encode_chat([ChatMessage("user", t)]) if args.chat else tok.encode(t) for t in texts]
-    num_pages = max(1, args.cache_tokens // args.page_size)
-    cache = loaded.model.new_cache(num_pages, args.page_size)
-    completions = generate_batch(loaded.model, cache, prompts, settings)
+    config = GeneratorConfig(
+        page_size=args.page_size,
+        num_pages=max(1, args.cache_tokens // args.page_size),
+        scheduler=SchedulerConfig(max_batch_size=args.max_batch_size, max_chunk_size=args.chunk_size),
+    )
+    generator = DynamicGenerator(loaded.model, tok, config)
+    specs = [
+        JobSpec(
+            tuple(tok.encode_chat([ChatMessage("user", t)]) if args.chat else tok.encode(t)),
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=args.ignore_eos,
+            stop_strings=tuple(args.stop),
+            sampling=sampling,
+        )
+        for t in texts
+    ]
+    try:
+        completions = generator.generate(specs)
+    finally:
+        generator.close()
     as_json = args.json or args.prompts_file is not None
     for c in completions:
-        text = tok.decode(c.token_ids, skip_special_tokens=True)
+        f = c.finished
         if as_json:
-            record = {
-                "text": text,
-                "token_ids": list(c.token_ids),
-                "stop_reason": c.stop_reason.value,
-                "prompt_tokens": len(c.prompt_ids),
-                "new_tokens": len(c.token_ids),
-                "prefill_seconds": round(c.prefill_seconds, 4),
-                "decode_seconds": round(c.decode_seconds, 4),
-                "decode_tokens_per_second": round(c.decode_tokens_per_second, 2),
-            }
-            print(json.dumps(record, ensure_ascii=False))
+            t = f.timings
+            print(
+                _record(
+                    c.text,
+                    c.token_ids,
+                    f.stop_reason.value,
+                    f.stop_string,
+                    (f.prompt_tokens, f.new_tokens, f.cached_tokens),
+                    (t.queued, t.prefill, t.decode),
+                )
+            )
         else:
-            print(text)
+            print(c.text)
     return 0
 
 
@@ -141,6 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
+        if args.command == "serve":
+            from service.config import config_from_args
+            from service.server import main as serve_main
+
+            return serve_main(config_from_args(args))
         return run_generate(args)
     except DyngenError as exc:
         print(f"dyngen: error: {exc}", file=sys.stderr)

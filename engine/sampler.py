@@ -260,11 +260,12 @@ class Sampler:
         return probs
 
     def draw(self, probs_row: torch.Tensor, state: SamplerState) -> int:
-        """A token from a distribution (e.g. a row of processed_probs, or a residual), with the job's RNG.
-
-        Greedy jobs take the argmax and use no randomness, as in sample().
+        """A token from a distribution (a row of processed_probs, or a residual; need not be normalized),
+        with the job's RNG: one uniform, as sample() draws. Greedy jobs take the argmax and draw nothing.
         """
         row = probs_row.reshape(1, -1).to(torch.float32)
+        if not float(row.sum()) > 0:
+            raise ValueError("draw needs a distribution with positive mass")
         if state.settings.greedy:
             return int(row.argmax(dim=-1).item())
         return int(_inverse_cdf(row, [state])[0].item())

@@ -128,7 +128,9 @@ def test_cli_reports_errors_in_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     ]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "prompt of 20 tokens + max_new_tokens 256 = 276 tokens exceeds the KV cache of 16 tokens" in err
+    assert (
+        "prompt of 20 tokens + max_new_tokens 256 = 276 tokens exceeds the whole KV cache of 16 tokens" in err
+    )
 
     assert main(["generate", "--chat", "w1", "--model", str(folder), "--quiet"]) == 2
     assert "has no chat template" in capsys.readouterr().err
