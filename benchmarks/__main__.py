@@ -14,8 +14,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument(
         "workload",
-        choices=["single", "w1", "w2", "all"],
-        help="single: single-stream decode; w1: throughput; w2: shared prefix; all: w1 and w2",
+        choices=["single", "w1", "w2", "w4", "all"],
+        help="single: single-stream decode; w1: throughput; w2: shared prefix; w4: W1 through gRPC; all: w1 and w2",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")
@@ -26,10 +26,20 @@ def main() -> None:
 
         print(run(args.new_tokens, args.workloads))
         return
+    if args.workload == "sampler":
+        from benchmarks.sampler_bench import run as run_sampler
+
+        print(run_sampler())
+        return
     from benchmarks.throughput import run as run_throughput
     from engine.model.loader import WeightDtype
 
     dtypes = list(WeightDtype) if args.dtype == "both" else [WeightDtype(args.dtype)]
+    if args.workload == "w4":
+        from benchmarks.service_load import run as run_service_load
+
+        print(run_service_load(dtypes, args.workloads))
+        return
     print(run_throughput(args.workload, dtypes, args.workloads))
 
 

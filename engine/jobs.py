@@ -44,7 +44,8 @@ def _check(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """Per-job sampling. temperature 0 is greedy; every other knob then only shapes logprobs."""
+    """Per-job sampling. temperature 0 is greedy: penalties, bias and bans still apply, while
+    top_k / top_p / typical / min_p only shape sampled (temperature > 0) rows."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -79,7 +80,9 @@ class SamplingSettings:
         _check(math.isfinite(self.presence_penalty), "presence_penalty must be finite")
         for token, bias in self.logit_bias:
             _check(0 <= token < vocab_size, f"logit_bias token id {token} is outside [0, {vocab_size})")
-            _check(not math.isnan(bias), f"logit_bias for token {token} is NaN")
+            _check(
+                -100.0 <= bias <= 100.0, f"logit_bias for token {token} must be in [-100, 100], got {bias}"
+            )
         for token in self.banned_token_ids:
             _check(0 <= token < vocab_size, f"banned token id {token} is outside [0, {vocab_size})")
         _check(len(self.banned_token_ids) < vocab_size, "banned_token_ids cannot ban the whole vocabulary")

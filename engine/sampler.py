@@ -15,12 +15,17 @@ Processing order (fixed; HF/vLLM order). Given a row of raw logits x:
 8. typical (HF's TypicalLogitsWarper);
 9. min_p (drops tokens whose probability is < min_p * the top probability).
 
-Steps 6-9 shape sampled rows only; each keeps at least one token. The draw is by
-inverse CDF: one uniform u from the job's own generator per sampled row per call,
-CDF accumulated in float64 in vocabulary order, token = first id whose CDF exceeds
-u * total. So a seeded job's tokens depend on its logits and its seed only,
-whatever shares the batch, and `draw(processed_probs(...)[i])` picks what
-`sample` picks.
+Steps 6-9 shape sampled rows only (greedy rows ignore them); each keeps at least
+one token. The draw is by inverse CDF: one uniform u from the job's own generator
+per sampled row per call, CDF accumulated in float64 in vocabulary order, token =
+first id whose CDF exceeds u * total. So a seeded job's tokens depend on its logits
+and its seed only, whatever shares the batch, and `draw(processed_probs(...)[i])`
+picks what `sample` picks.
+
+Input logits are assumed finite. Rows are grouped by the candidates their filters need:
+top_k rows work on their k best tokens (topk, not a sort of the vocabulary); top_p-only
+rows first look for the nucleus among the TOP_P_CANDIDATES best tokens; the rest sort
+the whole row. All-greedy batches with nothing to apply are one argmax.
 
 Logprobs are log_softmax(s) after step 5 (T = 1 for greedy rows), before the
 truncation filters: the model's distribution as this job reshaped it, so
@@ -58,8 +63,10 @@ __all__ = [
     "SamplerState",
 ]
 
-# Measured by benchmarks/sampler_bench.py on the 2-core CPU: the batched path beat the thread pool
-# at every batch size (1..64), so AUTO never hands rows to the pool. THREADED stays for other machines.
+# benchmarks/sampler_bench.py on the 2-core CPU (vocab 49152, top_k 50 / top_p 0.9 / rep. penalty 1.1):
+# the pool was 1.3x (1 job) to 3-5x (8-64 jobs) slower than the batched path: per-job work is ~40 small
+# torch calls whose Python overhead holds the GIL, and the workers' OpenMP teams oversubscribe 2 cores.
+# So AUTO never hands rows to the pool by default; min_sampling_threads / THREADED remain for other machines.
 DEFAULT_MIN_SAMPLING_THREADS = 1 << 30
 
 # top_p without top_k: look for the nucleus among this many best tokens before sorting the whole row.

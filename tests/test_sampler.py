@@ -6,6 +6,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from types import ModuleType
 
 import pytest
 import torch
@@ -15,11 +16,16 @@ from hypothesis import strategies as st
 from engine.jobs import SamplingSettings
 from engine.sampler import TOP_P_CANDIDATES, Sampler, SampleRequest, SamplerMode, SamplerState
 
-hf = pytest.importorskip("transformers.generation.logits_process")
-
 V = 1000
 REALISTIC = SamplingSettings(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1)
 NO_IDS = torch.zeros(1, 0, dtype=torch.long)
+
+
+@pytest.fixture(scope="module")
+def hf() -> ModuleType:
+    """transformers' logits processors, the reference for each of ours."""
+    module: ModuleType = pytest.importorskip("transformers.generation.logits_process")
+    return module
 
 
 @pytest.fixture(scope="module", params=[SamplerMode.BATCHED, SamplerMode.THREADED])
@@ -39,8 +45,11 @@ def state(settings: SamplingSettings, prompt: Sequence[int] = (1, 2, 3), vocab: 
 
 def probs_of(sampler: Sampler, logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     vocab = logits.shape[1]
-    s = sampler if sampler.vocab_size == vocab else Sampler(vocab, mode=sampler.mode)
-    return s.processed_probs(logits, [SampleRequest(state(settings, vocab=vocab))])[0]
+    requests = [SampleRequest(state(settings, vocab=vocab))]
+    if sampler.vocab_size == vocab:
+        return sampler.processed_probs(logits, requests)[0]
+    with Sampler(vocab, mode=sampler.mode) as other:
+        return other.processed_probs(logits, requests)[0]
 
 
 def hf_probs(scores: torch.Tensor) -> torch.Tensor:
@@ -65,7 +74,7 @@ def test_greedy_is_argmax_with_ties_to_lowest_id(sampler: Sampler) -> None:
     assert tokens[2] == 10
 
 
-def test_greedy_applies_penalties_bias_and_bans(sampler: Sampler) -> None:
+def test_greedy_applies_penalties_bias_and_bans(sampler: Sampler, hf: ModuleType) -> None:
     logits = rand_logits(1)
     top = int(logits.argmax())
     prompt = [top]
@@ -84,20 +93,20 @@ def test_greedy_applies_penalties_bias_and_bans(sampler: Sampler) -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
-def test_temperature(sampler: Sampler, temperature: float) -> None:
+def test_temperature(sampler: Sampler, temperature: float, hf: ModuleType) -> None:
     logits = rand_logits(1, seed=1)
     ours = probs_of(sampler, logits, SamplingSettings(temperature=temperature))
     assert_same_distribution(ours, hf.TemperatureLogitsWarper(temperature)(NO_IDS, logits.clone()))
 
 
 @pytest.mark.parametrize("top_k", [1, 5, 50, V - 1])
-def test_top_k(sampler: Sampler, top_k: int) -> None:
+def test_top_k(sampler: Sampler, top_k: int, hf: ModuleType) -> None:
     logits = rand_logits(1, seed=2)
     ours = probs_of(sampler, logits, SamplingSettings(temperature=1.0, top_k=top_k))
     assert_same_distribution(ours, hf.TopKLogitsWarper(top_k)(NO_IDS, logits.clone()))
 
 
-def test_top_k_keeps_ties_at_the_boundary(sampler: Sampler) -> None:
+def test_top_k_keeps_ties_at_the_boundary(sampler: Sampler, hf: ModuleType) -> None:
     logits = torch.full((1, V), -5.0)
     logits[0, [3, 9, 40, 41, 42]] = torch.tensor([9.0, 8.0, 7.0, 7.0, 7.0])
     ours = probs_of(sampler, logits, SamplingSettings(temperature=1.0, top_k=3))
@@ -107,7 +116,7 @@ def test_top_k_keeps_ties_at_the_boundary(sampler: Sampler) -> None:
 
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
 @pytest.mark.parametrize(("vocab", "scale"), [(V, 3.0), (4096, 6.0), (4096, 0.5)])
-def test_top_p(sampler: Sampler, top_p: float, vocab: int, scale: float) -> None:
+def test_top_p(sampler: Sampler, top_p: float, vocab: int, scale: float, hf: ModuleType) -> None:
     # V=1000: whole-row sort; 4096 peaky: nucleus found among the candidates; 4096 flat: falls back.
     logits = rand_logits(1, vocab, seed=3, scale=scale)
     ours = probs_of(sampler, logits, SamplingSettings(temperature=1.0, top_p=top_p))
@@ -121,7 +130,7 @@ def test_top_p_candidate_shortcut_is_exercised() -> None:
 
 
 @pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 0.99])
-def test_min_p(sampler: Sampler, min_p: float) -> None:
+def test_min_p(sampler: Sampler, min_p: float, hf: ModuleType) -> None:
     logits = rand_logits(1, seed=4)
     ours = probs_of(sampler, logits, SamplingSettings(temperature=1.0, min_p=min_p))
     assert_same_distribution(ours, hf.MinPLogitsWarper(min_p)(NO_IDS, logits.clone()))
@@ -129,7 +138,7 @@ def test_min_p(sampler: Sampler, min_p: float) -> None:
 
 @pytest.mark.parametrize("typical", [0.1, 0.5, 0.9, 0.99])
 @pytest.mark.parametrize("top_k", [0, 40])
-def test_typical(sampler: Sampler, typical: float, top_k: int) -> None:
+def test_typical(sampler: Sampler, typical: float, top_k: int, hf: ModuleType) -> None:
     logits = rand_logits(1, seed=5)
     ref = logits.clone()
     if top_k:
@@ -140,7 +149,9 @@ def test_typical(sampler: Sampler, typical: float, top_k: int) -> None:
 
 
 @pytest.mark.parametrize("penalty", [0.7, 1.3, 5.0])
-def test_repetition_penalty_covers_prompt_and_output(sampler: Sampler, penalty: float) -> None:
+def test_repetition_penalty_covers_prompt_and_output(
+    sampler: Sampler, penalty: float, hf: ModuleType
+) -> None:
     logits = rand_logits(1, seed=6)
     prompt = [5, 17, 17, 300, 999]
     st_ = state(SamplingSettings(temperature=1.0, repetition_penalty=penalty), prompt)
@@ -180,7 +191,7 @@ def test_logit_bias_and_bans(sampler: Sampler) -> None:
     assert_same_distribution(sampler.processed_probs(logits, [req])[0], ref)
 
 
-def test_full_chain_in_documented_order(sampler: Sampler) -> None:
+def test_full_chain_in_documented_order(sampler: Sampler, hf: ModuleType) -> None:
     logits = rand_logits(1, seed=9, scale=2.0)
     prompt = [int(i) for i in logits[0].topk(20).indices]  # penalize the favourites
     s = SamplingSettings(
@@ -202,7 +213,7 @@ def test_full_chain_in_documented_order(sampler: Sampler) -> None:
 # -- logprobs ---------------------------------------------------------------------------------------
 
 
-def test_logprobs_and_top_n(sampler: Sampler) -> None:
+def test_logprobs_and_top_n(sampler: Sampler, hf: ModuleType) -> None:
     logits = rand_logits(3, seed=10)
     sets = [
         REALISTIC,
@@ -344,6 +355,11 @@ def test_rejects_bad_input(sampler: Sampler) -> None:
         sampler.sample(rand_logits(1, 10), [SampleRequest(s_)])
 
 
+def test_draw_rejects_an_empty_distribution(sampler: Sampler) -> None:
+    with pytest.raises(ValueError, match="positive mass"):
+        sampler.draw(torch.zeros(V), state(REALISTIC))
+
+
 def test_logits_are_not_modified(sampler: Sampler) -> None:
     logits = rand_logits(2)
     before = logits.clone()
@@ -402,7 +418,7 @@ def extreme_settings(draw: st.DrawFn, vocab: int) -> SamplingSettings:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), vocab=st.sampled_from([1, 2, 7, 64]), mode=st.sampled_from(list(SamplerMode)))
+@given(data=st.data(), vocab=st.sampled_from([1, 2, 7, 64, 2048]), mode=st.sampled_from(list(SamplerMode)))
 def test_extreme_settings_keep_a_token(data: st.DataObject, vocab: int, mode: SamplerMode) -> None:
     s = data.draw(extreme_settings(vocab))
     extra = frozenset(data.draw(st.sets(st.integers(0, vocab - 1), max_size=vocab)))
