@@ -24,6 +24,8 @@ class SequenceInput:
     # Whether the caller wants the logits after this sequence's last new token
     # (not for a prefill chunk that ends before the prompt does).
     want_logits: bool = True
+    # How many of the last new tokens need logits (speculative verification wants all of them).
+    logit_positions: int = 1
 
     @property
     def end_pos(self) -> int:
@@ -74,7 +76,11 @@ class ForwardBatch:
             positions.extend(pos)
             slots.extend(s.page_table[p // page_size] * page_size + p % page_size for p in pos)
             if s.want_logits:
-                logits_rows.append(len(ids) - 1)
+                if not 1 <= s.logit_positions <= len(s.token_ids):
+                    raise ValueError(
+                        f"logit_positions must be in [1, {len(s.token_ids)}], got {s.logit_positions}"
+                    )
+                logits_rows.extend(range(len(ids) - s.logit_positions, len(ids)))
 
         def tensor(values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.errors import InvalidRequestError, JobNotFoundError, PromptTooLongError
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.job_state import JobState
@@ -38,6 +40,17 @@ from engine.model.tokenizer import Tokenizer
 from engine.pages import PagePool
 from engine.sampler import DEFAULT_MIN_SAMPLING_THREADS, Sampler, SampleRequest, SamplerMode, SamplerState
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.speculative import (
+    Draft,
+    Drafter,
+    DrafterKind,
+    DraftModelDrafter,
+    DraftRequest,
+    NgramDrafter,
+    SpeculationConfig,
+    accept_greedy,
+    accept_sampled,
+)
 from engine.text_stream import TextStream
 
 
@@ -52,6 +65,7 @@ class GeneratorConfig:
     sampling_threads: int = 2
     min_sampling_threads: int = DEFAULT_MIN_SAMPLING_THREADS
     sampler_mode: SamplerMode = SamplerMode.AUTO
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.num_pages < 1:
@@ -71,6 +85,8 @@ class GeneratorStats:
     iterations: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    accepted_draft_tokens: int
+    rejected_draft_tokens: int
 
 
 @dataclass(frozen=True)
@@ -86,7 +102,11 @@ class Completion:
 
 class DynamicGenerator:
     def __init__(
-        self, model: LlamaModel, tokenizer: Tokenizer, config: GeneratorConfig | None = None
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        config: GeneratorConfig | None = None,
+        draft_model: LlamaModel | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -107,6 +127,20 @@ class DynamicGenerator:
         self._forwarded = 0
         self._iterations = 0
         self._pending_events: list[JobEvent] = []
+        self._accepted_drafts = 0
+        self._rejected_drafts = 0
+        self.drafter: Drafter | None = None
+        match c.speculation.kind:
+            case DrafterKind.NONE:
+                pass
+            case DrafterKind.NGRAM:
+                self.drafter = NgramDrafter(c.speculation.max_ngram)
+            case DrafterKind.DRAFT_MODEL:
+                if draft_model is None:
+                    raise InvalidRequestError("speculation kind draft_model needs a draft model")
+                self.drafter = DraftModelDrafter(
+                    draft_model, model.config.vocab_size, c.num_pages, c.page_size
+                )
 
     # -- the job API ---------------------------------------------------------------------------
 
@@ -162,6 +196,8 @@ class DynamicGenerator:
             iterations=self._iterations,
             prefix_hit_tokens=p.prefix_hit_tokens,
             prefix_query_tokens=p.prefix_query_tokens,
+            accepted_draft_tokens=self._accepted_drafts,
+            rejected_draft_tokens=self._rejected_drafts,
         )
 
     def page_tables(self) -> list[list[int]]:
@@ -175,7 +211,8 @@ class DynamicGenerator:
     def iterate(self) -> list[JobEvent]:
         """Run one forward over this iteration's chunks; return the events it produced."""
         events, self._pending_events = self._pending_events, []
-        chunks = self.scheduler.schedule(on_preempt=self._on_preempt)
+        self._plan_speculation()
+        chunks = self._draft(self.scheduler.schedule(on_preempt=self._on_preempt))
         if not chunks:
             return events
         now = time.perf_counter()
@@ -187,6 +224,10 @@ class DynamicGenerator:
                 job.scheduled_at = now
                 events.append(JobStarted(job.job_id, job.spec.identifier, job.prompt_len, job.cached_tokens))
             job.stage = JobStage.DECODE if job.computed >= job.prompt_len else JobStage.PREFILL
+            if c.draft:
+                tokens = [*job.tokens[job.computed :], *c.draft]
+                inputs.append(SequenceInput(tokens, job.computed, job.pages, True, len(tokens)))
+                continue
             end = job.computed + c.num_tokens
             inputs.append(
                 SequenceInput(job.tokens[job.computed : end], job.computed, job.pages, end == len(job.tokens))
@@ -197,25 +238,100 @@ class DynamicGenerator:
         self._iterations += 1
 
         sampled: list[ScheduledChunk] = []
+        sampled_rows: list[int] = []
+        row = 0
         for c, seq in zip(chunks, inputs, strict=True):
             job = c.job
+            if c.draft:
+                events.extend(self._verify(job, c.draft, logits[row : row + seq.logit_positions]))
+                row += seq.logit_positions
+                continue
             job.computed = seq.end_pos
             self._register_full_pages(job)
             if seq.want_logits:
                 sampled.append(c)
+                sampled_rows.append(row)
+                row += 1
             elif job.computed <= job.prompt_len:
                 events.append(PrefillProgress(job.job_id, job.spec.identifier, job.computed, job.prompt_len))
         if sampled:
             requests = [self._sample_request(c.job) for c in sampled]
-            results = self.sampler.sample(logits, requests)
+            rows = logits if len(sampled_rows) == logits.shape[0] else logits[sampled_rows]
+            results = self.sampler.sample(rows, requests)
             for c, result in zip(sampled, results, strict=True):
                 events.extend(self._accept(c.job, result.token_id, result.logprob))
         return events
 
-    def _sample_request(self, job: JobState) -> SampleRequest:
+    # -- speculation ---------------------------------------------------------------------------
+
+    def _speculates(self, job: JobState) -> bool:
+        s = job.spec.sampling
+        # Penalties depend on every earlier token, drafts included, and logprobs are reported
+        # per sampled token: such jobs decode one token at a time.
+        return (
+            job.decoding
+            and not job.spec.return_logprobs
+            and s.repetition_penalty == 1.0
+            and s.frequency_penalty == 0.0
+            and s.presence_penalty == 0.0
+        )
+
+    def _plan_speculation(self) -> None:
+        """Decide how many draft tokens each decoding job may verify in the next step."""
+        spec = self.config.speculation
+        active = self.drafter is not None and len(self.scheduler.running) <= spec.max_batch_size
+        for job in self.scheduler.running:
+            left = job.spec.max_new_tokens - job.new_tokens - 1  # the verify step adds one token of its own
+            job.draft_budget = min(spec.num_draft_tokens, left) if active and self._speculates(job) else 0
+
+    def _draft(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to them."""
+        wanting = [c for c in chunks if c.job.draft_budget > 0 and c.num_tokens > 1]
+        if self.drafter is None or not wanting:
+            return chunks
+        requests = [DraftRequest(c.job.job_id, c.job.tokens, c.job.pages, c.num_tokens - 1) for c in wanting]
+        drafts = dict(zip((id(c) for c in wanting), self.drafter.propose(requests), strict=True))
+        out = []
+        for c in chunks:
+            draft = drafts.get(id(c))
+            if draft is None:
+                out.append(c)
+            else:
+                out.append(ScheduledChunk(c.job, 1 + len(draft.tokens), draft.tokens))
+        return out
+
+    def _verify(self, job: JobState, draft: tuple[int, ...], logits: torch.Tensor) -> list[JobEvent]:
+        """Keep the acceptable prefix of `draft` plus one token of the target's own."""
+        requests = [self._sample_request(job, ahead=i) for i in range(len(draft) + 1)]
+        probs = self.sampler.processed_probs(logits, requests)
+        if job.spec.sampling.greedy:
+            choice = probs.argmax(dim=-1).tolist()
+            accepted = accept_greedy(choice, draft)
+            bonus = int(choice[accepted])
+        else:
+            accepted, dist = accept_sampled(probs, Draft(draft), job.sampler.generator)
+            bonus = self.sampler.draw(dist, job.sampler)
+        job.accepted_drafts += accepted
+        job.rejected_drafts += len(draft) - accepted
+        self._accepted_drafts += accepted
+        self._rejected_drafts += len(draft) - accepted
+        base = job.computed
+        events: list[JobEvent] = []
+        for token in (*draft[:accepted], bonus):
+            events.extend(self._accept(job, token, None))
+            if job.stage is JobStage.FINISHED:
+                return events
+        # K/V are valid for the last token and the accepted drafts; a rejected tail is overwritten
+        # later, and no page holding it is registered before then.
+        job.computed = base + 1 + accepted
+        self._register_full_pages(job)
+        return events
+
+    def _sample_request(self, job: JobState, ahead: int = 0) -> SampleRequest:
+        """The request for the job's next token (`ahead` tokens further on, when verifying drafts)."""
         spec = job.spec
         banned: frozenset[int] = frozenset()
-        if job.new_tokens < spec.min_new_tokens:
+        if job.new_tokens + ahead < spec.min_new_tokens:
             banned = spec.stop_token_ids | (frozenset() if spec.ignore_eos else self._eos)
         return SampleRequest(job.sampler, banned, spec.return_logprobs, spec.top_logprobs)
 
@@ -252,12 +368,16 @@ class DynamicGenerator:
 
     def _on_preempt(self, job: JobState) -> None:
         job.stage = JobStage.QUEUED
+        if self.drafter is not None:
+            self.drafter.forget(job.job_id)
 
     def _finish(
         self, job: JobState, reason: StopReason, token: int | None, stop_string: str | None, text: str
     ) -> JobFinished:
         self.scheduler.remove(job)
         del self.jobs[job.job_id]
+        if self.drafter is not None:
+            self.drafter.forget(job.job_id)
         job.stage = JobStage.FINISHED
         now = time.perf_counter()
         scheduled = job.scheduled_at if job.scheduled_at is not None else now
@@ -273,6 +393,8 @@ class DynamicGenerator:
             cached_tokens=job.cached_tokens,
             timings=JobTimings(scheduled - job.enqueued_at, first - scheduled, now - first),
             text=text,
+            accepted_draft_tokens=job.accepted_drafts,
+            rejected_draft_tokens=job.rejected_drafts,
         )
 
     # -- convenience ---------------------------------------------------------------------------

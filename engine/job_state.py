@@ -31,6 +31,9 @@ class JobState:
     skips: int = 0  # times smaller jobs were admitted past this one
     started: bool = False
     preemptions: int = 0
+    draft_budget: int = 0  # draft tokens to verify with the next decode step (0: no speculation)
+    accepted_drafts: int = 0
+    rejected_drafts: int = 0
     scheduled_at: float | None = None
     first_token_at: float | None = None
 

@@ -53,6 +53,7 @@ class SchedulerConfig:
 class ScheduledChunk:
     job: JobState
     num_tokens: int  # new tokens of this job in the forward, starting at job.computed
+    draft: tuple[int, ...] = ()  # speculative tokens after the job's last token (verified in this forward)
 
 
 class Scheduler:
@@ -89,13 +90,15 @@ class Scheduler:
         ps = self.pool.page_size
         chunks: list[ScheduledChunk] = []
         # 1. Decode steps, oldest first: each may need one more page; preempt the newest when dry.
+        #    A speculating job asks for room for its drafts too (verified in the same step).
         for job in sorted((j for j in self.running if j.decoding), key=lambda j: j.order):
             if budget < 1 or job not in self.running:
                 continue
-            if not self._ensure_pages(job, job.computed + 1, ps, on_preempt):
+            take = min(1 + job.draft_budget, budget)
+            if not self._ensure_pages(job, job.computed + take, ps, on_preempt):
                 continue
-            chunks.append(ScheduledChunk(job, 1))
-            budget -= 1
+            chunks.append(ScheduledChunk(job, take))
+            budget -= take
         # 2. Prefill chunks of running jobs (their prompt pages were taken at admission).
         for job in self.running:
             if budget < 1:

@@ -1,0 +1,214 @@
+"""Speculative decoding: drafters propose tokens, the target verifies them in one forward.
+
+The generator asks a `Drafter` for up to k tokens per decoding job, runs each job's
+last token plus its drafts through the target in the same batched forward as every
+other job, and keeps the longest acceptable prefix plus one token of the target's own:
+
+- greedy jobs accept draft i while it equals the target's choice at that position
+  (so the output is token-identical to decoding without speculation);
+- sampled jobs use rejection sampling: draft x drawn from q is kept with probability
+  min(1, p(x) / q(x)), and on rejection a token is drawn from max(0, p - q)
+  renormalised, so the output follows the target's distribution p exactly. An
+  n-gram draft is deterministic (q is one-hot), so it is kept with probability p(x).
+
+Rejected tokens need no undo in the pages: the generator only advances a job's
+`computed` past accepted tokens and registers a page in the prefix index only once
+it is full of accepted tokens, so a rejected tail is simply overwritten later.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.ids import PageId
+from engine.jobs import JobId
+from engine.kv_cache import PagedKVCache
+from engine.model.llama import LlamaModel
+
+
+class DrafterKind(enum.Enum):
+    NONE = "none"
+    NGRAM = "ngram"
+    DRAFT_MODEL = "draft_model"
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    kind: DrafterKind = DrafterKind.NONE
+    num_draft_tokens: int = 4
+    max_ngram: int = 4
+    # With more running jobs than this, the batch already fills the machine: no speculation.
+    max_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= 32:
+            raise InvalidRequestError(f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
+        if not 1 <= self.max_ngram <= 16:
+            raise InvalidRequestError(f"max_ngram must be in [1, 16], got {self.max_ngram}")
+        if self.max_batch_size < 1:
+            raise InvalidRequestError(f"speculation max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One decoding job asking for drafts: its accepted tokens and its page table."""
+
+    job_id: JobId
+    tokens: Sequence[int]
+    pages: Sequence[PageId]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: tuple[int, ...]
+    # Per draft token, the draft's distribution it was drawn from (None: deterministic, one-hot).
+    probs: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Up to each request's max_tokens draft tokens (none when there is no good guess)."""
+        ...
+
+    def forget(self, job_id: JobId) -> None:
+        """Drop per-job state (finished, cancelled or preempted)."""
+        ...
+
+
+class NgramDrafter:
+    """Proposes the continuation of the longest earlier match of the sequence's suffix.
+
+    Per job, an index maps every n-gram (n <= max_ngram) of prompt + output to where
+    it last continued. It grows incrementally with each accepted token and is freed
+    with the job; its size is bounded by max_ngram entries per token of the job.
+    """
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
+        self._index: dict[JobId, dict[tuple[int, ...], int]] = {}
+        self._indexed: dict[JobId, int] = {}  # tokens whose continuation is in the index
+
+    def _update(self, job_id: JobId, tokens: Sequence[int]) -> dict[tuple[int, ...], int]:
+        index = self._index.setdefault(job_id, {})
+        start = self._indexed.get(job_id, 0)
+        if start > len(tokens):  # the job's tokens shrank (cannot happen today): rebuild
+            index.clear()
+            start = 0
+        # An n-gram ending at i is indexed once token i + 1 (its continuation) exists, so the
+        # current suffix never matches itself.
+        for i in range(start, len(tokens) - 1):
+            for n in range(1, min(self.max_ngram, i + 1) + 1):
+                index[tuple(tokens[i - n + 1 : i + 1])] = i + 1
+        self._indexed[job_id] = max(start, len(tokens) - 1)
+        return index
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        drafts = []
+        for r in requests:
+            index = self._update(r.job_id, r.tokens)
+            proposal: tuple[int, ...] = ()
+            for n in range(min(self.max_ngram, len(r.tokens)), 0, -1):
+                at = index.get(tuple(r.tokens[-n:]))
+                if at is not None:
+                    proposal = tuple(r.tokens[at : at + r.max_tokens])
+                    break
+            drafts.append(Draft(proposal))
+        return drafts
+
+    def forget(self, job_id: JobId) -> None:
+        self._index.pop(job_id, None)
+        self._indexed.pop(job_id, None)
+
+
+class DraftModelDrafter:
+    """A cheaper model of the same vocabulary proposes tokens greedily.
+
+    Greedy proposals are deterministic (q is one-hot), which rejection sampling accepts
+    exactly as it accepts n-gram drafts, so sampled jobs stay exact too.
+
+    Its KV cache has the target's page geometry and is addressed through the target's
+    page tables, so prefix sharing, cancel and preemption need nothing extra: a page a
+    job holds is the same page id in both caches. Per job it tracks how many tokens its
+    own cache holds and catches up (a batched prefill) before proposing.
+    """
+
+    def __init__(self, model: LlamaModel, target_vocab: int, num_pages: int, page_size: int) -> None:
+        if model.config.vocab_size != target_vocab:
+            raise InvalidRequestError(
+                f"the draft model's vocabulary ({model.config.vocab_size}) differs from the target's ({target_vocab})"
+            )
+        self.model = model
+        self.cache: PagedKVCache = model.new_cache(num_pages, page_size)
+        self._computed: dict[JobId, int] = {}
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        if not requests:
+            return []
+        ps = self.cache.page_size
+        # Catch up on every accepted token but the last; the last one starts the proposal steps.
+        inputs = []
+        for r in requests:
+            done = min(self._computed.get(r.job_id, 0), len(r.tokens) - 1)
+            inputs.append(SequenceInput(r.tokens[done:], done, r.pages))
+        logits = self.model.forward(ForwardBatch.build(inputs, ps, self.model.device), self.cache)
+        proposals: list[list[int]] = [[int(t)] for t in logits.argmax(dim=-1).tolist()]
+        positions = [len(r.tokens) for r in requests]
+        for step in range(1, max(r.max_tokens for r in requests)):
+            live = [i for i, r in enumerate(requests) if step < r.max_tokens]
+            if not live:
+                break
+            batch = ForwardBatch.build(
+                [SequenceInput([proposals[i][-1]], positions[i] + step - 1, requests[i].pages) for i in live],
+                ps,
+                self.model.device,
+            )
+            step_logits = self.model.forward(batch, self.cache)
+            for row, i in enumerate(live):
+                proposals[i].append(int(step_logits[row].argmax()))
+        for r in requests:
+            # Its cache now holds every accepted token; K/V of the proposals past them may be
+            # rejected, so the next call recomputes from here (accepted ones included).
+            self._computed[r.job_id] = len(r.tokens)
+        return [Draft(tuple(p[: r.max_tokens])) for p, r in zip(proposals, requests, strict=True)]
+
+    def forget(self, job_id: JobId) -> None:
+        self._computed.pop(job_id, None)
+
+
+def accept_greedy(target_choice: Sequence[int], draft: Sequence[int]) -> int:
+    """How many draft tokens match the target's own greedy choices, in order."""
+    n = 0
+    while n < len(draft) and draft[n] == target_choice[n]:
+        n += 1
+    return n
+
+
+def accept_sampled(p: torch.Tensor, draft: Draft, generator: torch.Generator) -> tuple[int, torch.Tensor]:
+    """Rejection sampling over draft tokens. p: target distributions [len(draft) + 1, vocab].
+
+    Returns (accepted count, the distribution the next token is drawn from): the
+    residual max(0, p - q) at the first rejection, or p after the last draft.
+    """
+    for i, x in enumerate(draft.tokens):
+        q_x = 1.0 if draft.probs is None else float(draft.probs[i, x])
+        p_x = float(p[i, x])
+        u = float(torch.rand(1, generator=generator))
+        if q_x > 0 and u * q_x < p_x:  # u < p(x) / q(x), without dividing
+            continue
+        if draft.probs is None:
+            residual = p[i].clone()
+            residual[x] = 0.0
+        else:
+            residual = (p[i] - draft.probs[i]).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q: any draw from p is exact
+            residual = p[i]
+        return i, residual
+    return len(draft.tokens), p[len(draft.tokens)]
