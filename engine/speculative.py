@@ -127,6 +127,9 @@ class NgramDrafter:
         self._index.pop(job_id, None)
         self._indexed.pop(job_id, None)
 
+    def tracked_jobs(self) -> int:
+        return len(self._index)
+
 
 class DraftModelDrafter:
     """A cheaper model of the same vocabulary proposes tokens greedily.

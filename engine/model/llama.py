@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.errors import ModelFormatError
+from engine.errors import InvalidRequestError, ModelFormatError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedKVCache
 from engine.model.config import ModelConfig
@@ -127,7 +127,14 @@ class LlamaModel:
         device: torch.device | None = None,
         progress: bool = True,
         attention: AttentionKind = AttentionKind.AUTO,
+        num_layers: int | None = None,
     ) -> LlamaModel:
+        """Load a model; `num_layers` keeps only the first layers (a cheap draft model of the same vocabulary)."""
+        config = source.config
+        if num_layers is not None:
+            if not 1 <= num_layers <= config.num_layers:
+                raise InvalidRequestError(f"num_layers must be in [1, {config.num_layers}], got {num_layers}")
+            config = replace(config, num_layers=num_layers)
         tensors: dict[str, torch.Tensor] = {}
         items: Iterable[tuple[str, torch.Tensor]] = source.tensors()
         bar = tqdm(
@@ -141,7 +148,7 @@ class LlamaModel:
         )
         for name, tensor in bar:
             tensors[name] = tensor
-        return LlamaModel(source.config, tensors, dtype, device, attention)
+        return LlamaModel(config, tensors, dtype, device, attention)
 
     def new_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
         from engine.kv_cache import CacheShape

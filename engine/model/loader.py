@@ -64,9 +64,12 @@ def load_model(
     dtype: WeightDtype = WeightDtype.FLOAT32,
     progress: bool = True,
     attention: AttentionKind = AttentionKind.AUTO,
+    num_layers: int | None = None,
 ) -> LoadedModel:
     model_path = path if path is not None else default_model_path()
     source = open_weight_source(model_path)
-    model = LlamaModel.from_source(source, dtype.torch, progress=progress, attention=attention)
+    model = LlamaModel.from_source(
+        source, dtype.torch, progress=progress, attention=attention, num_layers=num_layers
+    )
     tokenizer = HFTokenizer(model_path, extra_eos=source.config.eos_token_ids)
     return LoadedModel(model, tokenizer, model_path)

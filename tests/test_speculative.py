@@ -1,0 +1,165 @@
+"""Speculative decoding: exact greedy output, exact sampled distribution, pages intact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason
+from engine.model.llama import LlamaModel
+from engine.model.loader import LoadedModel, WeightDtype, load_model, open_weight_source
+from engine.model.tokenizer import ChatMessage
+from engine.sampler import Sampler, SamplerState
+from engine.speculative import (
+    Draft,
+    DrafterKind,
+    DraftRequest,
+    NgramDrafter,
+    SpeculationConfig,
+    accept_sampled,
+)
+from tests.conftest import PARITY_PROMPTS
+from tests.tiny_llama import save_tiny_llama
+
+WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads.json"
+
+
+def spec_config(kind: DrafterKind, batch: int = 8) -> GeneratorConfig:
+    return GeneratorConfig(
+        page_size=16,
+        num_pages=256,
+        speculation=SpeculationConfig(kind, num_draft_tokens=4, max_batch_size=batch),
+    )
+
+
+# -- n-gram drafter ------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_the_continuation_of_the_longest_match() -> None:
+    d = NgramDrafter(max_ngram=3)
+
+    tokens = [1, 2, 3, 4, 9, 9, 2, 3]
+    (draft,) = d.propose([DraftRequest(JobId("a"), tokens, [], 3)])
+    assert draft.tokens == (4, 9, 9)  # "2 3" was followed by "4 9 9"
+    (none,) = d.propose([DraftRequest(JobId("b"), [5, 6, 7], [], 3)])
+    assert none.tokens == ()  # nothing repeats: no blind guess
+    d.forget(JobId("a"))
+    d.forget(JobId("b"))
+
+
+# -- rejection sampling is exact -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_token", [0, 3, 5])
+def test_rejection_sampling_emits_the_target_distribution(draft_token: int) -> None:
+    p = torch.tensor([[0.05, 0.1, 0.15, 0.3, 0.25, 0.15], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+    sampler = Sampler(vocab_size=6)
+    state = SamplerState(SamplingSettings(temperature=1.0, seed=7), [0], 6)
+    n = 20000
+    counts = torch.zeros(6)
+    for _ in range(n):
+        accepted, dist = accept_sampled(p, Draft((draft_token,)), state.generator)
+        first = draft_token if accepted == 1 else sampler.draw(dist, state)
+        counts[first] += 1
+    expected = p[0] * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # 5 degrees of freedom, p = 0.001
+
+
+def test_rejection_sampling_with_a_draft_distribution() -> None:
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.3, 0.3, 0.4]])
+    q = torch.tensor([[0.1, 0.1, 0.8]])
+    sampler = Sampler(vocab_size=3)
+    state = SamplerState(SamplingSettings(temperature=1.0, seed=3), [0], 3)
+    gen = torch.Generator().manual_seed(11)
+    n = 20000
+    counts = torch.zeros(3)
+    for _ in range(n):
+        x = int(torch.multinomial(q[0], 1, generator=gen))
+        accepted, dist = accept_sampled(p, Draft((x,), q), state.generator)
+        counts[x if accepted == 1 else sampler.draw(dist, state)] += 1
+    expected = p[0] * n
+    assert float(((counts - expected) ** 2 / expected).sum()) < 13.8  # 2 dof, p = 0.001
+
+
+# -- generator on a tiny model: rejections, pages, limits ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    folder = tmp_path_factory.mktemp("tiny_spec")
+    save_tiny_llama(folder, with_tokenizer=True, max_position_embeddings=1024)
+    return load_model(folder, progress=False)
+
+
+def test_pages_stay_consistent_through_rejections_and_cancel(tiny: LoadedModel) -> None:
+    gen = DynamicGenerator(tiny.model, tiny.tokenizer, spec_config(DrafterKind.NGRAM))
+    # Repetitive prompts make the n-gram drafter propose a lot; a random model rejects most of it.
+    prompts = [tuple([5, 6, 7, 8] * 6 + [i + 9]) for i in range(4)]
+    ids = [gen.enqueue(JobSpec(p, max_new_tokens=37, ignore_eos=True)) for p in prompts]
+    finished: dict[JobId, JobFinished] = {}
+    steps = 0
+    while gen.has_work():
+        for e in gen.iterate():
+            if isinstance(e, JobFinished):
+                finished[e.job_id] = e
+        gen.check_invariants()
+        steps += 1
+        if steps == 6:
+            gen.cancel(ids[0])
+    assert finished[ids[0]].stop_reason is StopReason.CANCELLED
+    for job in ids[1:]:
+        assert finished[job].new_tokens == 37  # max_new_tokens exact, not k early or late
+    stats = gen.stats()
+    assert stats.accepted_draft_tokens + stats.rejected_draft_tokens > 0
+    assert stats.rejected_draft_tokens > 0
+    assert stats.pages_used == 0
+    assert isinstance(gen.drafter, NgramDrafter) and gen.drafter.tracked_jobs() == 0
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny: LoadedModel, tmp_path: Path) -> None:
+    save_tiny_llama(tmp_path, vocab_size=256)
+    other = LlamaModel.from_source(open_weight_source(tmp_path), progress=False)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        DynamicGenerator(tiny.model, tiny.tokenizer, spec_config(DrafterKind.DRAFT_MODEL), draft_model=other)
+
+
+# -- the real model: greedy output identical with each drafter -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft(smollm: LoadedModel) -> LoadedModel:
+    # A cheaper copy of the shipped model: its first 10 of 30 layers.
+    return load_model(smollm.path, WeightDtype.FLOAT32, progress=False, num_layers=10)
+
+
+@pytest.mark.slow
+def test_greedy_output_identical_with_each_drafter_amid_other_jobs(
+    smollm: LoadedModel, draft: LoadedModel
+) -> None:
+    repeat = json.loads(WORKLOADS.read_text())["W3"]["user_messages"][0]
+    texts = [repeat, *PARITY_PROMPTS[:3]]
+    greedy = [
+        JobSpec(
+            tuple(smollm.tokenizer.encode_chat([ChatMessage("user", t)])), max_new_tokens=128, ignore_eos=True
+        )
+        for t in texts
+    ]
+    # Neighbours that do not speculate the same way: a sampled job and a penalised one.
+    neighbours = [
+        JobSpec(greedy[1].prompt_ids, max_new_tokens=40, sampling=SamplingSettings(temperature=0.8, seed=5)),
+        JobSpec(greedy[2].prompt_ids, max_new_tokens=40, sampling=SamplingSettings(repetition_penalty=1.3)),
+    ]
+    plain = DynamicGenerator(smollm.model, smollm.tokenizer, spec_config(DrafterKind.NONE)).generate(greedy)
+    for kind in (DrafterKind.NGRAM, DrafterKind.DRAFT_MODEL):
+        gen = DynamicGenerator(smollm.model, smollm.tokenizer, spec_config(kind), draft_model=draft.model)
+        results = gen.generate([*greedy, *neighbours])
+        for a, b in zip(plain, results, strict=False):
+            assert b.token_ids == a.token_ids, kind
+        assert gen.stats().accepted_draft_tokens > 0, kind
+        gen.check_invariants()
