@@ -26,6 +26,12 @@ def main() -> None:
 
         print(run(args.new_tokens, args.workloads))
         return
+    if args.workload == "w3":
+        from benchmarks.speculative import run as run_speculative
+        from engine.model.loader import WeightDtype as Dtype
+
+        print(run_speculative(args.workloads, Dtype.FLOAT32 if args.dtype == "both" else Dtype(args.dtype)))
+        return
     if args.workload == "sampler":
         from benchmarks.sampler_bench import run as run_sampler
 

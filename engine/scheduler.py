@@ -103,7 +103,7 @@ class Scheduler:
         for job in self.running:
             if budget < 1:
                 break
-            if job.decoding or any(c.job is job for c in chunks):
+            if job.decoding:  # its step (if the budget allowed one) was scheduled above
                 continue
             take = min(job.pending, budget)
             chunks.append(ScheduledChunk(job, take))

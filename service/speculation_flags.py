@@ -1,0 +1,54 @@
+"""Command-line flags for speculative decoding, shared by `dyngen generate` and `dyngen serve`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import InvalidRequestError
+from engine.model.llama import LlamaModel
+from engine.model.loader import WeightDtype, default_model_path, load_model
+from engine.speculative import DrafterKind, SpeculationConfig
+
+
+@dataclass(frozen=True)
+class SpeculationOptions:
+    config: SpeculationConfig
+    draft_model: Path | None  # None: the target model's own file
+    draft_layers: int | None  # keep only the draft's first layers (None: all)
+    draft_dtype: WeightDtype
+
+    def load_draft(self, target: Path | None, progress: bool) -> LlamaModel | None:
+        if self.config.kind is not DrafterKind.DRAFT_MODEL:
+            return None
+        path = self.draft_model or target or default_model_path()
+        return load_model(path, self.draft_dtype, progress=progress, num_layers=self.draft_layers).model
+
+
+def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculate", choices=[k.value for k in DrafterKind], default="none", help="drafter kind")
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens verified per step")
+    g.add_argument("--max-ngram", type=int, default=4, help="longest suffix the n-gram drafter matches")
+    g.add_argument(
+        "--speculate-max-batch", type=int, default=4, help="no speculation with more running jobs than this"
+    )
+    g.add_argument("--draft-model", type=Path, default=None, help="draft model file (default: the target's)")
+    g.add_argument("--draft-layers", type=int, default=None, help="keep only the draft's first N layers")
+    g.add_argument("--draft-dtype", choices=[d.value for d in WeightDtype], default="float32")
+
+
+def speculation_from_args(args: argparse.Namespace) -> SpeculationOptions:
+    kind = DrafterKind(args.speculate)
+    same_as_target = args.draft_model is None and args.draft_layers is None
+    if kind is DrafterKind.DRAFT_MODEL and same_as_target and args.draft_dtype == WeightDtype.FLOAT32.value:
+        raise InvalidRequestError(
+            "--speculate draft_model needs a cheaper draft: --draft-model, --draft-layers or --draft-dtype bfloat16"
+        )
+    return SpeculationOptions(
+        SpeculationConfig(kind, args.num_draft_tokens, args.max_ngram, args.speculate_max_batch),
+        args.draft_model,
+        args.draft_layers,
+        WeightDtype(args.draft_dtype),
+    )
