@@ -14,8 +14,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument(
         "workload",
-        choices=["single", "w1", "w2", "w4", "all"],
-        help="single: single-stream decode; w1: throughput; w2: shared prefix; w4: W1 through gRPC; all: w1 and w2",
+        choices=["single", "sampler", "w1", "w2", "w3", "w4", "all"],
+        help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
+        "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")

@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.ids import PageId
 from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, WeightDtype, load_model, open_weight_source
 from engine.model.tokenizer import ChatMessage
 from engine.sampler import Sampler, SamplerState
+from engine.scheduler import SchedulerConfig
 from engine.speculative import (
     Draft,
     DrafterKind,
@@ -163,3 +166,52 @@ def test_greedy_output_identical_with_each_drafter_amid_other_jobs(
             assert b.token_ids == a.token_ids, kind
         assert gen.stats().accepted_draft_tokens > 0, kind
         gen.check_invariants()
+
+
+def chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square (Wilson-Hilferty), to keep scipy out of the test deps."""
+    return float(dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3)
+
+
+def test_speculatively_sampled_token_follows_the_target_distribution(tmp_path: Path) -> None:
+    ref = save_tiny_llama(tmp_path, with_tokenizer=True, max_position_embeddings=1024)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(40.0)  # peaky distributions: a few tokens carry the mass
+    ref.save_pretrained(str(tmp_path))
+    tiny_peaky = load_model(tmp_path, progress=False)
+    # The draft: the same model's first 2 of 3 layers, so its greedy proposals are often but not
+    # always the target's likeliest token (both acceptance and rejection happen).
+    draft = LlamaModel.from_source(open_weight_source(tmp_path), progress=False, num_layers=2)
+    prompt = tuple(range(3, 320))
+    config = GeneratorConfig(
+        page_size=16,
+        num_pages=256,
+        scheduler=SchedulerConfig(max_q_size=4096),
+        speculation=SpeculationConfig(DrafterKind.DRAFT_MODEL, num_draft_tokens=2, max_batch_size=64),
+    )
+    gen = DynamicGenerator(tiny_peaky.model, tiny_peaky.tokenizer, config, draft_model=draft)
+    # Token 1 comes from the prefill; token 2 from verifying one draft (3 tokens leave room for one).
+    specs = [
+        JobSpec(prompt, max_new_tokens=3, ignore_eos=True, sampling=SamplingSettings(temperature=1.0, seed=s))
+        for s in range(2000)
+    ]
+    results = gen.generate(specs)
+    assert gen.stats().accepted_draft_tokens > 0 and gen.stats().rejected_draft_tokens > 0
+    firsts = torch.tensor([r.token_ids[0] for r in results])
+    t1 = int(torch.mode(firsts).values)
+    seconds = torch.tensor([r.token_ids[1] for r in results if r.token_ids[0] == t1])
+    # The target's own distribution of token 2 after prompt + t1.
+    cache = tiny_peaky.model.new_cache(num_pages=32, page_size=16)
+    batch = ForwardBatch.build(
+        [SequenceInput([*prompt, t1], 0, [PageId(i) for i in range(21)])], 16, tiny_peaky.model.device
+    )
+    p = torch.softmax(tiny_peaky.model.forward(batch, cache)[0], dim=-1)
+    n = len(seconds)
+    expected = p * n
+    counts = torch.bincount(seconds, minlength=p.shape[0]).float()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert n > 500
+    assert chi2 < chi_square_critical(len(obs) - 1), (chi2, len(obs))
