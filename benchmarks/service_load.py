@@ -183,7 +183,7 @@ def run(dtypes: list[WeightDtype], workloads: Path | None, concurrency: int = 64
                 dtype.value,
                 local.tokens_per_second,
                 "",
-                f"{local.seconds:.1f} s wall",
+                f"{local.seconds:.1f} s wall, TTFT p50 {local.ttft_p50:.2f} s",
             )
         )
         ttft = [s.ttft for s in served.streams if s.error is None]

@@ -1,0 +1,231 @@
+"""Typed Python clients of dyngen.v1.Generator: `Client` (blocking) and `AsyncClient` (asyncio).
+
+`generate()` yields the job's events as typed values; `enqueue/stream/cancel`, `model_info`
+and `tokenize` map one to one onto the RPCs. gRPC errors surface as `grpc.RpcError`
+(sync) or `grpc.aio.AioRpcError` (async) with the server's status code and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from service.proto.dyngen.v1 import generator_pb2 as pb
+from service.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
+
+Event = pb.GenerateEvent  # a oneof of started / prefill / delta / finished
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A prompt as chat messages (role, content), rendered with the model's template."""
+
+    messages: tuple[tuple[str, str], ...]
+
+    @staticmethod
+    def user(text: str) -> Chat:
+        return Chat((("user", text),))
+
+
+Prompt = str | Chat | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float | None = None  # None: server default (greedy)
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: Prompt
+    max_new_tokens: int | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_logprobs: bool = False
+    top_logprobs: int = 0
+    identifier: str = ""
+
+    def to_proto(self) -> pb.GenerateRequest:
+        req = pb.GenerateRequest(
+            stop_strings=self.stop_strings,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            return_logprobs=self.return_logprobs,
+            top_logprobs=self.top_logprobs,
+            identifier=self.identifier,
+        )
+        if self.max_new_tokens is not None:
+            req.max_new_tokens = self.max_new_tokens
+        match self.prompt:
+            case str():
+                req.text = self.prompt
+            case Chat():
+                req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in self.prompt.messages)
+            case _:
+                req.token_ids.ids.extend(self.prompt)
+        s = self.sampling
+        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"):
+            value = getattr(s, name)
+            if value is not None:
+                setattr(req.sampling, name, value)
+        return req
+
+
+@dataclass(frozen=True)
+class Result:
+    """A whole job's outcome, assembled from its events."""
+
+    job_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finished: pb.JobFinished
+
+
+def collect(events: Sequence[Event]) -> Result:
+    text: list[str] = []
+    ids: list[int] = []
+    finished = pb.JobFinished()
+    job_id = ""
+    for e in events:
+        job_id = e.job_id
+        if e.HasField("delta"):
+            text.append(e.delta.text)
+            ids.extend(e.delta.token_ids)
+        elif e.HasField("finished"):
+            text.append(e.finished.text)
+            finished = e.finished
+    return Result(job_id, "".join(text), tuple(ids), finished)
+
+
+def _tokenize_request(prompt: str | Chat) -> pb.TokenizeRequest:
+    req = pb.TokenizeRequest()
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in prompt.messages)
+    return req
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class Client:
+    """Blocking client. Use as a context manager, or call close()."""
+
+    def __init__(
+        self,
+        target: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_message_bytes: int = 4 << 20,
+    ) -> None:
+        opts = _options(max_message_bytes)
+        self.channel = (
+            grpc.secure_channel(target, credentials, opts)
+            if credentials is not None
+            else grpc.insecure_channel(target, opts)
+        )
+        self.stub = pb_grpc.GeneratorStub(self.channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def generate(self, request: Request, timeout: float | None = None) -> Iterator[Event]:
+        """The job's events; leaving the loop early cancels the call and so the job."""
+        call = self.stub.Generate(request.to_proto(), timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def enqueue(self, request: Request, timeout: float | None = None) -> str:
+        return str(self.stub.Enqueue(request.to_proto(), timeout=timeout).job_id)
+
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[Event]:
+        call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def cancel(self, job_id: str, timeout: float | None = None) -> None:
+        self.stub.Cancel(pb.CancelRequest(job_id=job_id), timeout=timeout)
+
+    def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+
+    def tokenize(self, prompt: str | Chat, timeout: float | None = None) -> list[int]:
+        return list(self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout).token_ids)
+
+
+class AsyncClient:
+    """asyncio client over grpc.aio. Use as an async context manager, or await close()."""
+
+    def __init__(
+        self,
+        target: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        max_message_bytes: int = 4 << 20,
+    ) -> None:
+        opts = _options(max_message_bytes)
+        self.channel = (
+            grpc.aio.secure_channel(target, credentials, opts)
+            if credentials is not None
+            else grpc.aio.insecure_channel(target, opts)
+        )
+        self.stub = pb_grpc.GeneratorStub(self.channel)  # typed as GeneratorAsyncStub for an aio channel
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def generate(self, request: Request, timeout: float | None = None) -> AsyncIterator[Event]:
+        call = self.stub.Generate(request.to_proto(), timeout=timeout)
+        try:
+            async for event in call:
+                yield event
+        finally:
+            call.cancel()
+
+    async def enqueue(self, request: Request, timeout: float | None = None) -> str:
+        return str((await self.stub.Enqueue(request.to_proto(), timeout=timeout)).job_id)
+
+    async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[Event]:
+        call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout)
+        try:
+            async for event in call:
+                yield event
+        finally:
+            call.cancel()
+
+    async def cancel(self, job_id: str, timeout: float | None = None) -> None:
+        await self.stub.Cancel(pb.CancelRequest(job_id=job_id), timeout=timeout)
+
+    async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+
+    async def tokenize(self, prompt: str | Chat, timeout: float | None = None) -> list[int]:
+        return list((await self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout)).token_ids)

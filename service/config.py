@@ -1,0 +1,85 @@
+"""Service configuration: flags, each with an environment variable (DYNGEN_<FLAG>) as its default."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    model: str | None = None  # .gguf file or HF folder; None = the shipped model
+    dtype: str = "float32"
+    page_size: int = 256
+    cache_tokens: int = 32768
+    max_batch_size: int = 64
+    max_queue: int = 1024
+    chunk_size: int = 2048
+    sampling_threads: int = 2
+    torch_threads: int = 0  # 0 = one per core
+    metrics_port: int = 0  # 0 = no metrics endpoint
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_message_bytes: int = 4 * 1024 * 1024
+    stream_grace_seconds: float = 30.0  # an enqueued job not streamed by then is cancelled
+    shutdown_grace_seconds: float = 30.0  # SIGTERM: running jobs get this long to finish
+    warmup: bool = True
+
+    @property
+    def num_pages(self) -> int:
+        return max(1, self.cache_tokens // self.page_size)
+
+    @property
+    def model_path(self) -> Path | None:
+        return Path(self.model) if self.model else None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> ServiceConfig:
+        return ServiceConfig(**json.loads(text))
+
+
+def _env(name: str, default: str | None) -> str | None:
+    return os.environ.get(f"DYNGEN_{name.upper()}", default)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ServiceConfig()
+
+    def opt(name: str, kind: type, default: object, help_: str) -> None:
+        env = _env(name, None)
+        value = kind(env) if env is not None else default
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, default=value, help=f"{help_} [DYNGEN_{name.upper()}]"
+        )
+
+    opt("host", str, d.host, "address to listen on")
+    opt("port", int, d.port, "gRPC port (0 = any free port)")
+    opt("model", str, d.model, ".gguf file or Hugging Face folder (default: the shipped model)")
+    opt("dtype", str, d.dtype, "float32 or bfloat16")
+    opt("page_size", int, d.page_size, "KV cache page size in tokens")
+    opt("cache_tokens", int, d.cache_tokens, "KV cache size in tokens")
+    opt("max_batch_size", int, d.max_batch_size, "jobs running at once")
+    opt("max_queue", int, d.max_queue, "jobs waiting for admission before RESOURCE_EXHAUSTED")
+    opt("chunk_size", int, d.chunk_size, "tokens per forward")
+    opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size")
+    opt("torch_threads", int, d.torch_threads, "torch threads in the engine process (0 = one per core)")
+    opt("metrics_port", int, d.metrics_port, "Prometheus metrics HTTP port (0 = off)")
+    opt("tls_cert", str, d.tls_cert, "PEM certificate chain (with --tls-key: serve TLS)")
+    opt("tls_key", str, d.tls_key, "PEM private key")
+    opt("max_message_bytes", int, d.max_message_bytes, "largest gRPC message, both directions")
+    opt("stream_grace_seconds", float, d.stream_grace_seconds, "cancel an enqueued job not streamed by then")
+    opt("shutdown_grace_seconds", float, d.shutdown_grace_seconds, "SIGTERM: time running jobs get to finish")
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    return ServiceConfig(
+        **{k: getattr(args, k) for k in ServiceConfig.__dataclass_fields__ if hasattr(args, k)}
+    )

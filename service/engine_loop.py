@@ -1,0 +1,257 @@
+"""EngineLoop: the DynamicGenerator behind the pipe (runs inside the engine process)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from multiprocessing.connection import Connection
+
+from engine.errors import DyngenError, JobNotFoundError, PromptTooLongError, QueueFullError
+from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.jobs import (
+    JobEvent,
+    JobFinished,
+    JobId,
+    JobSpec,
+    JobStarted,
+    PrefillProgress,
+    SamplingSettings,
+    StopReason,
+    TokensGenerated,
+)
+from engine.model.loader import WeightDtype, load_model
+from engine.model.tokenizer import ChatMessage
+from engine.scheduler import SchedulerConfig
+from service.config import ServiceConfig
+from service.ipc import Accepted, EngineStats, ErrorCode, Message, Rejection, Tag, pack_frames
+from service.proto.dyngen.v1 import generator_pb2 as pb
+
+STATS_INTERVAL = 0.5
+IDLE_POLL = 0.25
+
+STOP_REASONS = {
+    StopReason.EOS: pb.STOP_REASON_EOS,
+    StopReason.STOP_TOKEN: pb.STOP_REASON_STOP_TOKEN,
+    StopReason.STOP_STRING: pb.STOP_REASON_STOP_STRING,
+    StopReason.MAX_NEW_TOKENS: pb.STOP_REASON_MAX_NEW_TOKENS,
+    StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
+}
+
+
+class EngineLoop:
+    def __init__(self, config: ServiceConfig, events: Connection) -> None:
+        self.config = config
+        self.out = events
+        loaded = load_model(config.model_path, WeightDtype(config.dtype), progress=False)
+        self.loaded = loaded
+        self.generator = DynamicGenerator(
+            loaded.model,
+            loaded.tokenizer,
+            GeneratorConfig(
+                page_size=config.page_size,
+                num_pages=config.num_pages,
+                sampling_threads=config.sampling_threads,
+                scheduler=SchedulerConfig(
+                    max_batch_size=config.max_batch_size,
+                    max_chunk_size=config.chunk_size,
+                    max_q_size=config.max_queue,
+                ),
+            ),
+        )
+        if config.warmup:
+            self.generator.warmup()
+        self._last_stats = 0.0
+        self._send(Tag.READY, 0, loaded.path.name.encode())
+
+    def close(self) -> None:
+        self.generator.close()
+
+    def _send(self, tag: Tag, request: int, payload: bytes) -> None:
+        self.out.send_bytes(Message(tag, request, payload).encode())
+
+    def serve(self, commands: Connection) -> None:
+        gen = self.generator
+        while True:
+            # Never wait for commands while jobs are running; sleep on the pipe only when idle.
+            if commands.poll(0 if gen.has_work() else IDLE_POLL):
+                while True:
+                    if not self._handle(Message.decode(commands.recv_bytes())):
+                        return
+                    if not commands.poll(0):
+                        break
+            if gen.has_work():
+                events = gen.iterate()
+                if events:
+                    frames = [event_to_proto(e).SerializeToString() for e in events]
+                    self._send(Tag.EVENTS, 0, pack_frames(frames))
+            now = time.monotonic()
+            if now - self._last_stats >= STATS_INTERVAL:
+                self._last_stats = now
+                self._send(Tag.STATS, 0, self._stats().to_bytes())
+
+    def _stats(self) -> EngineStats:
+        s = self.generator.stats()
+        return EngineStats(
+            queued=s.queued,
+            running=s.running,
+            pages_free=s.pages_free,
+            pages_cached=s.pages_cached,
+            pages_used=s.pages_used,
+            forwarded_tokens=s.forwarded_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            prefix_query_tokens=s.prefix_query_tokens,
+        )
+
+    def _handle(self, msg: Message) -> bool:
+        match msg.tag:
+            case Tag.SUBMIT:
+                self._submit(msg)
+            case Tag.CANCEL:
+                # A job that finished meanwhile is fine: its JobFinished is already on its way.
+                with contextlib.suppress(JobNotFoundError):
+                    self.generator.cancel(JobId(msg.payload.decode("ascii")))
+            case Tag.INFO:
+                self._send(Tag.INFO_REPLY, msg.request, self._info().SerializeToString())
+            case Tag.TOKENIZE:
+                try:
+                    req = pb.TokenizeRequest.FromString(msg.payload)
+                    ids = self._tokenize(req)
+                except DyngenError as exc:
+                    self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, str(exc))
+                else:
+                    self._send(
+                        Tag.TOKENIZE_REPLY,
+                        msg.request,
+                        pb.TokenizeResponse(token_ids=ids).SerializeToString(),
+                    )
+            case Tag.QUIT:
+                return False
+            case _:
+                pass  # engine-to-front-end tags never arrive here
+        return True
+
+    def _reject(self, request: int, code: ErrorCode, message: str) -> None:
+        self._send(Tag.REJECTED, request, Rejection(code, message).to_bytes())
+
+    def _submit(self, msg: Message) -> None:
+        try:
+            spec = self._spec(pb.GenerateRequest.FromString(msg.payload))
+            job_id = self.generator.enqueue(spec)
+        except QueueFullError as exc:
+            self._reject(msg.request, ErrorCode.QUEUE_FULL, str(exc))
+        except PromptTooLongError as exc:
+            self._reject(msg.request, ErrorCode.PROMPT_TOO_LONG, str(exc))
+        except DyngenError as exc:
+            self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # a malformed request must never take the engine down
+            self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, f"bad request: {type(exc).__name__}")
+        else:
+            self._send(Tag.ACCEPTED, msg.request, Accepted(job_id, len(spec.prompt_ids)).to_bytes())
+
+    def _tokenize(self, req: pb.TokenizeRequest | pb.GenerateRequest) -> list[int]:
+        tok = self.loaded.tokenizer
+        match req.WhichOneof("prompt"):
+            case "text":
+                return tok.encode(req.text)
+            case "chat":
+                if not req.chat.messages:
+                    raise InvalidPromptError("chat.messages must hold at least one message")
+                return tok.encode_chat([ChatMessage(m.role, m.content) for m in req.chat.messages])
+            case "token_ids" if isinstance(req, pb.GenerateRequest):
+                return list(req.token_ids.ids)
+            case _:
+                raise InvalidPromptError("prompt: set one of text, chat or token_ids")
+
+    def _spec(self, req: pb.GenerateRequest) -> JobSpec:
+        s = req.sampling
+        defaults = SamplingSettings()
+        sampling = SamplingSettings(
+            temperature=s.temperature if s.HasField("temperature") else defaults.temperature,
+            top_k=s.top_k if s.HasField("top_k") else defaults.top_k,
+            top_p=s.top_p if s.HasField("top_p") else defaults.top_p,
+            min_p=s.min_p if s.HasField("min_p") else defaults.min_p,
+            typical=s.typical if s.HasField("typical") else defaults.typical,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+            presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+            logit_bias=tuple((b.token_id, b.bias) for b in s.logit_bias),
+            banned_token_ids=frozenset(s.banned_token_ids),
+            seed=s.seed if s.HasField("seed") else None,
+        )
+        return JobSpec(
+            prompt_ids=tuple(self._tokenize(req)),
+            max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else 256,
+            min_new_tokens=req.min_new_tokens,
+            stop_token_ids=frozenset(req.stop_token_ids),
+            stop_strings=tuple(req.stop_strings),
+            ignore_eos=req.ignore_eos,
+            decode_special_tokens=req.decode_special_tokens,
+            return_logprobs=req.return_logprobs,
+            top_logprobs=req.top_logprobs,
+            identifier=req.identifier or None,
+            sampling=sampling,
+        )
+
+    def _info(self) -> pb.ModelInfo:
+        g = self.generator
+        s = g.stats()
+        sc = g.scheduler.config
+        return pb.ModelInfo(
+            model=self.loaded.path.name,
+            vocab_size=self.loaded.model.config.vocab_size,
+            context_length=g.max_seq_len,
+            page_size=g.config.page_size,
+            num_pages=g.config.num_pages,
+            max_batch_size=sc.max_batch_size,
+            max_queue_size=sc.max_q_size,
+            max_chunk_size=sc.max_chunk_size,
+            dtype=self.config.dtype,
+            queued_jobs=s.queued,
+            running_jobs=s.running,
+            pages_free=s.pages_free,
+            pages_cached=s.pages_cached,
+            pages_used=s.pages_used,
+        )
+
+
+class InvalidPromptError(DyngenError):
+    """The request's prompt oneof is empty or its chat holds no message."""
+
+
+def event_to_proto(event: JobEvent) -> pb.GenerateEvent:
+    out = pb.GenerateEvent(job_id=event.job_id, identifier=event.identifier or "")
+    match event:
+        case JobStarted():
+            out.started.prompt_tokens = event.prompt_tokens
+            out.started.cached_tokens = event.cached_tokens
+        case PrefillProgress():
+            out.prefill.done_tokens = event.done_tokens
+            out.prefill.total_tokens = event.total_tokens
+        case TokensGenerated():
+            out.delta.text = event.text
+            out.delta.token_ids.extend(event.token_ids)
+            for lp in event.logprobs:
+                out.delta.logprobs.append(
+                    pb.TokenLogprob(
+                        token_id=lp.token_id,
+                        logprob=lp.logprob,
+                        top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+                    )
+                )
+        case JobFinished():
+            f = out.finished
+            f.stop_reason = STOP_REASONS[event.stop_reason]
+            if event.stop_token is not None:
+                f.stop_token = event.stop_token
+            if event.stop_string is not None:
+                f.stop_string = event.stop_string
+            f.prompt_tokens = event.prompt_tokens
+            f.new_tokens = event.new_tokens
+            f.cached_tokens = event.cached_tokens
+            f.timings.queued_seconds = event.timings.queued
+            f.timings.prefill_seconds = event.timings.prefill
+            f.timings.decode_seconds = event.timings.decode
+            f.text = event.text
+            f.accepted_draft_tokens = event.accepted_draft_tokens
+            f.rejected_draft_tokens = event.rejected_draft_tokens
+    return out

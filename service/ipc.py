@@ -1,0 +1,123 @@
+"""Typed messages between the gRPC front end and the engine process.
+
+Every message is bytes: a one-byte tag, an 8-byte request number (0 when unused) and a
+payload that is protobuf bytes or a small JSON object. Nothing is pickled, so nothing a
+caller sent can become code on either side of the pipe.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+
+_HEADER = struct.Struct(">cQ")
+
+
+class Tag(enum.Enum):
+    # front end -> engine
+    SUBMIT = b"S"  # payload: GenerateRequest bytes; answered by ACCEPTED or REJECTED
+    CANCEL = b"C"  # payload: job id (ascii); no answer (the job's JobFinished follows)
+    INFO = b"I"  # no payload; answered by INFO_REPLY
+    TOKENIZE = b"T"  # payload: TokenizeRequest bytes; answered by TOKENIZE_REPLY or REJECTED
+    QUIT = b"Q"
+    # engine -> front end
+    READY = b"R"  # payload: JSON {"model": ...}; the model is loaded and warmed up
+    ACCEPTED = b"A"  # payload: JSON {"job_id": ..., "prompt_tokens": ...}
+    REJECTED = b"X"  # payload: JSON {"code": ErrorCode value, "message": ...}
+    EVENTS = b"E"  # payload: one iteration's GenerateEvents, each as 4-byte length + bytes
+    INFO_REPLY = b"N"  # payload: ModelInfo bytes
+    TOKENIZE_REPLY = b"K"  # payload: TokenizeResponse bytes
+    STATS = b"M"  # payload: JSON EngineStats
+
+
+class ErrorCode(enum.Enum):
+    """Why the engine refused a request; the front end maps it to a gRPC status."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    QUEUE_FULL = "queue_full"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class Message:
+    tag: Tag
+    request: int
+    payload: bytes
+
+    def encode(self) -> bytes:
+        return _HEADER.pack(self.tag.value, self.request) + self.payload
+
+    @staticmethod
+    def decode(data: bytes) -> Message:
+        tag, request = _HEADER.unpack_from(data)
+        return Message(Tag(tag), request, data[_HEADER.size :])
+
+
+_LENGTH = struct.Struct(">I")
+
+
+def pack_frames(frames: list[bytes]) -> bytes:
+    """One pipe message for many events: fewer wake-ups of the front end per iteration."""
+    return b"".join(_LENGTH.pack(len(f)) + f for f in frames)
+
+
+def unpack_frames(data: bytes) -> list[bytes]:
+    frames: list[bytes] = []
+    at = 0
+    while at < len(data):
+        (n,) = _LENGTH.unpack_from(data, at)
+        at += _LENGTH.size
+        frames.append(data[at : at + n])
+        at += n
+    return frames
+
+
+@dataclass(frozen=True)
+class Rejection:
+    code: ErrorCode
+    message: str
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"code": self.code.value, "message": self.message}).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Rejection:
+        obj = json.loads(data)
+        return Rejection(ErrorCode(obj["code"]), str(obj["message"]))
+
+
+@dataclass(frozen=True)
+class Accepted:
+    job_id: str
+    prompt_tokens: int
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"job_id": self.job_id, "prompt_tokens": self.prompt_tokens}).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Accepted:
+        obj = json.loads(data)
+        return Accepted(str(obj["job_id"]), int(obj["prompt_tokens"]))
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    queued: int
+    running: int
+    pages_free: int
+    pages_cached: int
+    pages_used: int
+    forwarded_tokens: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> EngineStats:
+        obj = json.loads(data)
+        return EngineStats(**{k: int(obj[k]) for k in EngineStats.__dataclass_fields__})

@@ -1,0 +1,116 @@
+"""A real `dyngen serve` in a subprocess on 127.0.0.1 and a free port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from clients.client import Client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[str]
+    port: int
+    metrics_port: int
+    logs: list[dict[str, object]] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            try:
+                self.logs.append(json.loads(line))
+            except json.JSONDecodeError:
+                self.logs.append({"event": "raw", "line": line.rstrip()})
+
+    def wait_log(self, event: str, after: int = 0, timeout: float = 120.0) -> dict[str, object]:
+        """The first log record named `event` at index >= after."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for record in self.logs[after:]:
+                if record.get("event") == event:
+                    return record
+            if self.process.poll() is not None:
+                raise AssertionError(f"server exited ({self.process.returncode}): {self.logs[-5:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {event!r} log within {timeout} s: {self.logs[-5:]}")
+
+    def health(self) -> int:
+        with grpc.insecure_channel(self.target) as channel:
+            # The typeshed HealthStub declares no methods; call the RPC by name.
+            check = channel.unary_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            )
+            response: health_pb2.HealthCheckResponse = check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+            return int(response.status)
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.health() == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"not SERVING within {timeout} s: {self.logs[-5:]}")
+
+    def client(self) -> Client:
+        return Client(self.target)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        return int(self.process.returncode)
+
+
+def start_server(*flags: str) -> ServerProcess:
+    port, metrics_port = free_port(), free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "clients.cli", "serve", "--host", "127.0.0.1", "--port", str(port)),
+            *("--metrics-port", str(metrics_port), *flags),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    server = ServerProcess(process, port, metrics_port)
+    threading.Thread(target=server._read, daemon=True).start()
+    try:
+        server.wait_serving()
+    except BaseException:
+        server.stop()
+        raise
+    return server

@@ -1,0 +1,40 @@
+"""The pipe messages between front end and engine round-trip exactly, and engine events map to the proto."""
+
+from __future__ import annotations
+
+from engine.jobs import JobFinished, JobId, JobTimings, StopReason, TokenLogprob, TokensGenerated
+from service.engine_loop import event_to_proto
+from service.ipc import Accepted, EngineStats, ErrorCode, Message, Rejection, Tag, pack_frames, unpack_frames
+from service.proto.dyngen.v1 import generator_pb2 as pb
+
+
+def test_messages_round_trip() -> None:
+    for tag in Tag:
+        msg = Message(tag, 2**63 + 5, b"\x00payload\xff")
+        assert Message.decode(msg.encode()) == msg
+    assert Accepted.from_bytes(Accepted("ab" * 16, 40).to_bytes()) == Accepted("ab" * 16, 40)
+    r = Rejection(ErrorCode.QUEUE_FULL, 'queue holds 4 jobs "already"')
+    assert Rejection.from_bytes(r.to_bytes()) == r
+    frames = [b"", b"a", b"\x00" * 70000]
+    assert unpack_frames(pack_frames(frames)) == frames
+    s = EngineStats(1, 2, 3, 4, 5, 6, 7, 8)
+    assert EngineStats.from_bytes(s.to_bytes()) == s
+
+
+def test_engine_events_become_generate_events() -> None:
+    job = JobId("f" * 32)
+    delta = event_to_proto(
+        TokensGenerated(job, "tag", "Hi", (5,), (TokenLogprob(5, -0.5, ((5, -0.5), (6, -1.0))),))
+    )
+    assert delta.identifier == "tag" and delta.delta.text == "Hi" and list(delta.delta.token_ids) == [5]
+    assert [t.token_id for t in delta.delta.logprobs[0].top] == [5, 6]
+    done = event_to_proto(
+        JobFinished(job, None, StopReason.STOP_STRING, None, "END", 10, 3, 0, JobTimings(0.1, 0.2, 0.3))
+    )
+    f = done.finished
+    assert (
+        f.stop_reason == pb.STOP_REASON_STOP_STRING
+        and f.stop_string == "END"
+        and not f.HasField("stop_token")
+    )
+    assert (f.prompt_tokens, f.new_tokens) == (10, 3) and abs(f.timings.decode_seconds - 0.3) < 1e-9
