@@ -41,6 +41,8 @@ def _non_negative_float(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from service.speculation_flags import add_speculation_arguments
+
     parser = argparse.ArgumentParser(prog="dyngen", description="Serve and run language models with dyngen.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="run the model in-process and print the completion")
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chunk-size", type=_positive, default=2048, help="tokens per forward")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.add_argument("--quiet", action="store_true", help="no progress bar while loading")
+    add_speculation_arguments(gen)
     gen.add_argument(
         "--server",
         metavar="HOST:PORT",
@@ -228,12 +231,18 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     loaded = load_model(args.model, WeightDtype(args.dtype), progress=not args.quiet)
     tok = loaded.tokenizer
+    from service.speculation_flags import speculation_from_args
+
+    speculation = speculation_from_args(args)
     config = GeneratorConfig(
         page_size=args.page_size,
         num_pages=max(1, args.cache_tokens // args.page_size),
         scheduler=SchedulerConfig(max_batch_size=args.max_batch_size, max_chunk_size=args.chunk_size),
+        speculation=speculation.config,
     )
-    generator = DynamicGenerator(loaded.model, tok, config)
+    generator = DynamicGenerator(
+        loaded.model, tok, config, speculation.load_draft(args.model, progress=not args.quiet)
+    )
     specs = [
         JobSpec(
             tuple(tok.encode_chat([ChatMessage("user", t)]) if args.chat else tok.encode(t)),

@@ -9,7 +9,7 @@ before attention, so a prefill chunk attends to itself as well as to earlier pag
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from typing import Protocol, assert_never
 
 import torch
 
@@ -19,6 +19,7 @@ from engine.forward_batch import ForwardBatch
 class AttentionKind(enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
+    TRITON = "triton"
 
 
 class PreparedAttention(Protocol):
@@ -39,10 +40,46 @@ class AttentionBackend(Protocol):
     ) -> PreparedAttention: ...
 
 
-def select_attention(kind: AttentionKind, device: torch.device) -> AttentionBackend:
-    """The backend for a cache on `device`; AUTO picks the fastest one available there."""
-    from kernels.torch_attention import TorchPagedAttention
+def triton_available() -> bool:
+    """Whether the triton package imports (it is absent or broken on some hosts)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
+
+def resolve_attention(kind: AttentionKind, device: torch.device) -> AttentionKind:
+    """The concrete kind AUTO stands for on `device`: Triton on CUDA when it imports, else torch."""
     match kind:
-        case AttentionKind.AUTO | AttentionKind.TORCH:
+        case AttentionKind.AUTO:
+            if device.type == "cuda" and triton_available():
+                return AttentionKind.TRITON
+            return AttentionKind.TORCH
+        case AttentionKind.TORCH | AttentionKind.TRITON:
+            return kind
+        case _:
+            assert_never(kind)
+
+
+def select_attention(kind: AttentionKind, device: torch.device) -> AttentionBackend:
+    """The backend for a cache on `device`; an explicit kind forces that backend.
+
+    TRITON on a CPU device only runs under TRITON_INTERPRET=1 (the tests' set-up);
+    without it the first launch raises with that hint.
+    """
+    match resolve_attention(kind, device):
+        case AttentionKind.TORCH:
+            from kernels.torch_attention import TorchPagedAttention
+
             return TorchPagedAttention()
+        case AttentionKind.TRITON:
+            # Imported only when chosen: importing decorates the kernels, which reads
+            # TRITON_INTERPRET at that moment.
+            from kernels.triton_attention import TritonPagedAttention
+
+            return TritonPagedAttention()
+        case AttentionKind.AUTO:
+            raise AssertionError("resolve_attention never returns AUTO")
+        case other:
+            assert_never(other)

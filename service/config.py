@@ -15,7 +15,7 @@ class ServiceConfig:
     port: int = 50051
     model: str | None = None  # .gguf file or HF folder; None = the shipped model
     dtype: str = "float32"
-    page_size: int = 256
+    page_size: int = 64  # engine.generator.GeneratorConfig's default (see there why)
     cache_tokens: int = 32768
     max_batch_size: int = 64
     max_queue: int = 1024
@@ -29,6 +29,13 @@ class ServiceConfig:
     stream_grace_seconds: float = 30.0  # an enqueued job not streamed by then is cancelled
     shutdown_grace_seconds: float = 30.0  # SIGTERM: running jobs get this long to finish
     warmup: bool = True
+    speculate: str = "none"  # none, ngram or draft_model
+    num_draft_tokens: int = 4
+    max_ngram: int = 4
+    speculate_max_batch: int = 4  # no speculation with more running jobs than this
+    draft_model: str | None = None  # default: the target's own file
+    draft_layers: int = 0  # keep only the draft's first N layers (0 = all)
+    draft_dtype: str = "float32"
 
     @property
     def num_pages(self) -> int:
@@ -77,6 +84,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("max_message_bytes", int, d.max_message_bytes, "largest gRPC message, both directions")
     opt("stream_grace_seconds", float, d.stream_grace_seconds, "cancel an enqueued job not streamed by then")
     opt("shutdown_grace_seconds", float, d.shutdown_grace_seconds, "SIGTERM: time running jobs get to finish")
+    opt("speculate", str, d.speculate, "speculative decoding: none, ngram or draft_model")
+    opt("num_draft_tokens", int, d.num_draft_tokens, "draft tokens verified per step")
+    opt("max_ngram", int, d.max_ngram, "longest suffix the n-gram drafter matches")
+    opt("speculate_max_batch", int, d.speculate_max_batch, "no speculation with more running jobs than this")
+    opt("draft_model", str, d.draft_model, "draft model file (default: the target's own)")
+    opt("draft_layers", int, d.draft_layers, "keep only the draft's first N layers (0 = all)")
+    opt("draft_dtype", str, d.draft_dtype, "draft model dtype: float32 or bfloat16")
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:

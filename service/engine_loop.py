@@ -25,6 +25,7 @@ from engine.scheduler import SchedulerConfig
 from service.config import ServiceConfig
 from service.ipc import Accepted, EngineStats, ErrorCode, Message, Rejection, Tag, pack_frames
 from service.proto.dyngen.v1 import generator_pb2 as pb
+from service.speculation_flags import speculation_options
 
 STATS_INTERVAL = 0.5
 IDLE_POLL = 0.25
@@ -44,6 +45,15 @@ class EngineLoop:
         self.out = events
         loaded = load_model(config.model_path, WeightDtype(config.dtype), progress=False)
         self.loaded = loaded
+        speculation = speculation_options(
+            config.speculate,
+            config.num_draft_tokens,
+            config.max_ngram,
+            config.speculate_max_batch,
+            config.draft_model,
+            config.draft_layers,
+            config.draft_dtype,
+        )
         self.generator = DynamicGenerator(
             loaded.model,
             loaded.tokenizer,
@@ -56,7 +66,9 @@ class EngineLoop:
                     max_chunk_size=config.chunk_size,
                     max_q_size=config.max_queue,
                 ),
+                speculation=speculation.config,
             ),
+            draft_model=speculation.load_draft(config.model_path, progress=False),
         )
         if config.warmup:
             self.generator.warmup()

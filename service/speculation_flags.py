@@ -39,16 +39,37 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-dtype", choices=[d.value for d in WeightDtype], default="float32")
 
 
-def speculation_from_args(args: argparse.Namespace) -> SpeculationOptions:
-    kind = DrafterKind(args.speculate)
-    same_as_target = args.draft_model is None and args.draft_layers is None
-    if kind is DrafterKind.DRAFT_MODEL and same_as_target and args.draft_dtype == WeightDtype.FLOAT32.value:
+def speculation_options(
+    kind: str,
+    num_draft_tokens: int,
+    max_ngram: int,
+    max_batch: int,
+    draft_model: str | None,
+    draft_layers: int | None,
+    draft_dtype: str,
+) -> SpeculationOptions:
+    """Validated options from flag values (shared by `dyngen generate` and `dyngen serve`)."""
+    drafter = DrafterKind(kind)
+    same_as_target = draft_model is None and not draft_layers
+    if drafter is DrafterKind.DRAFT_MODEL and same_as_target and draft_dtype == WeightDtype.FLOAT32.value:
         raise InvalidRequestError(
             "--speculate draft_model needs a cheaper draft: --draft-model, --draft-layers or --draft-dtype bfloat16"
         )
     return SpeculationOptions(
-        SpeculationConfig(kind, args.num_draft_tokens, args.max_ngram, args.speculate_max_batch),
-        args.draft_model,
+        SpeculationConfig(drafter, num_draft_tokens, max_ngram, max_batch),
+        Path(draft_model) if draft_model else None,
+        draft_layers or None,
+        WeightDtype(draft_dtype),
+    )
+
+
+def speculation_from_args(args: argparse.Namespace) -> SpeculationOptions:
+    return speculation_options(
+        args.speculate,
+        args.num_draft_tokens,
+        args.max_ngram,
+        args.speculate_max_batch,
+        None if args.draft_model is None else str(args.draft_model),
         args.draft_layers,
-        WeightDtype(args.draft_dtype),
+        args.draft_dtype,
     )

@@ -24,7 +24,7 @@ from engine.model.config import ModelConfig
 from engine.model.linear import Linear
 from engine.model.rope import RotaryEmbedding
 from engine.model.weight_source import WeightSource
-from kernels.attention import AttentionBackend, AttentionKind, select_attention
+from kernels.attention import AttentionBackend, AttentionKind, resolve_attention, select_attention
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,8 @@ class LlamaModel:
         self.rope.cos = self.rope.cos.to(self.device)
         self.rope.sin = self.rope.sin.to(self.device)
         self.attention: AttentionBackend = select_attention(attention, self.device)
+        # The fused Triton kernels (residual add + norm, rotary in place) go with Triton attention.
+        self.fused = resolve_attention(attention, self.device) is AttentionKind.TRITON
 
     @staticmethod
     def from_source(
@@ -157,6 +159,17 @@ class LlamaModel:
         shape = CacheShape(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
         return PagedKVCache(shape, self.dtype, self.device)
 
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + delta (the residual stream) and its RMSNorm with `weight`."""
+        if self.fused:
+            from kernels.triton_fused import add_rms_norm
+
+            return x, add_rms_norm(delta, x, weight, self.config.rms_norm_eps)  # adds into x in place
+        x = x + delta
+        return x, rms_norm(x, weight, self.config.rms_norm_eps)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Run one flattened batch; returns float32 logits [len(logits_indices), vocab]."""
@@ -166,19 +179,30 @@ class LlamaModel:
         attn = self.attention.prepare(batch, c.num_heads, c.num_kv_heads, self.dtype)
         cos, sin = self.rope.tables(batch.positions)
         x = self.embed[batch.input_ids]
+        h = rms_norm(x, self.layers[0].attn_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
             qkv = layer.qkv(h)
             q = qkv[:, :q_size].view(tokens, c.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(tokens, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
-            q = self.rope.apply(q, cos, sin)
-            k = self.rope.apply(k, cos, sin)
+            if self.fused:
+                # Imported here, not at the top: importing decorates the kernels, which reads
+                # TRITON_INTERPRET (see kernels.attention.select_attention).
+                from kernels.triton_fused import rotary_
+
+                rotary_(q, self.rope.cos, self.rope.sin, batch.positions)
+                rotary_(k, self.rope.cos, self.rope.sin, batch.positions)
+            else:
+                q = self.rope.apply(q, cos, sin)
+                k = self.rope.apply(k, cos, sin)
             attn.write_kv(cache.k[i], cache.v[i], k, v)
             o = attn.attend(q, cache.k[i], cache.v[i])
-            x = x + layer.o(o)
-            h = rms_norm(x, layer.ffn_norm, c.rms_norm_eps)
+            x, h = self._add_norm(x, layer.o(o), layer.ffn_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            delta = layer.down(F.silu(gate) * up)
+            if i + 1 < len(self.layers):
+                x, h = self._add_norm(x, delta, self.layers[i + 1].attn_norm)
+            else:
+                x = x + delta
         last = rms_norm(x[batch.logits_indices], self.final_norm, c.rms_norm_eps)
         return self.lm_head(last).to(torch.float32)
