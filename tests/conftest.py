@@ -9,12 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.manual_seed(0)
+# CI must not flake: hypothesis draws the same examples on every run (print_blob helps reproduce).
+settings.register_profile("dyngen", derandomize=True, print_blob=True)
+settings.load_profile("dyngen")
 
 # Six chat prompts of different lengths and topics for parity and batch tests.
 PARITY_PROMPTS = (

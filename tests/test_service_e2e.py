@@ -249,9 +249,12 @@ def test_queue_full_then_sigterm_drains() -> None:
 
         short = Request(Chat.user("Count from one to twenty."), max_new_tokens=30, ignore_eos=True)
         threads = [threading.Thread(target=run, args=a) for a in (("short", short), ("long", LONG))]
-        for t in threads:
-            t.start()
-        assert started["short"].wait(30) and started["long"].wait(30)
+        # One at a time: with --max-queue 1, two enqueues landing before the engine admits the
+        # first would make the second RESOURCE_EXHAUSTED.
+        threads[0].start()
+        assert started["short"].wait(60)
+        threads[1].start()
+        assert started["long"].wait(60), errors
         s.process.terminate()
         for t in threads:
             t.join(30)
