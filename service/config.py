@@ -22,6 +22,7 @@ class ServiceConfig:
     chunk_size: int = 2048
     sampling_threads: int = 2
     torch_threads: int = 0  # 0 = one per core
+    omp_wait_policy: str = "active"  # active (dedicated machine) or passive (CPU shared with others)
     metrics_port: int = 0  # 0 = no metrics endpoint
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -78,6 +79,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("chunk_size", int, d.chunk_size, "tokens per forward")
     opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size")
     opt("torch_threads", int, d.torch_threads, "torch threads in the engine process (0 = one per core)")
+    opt(
+        "omp_wait_policy",
+        str,
+        d.omp_wait_policy,
+        "OpenMP waiting: active (own machine) or passive (shared CPU)",
+    )
     opt("metrics_port", int, d.metrics_port, "Prometheus metrics HTTP port (0 = off)")
     opt("tls_cert", str, d.tls_cert, "PEM certificate chain (with --tls-key: serve TLS)")
     opt("tls_key", str, d.tls_key, "PEM private key")

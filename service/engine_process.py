@@ -12,9 +12,10 @@ from service.config import ServiceConfig
 
 def run(config_json: str, commands: Connection, events: Connection) -> None:
     config = ServiceConfig.from_json(config_json)
-    # OpenMP workers that spin while the front end (or anything else) holds a core stall every
-    # parallel region; passive waiting measured 3.7x the tok/s of the default under such load.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Spinning OpenMP workers are fastest on a machine the server has to itself (W4: 1.01x of
+    # in-process W1 with ACTIVE vs 0.83x with PASSIVE); under outside CPU load they stall every
+    # parallel region and PASSIVE measured 3.7x faster. The environment's OMP_WAIT_POLICY wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", config.omp_wait_policy.upper())
     if config.torch_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(config.torch_threads)
     import torch
