@@ -217,7 +217,7 @@ def test_engine_death_is_survived(server: ServerProcess) -> None:
 
 def test_queue_full_then_sigterm_drains() -> None:
     s = start_server(
-        "--max-batch-size", "2", "--max-queue", "1", "--shutdown-grace-seconds", "4", "--cache-tokens", "8192"
+        "--max-batch-size", "2", "--max-queue", "1", "--shutdown-grace-seconds", "15", "--cache-tokens", "8192"
     )
     try:
         with s.client() as client:
@@ -247,7 +247,8 @@ def test_queue_full_then_sigterm_drains() -> None:
                 except grpc.RpcError as exc:
                     errors.append(exc.code())
 
-        short = Request(Chat.user("Count from one to twenty."), max_new_tokens=30, ignore_eos=True)
+        # Short enough to finish well inside the 15 s grace; LONG (2000 tokens) cannot.
+        short = Request(Chat.user("Count from one to twenty."), max_new_tokens=12, ignore_eos=True)
         threads = [threading.Thread(target=run, args=a) for a in (("short", short), ("long", LONG))]
         # One at a time: with --max-queue 1, two enqueues landing before the engine admits the
         # first would make the second RESOURCE_EXHAUSTED.
