@@ -217,7 +217,14 @@ def test_engine_death_is_survived(server: ServerProcess) -> None:
 
 def test_queue_full_then_sigterm_drains() -> None:
     s = start_server(
-        "--max-batch-size", "2", "--max-queue", "1", "--shutdown-grace-seconds", "15", "--cache-tokens", "8192"
+        "--max-batch-size",
+        "2",
+        "--max-queue",
+        "1",
+        "--shutdown-grace-seconds",
+        "15",
+        "--cache-tokens",
+        "8192",
     )
     try:
         with s.client() as client:
