@@ -200,9 +200,6 @@ class DynamicGenerator:
             rejected_draft_tokens=self._rejected_drafts,
         )
 
-    def page_tables(self) -> list[list[int]]:
-        return [list(j.pages) for j in self.scheduler.running]
-
     def check_invariants(self) -> None:
         self.pool.check_invariants(j.pages for j in self.jobs.values() if j.pages)
 
