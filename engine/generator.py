@@ -275,8 +275,10 @@ class DynamicGenerator:
 
     def _plan_speculation(self) -> None:
         """Decide how many draft tokens each decoding job may verify in the next step."""
+        if self.drafter is None:
+            return  # budgets stay 0: no per-job work in the loop when speculation is off
         spec = self.config.speculation
-        active = self.drafter is not None and len(self.scheduler.running) <= spec.max_batch_size
+        active = len(self.scheduler.running) <= spec.max_batch_size
         for job in self.scheduler.running:
             left = job.spec.max_new_tokens - job.new_tokens - 1  # the verify step adds one token of its own
             job.draft_budget = min(spec.num_draft_tokens, left) if active and self._speculates(job) else 0
