@@ -1,8 +1,11 @@
 """The KV cache: a pool of fixed-size pages per layer, addressed by slot.
 
-Layout per layer: [num_pages * page_size, num_kv_heads, head_dim], i.e. page p holds
-slots p*page_size .. (p+1)*page_size-1. Which page belongs to which sequence is the
-page tables' business (the caller's); this module only owns the storage.
+Layout per layer: [num_pages, num_kv_heads, page_size, head_dim]. A token's slot is
+page * page_size + offset, and its K/V for head h sit at [page, h, offset]. Pages are
+head-major so that one page of one head is a contiguous [page_size, head_dim] matrix:
+attention can gather whole pages and multiply them in place, with no per-token copy.
+Which page belongs to which sequence is the page tables' business (the caller's);
+this module only owns the storage.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class PagedKVCache:
             raise ValueError(f"page size and page count must be positive, got {shape}")
         self.shape = shape
         self.dtype = dtype
-        dims = (shape.num_layers, shape.num_slots, shape.num_kv_heads, shape.head_dim)
+        dims = (shape.num_layers, shape.num_pages, shape.num_kv_heads, shape.page_size, shape.head_dim)
         self.k = torch.zeros(dims, dtype=dtype, device=device)
         self.v = torch.zeros(dims, dtype=dtype, device=device)
 

@@ -1,13 +1,23 @@
 """Paged attention in plain torch: the CPU path and the reference for other kernels.
 
-Sequences are split into two groups: decode (one query token) and the rest (prefill
-chunks, speculative verification). Each group is handled with batched tensor ops:
-its K/V are gathered from the pages into a padded [B, L] block through one
-index_select per layer, then one scaled_dot_product_attention call. Grouped-query
-heads are folded into the query axis (the heads sharing a K/V head become extra
-query rows with the same mask), so no K/V head is copied per query head and the
-fused CPU kernel sees few, larger blocks. The gather indices and masks are built
-once per forward and reused by every layer.
+The cache of a layer is [num_pages, kv_heads, page_size, head_dim] (see
+engine.kv_cache): one page of one head is a contiguous [page_size, head_dim] matrix.
+
+Sequences are split into two groups, each handled with batched tensor ops and index
+tensors built once per forward and reused by every layer:
+
+Each sequence's pages are gathered whole, one page of one head per row (one
+index_select of page-sized blocks, far cheaper than a per-token gather), in the order
+(sequence, head, page): that lands every sequence's keys of one head as one contiguous
+[keys, head_dim] block, ready for a batched matmul with no further copy. Then:
+
+- decode (one query token each): scores by one batched matmul, a float32 softmax under
+  an additive padding bias, and one batched matmul with the values;
+- the rest (prefill chunks, speculative verification): scaled_dot_product_attention,
+  whose fused CPU kernel never materialises the [queries, keys] scores.
+
+Grouped-query heads are folded into the query axis (the heads sharing a K/V head
+become extra query rows with the same mask), so no K/V head is copied per query head.
 """
 
 from __future__ import annotations
@@ -22,25 +32,29 @@ from engine.forward_batch import ForwardBatch
 
 @dataclass(frozen=True)
 class _Group:
-    """Sequences attended together, padded to Q query rows and L keys."""
+    """Sequences attended together, padded to Q query rows and P pages (L = P * page_size keys)."""
 
-    rows: torch.Tensor  # [B, Q] rows of the flattened batch holding each query (padding -> 0)
+    rows: torch.Tensor  # [B * Q] rows of the flattened batch holding each query (padding -> 0)
     out_rows: torch.Tensor  # [N] flattened batch rows that are real queries
     out_select: torch.Tensor  # [N] positions in the flattened [B * Q] block that are real queries
-    slots: torch.Tensor  # [B * L] cache slots to gather (padding -> 0)
-    mask: torch.Tensor  # [B, 1, per_kv * Q, L] bool: True where visible
+    blocks: torch.Tensor  # [B * kv_heads * P] rows (page * kv_heads + head) to gather; padding -> page 0
+    mask: torch.Tensor  # decode: [B, 1, 1, L] additive bias; others: [B, 1, per_kv * Q, L] bool
     batch: int
     queries: int
-    keys: int
+    num_pages: int
 
 
-def _build_group(batch: ForwardBatch, members: list[int], per_kv: int) -> _Group:
+def _build_group(
+    batch: ForwardBatch, members: list[int], kv_heads: int, per_kv: int, dtype: torch.dtype
+) -> _Group:
     device = batch.input_ids.device
+    page_size = batch.page_size
     starts = [0]
     for n in batch.query_lens:
         starts.append(starts[-1] + n)
     q_max = max(batch.query_lens[i] for i in members)
-    l_max = max(batch.seq_lens[i] for i in members)
+    p_max = max(-(-batch.seq_lens[i] // page_size) for i in members)
+    l_max = p_max * page_size
     idx = torch.tensor(members, dtype=torch.int64, device=device)
     q_lens = torch.tensor([batch.query_lens[i] for i in members], dtype=torch.int64, device=device)
     s_lens = torch.tensor([batch.seq_lens[i] for i in members], dtype=torch.int64, device=device)
@@ -49,88 +63,102 @@ def _build_group(batch: ForwardBatch, members: list[int], per_kv: int) -> _Group
     qi = torch.arange(q_max, device=device)
     q_valid = qi[None, :] < q_lens[:, None]  # [B, Q]
     rows = torch.where(q_valid, q_start[:, None] + qi[None, :], 0)
+    pages = batch.page_tables[idx][:, :p_max]  # [B, P]; tables are padded with page 0 (masked)
+    heads = torch.arange(kv_heads, dtype=torch.int64, device=device)
+    blocks = pages[:, None, :] * kv_heads + heads[None, :, None]  # [B, kv, P]
 
     kj = torch.arange(l_max, device=device)
-    page_size = batch.page_size
-    tables = batch.page_tables[idx]  # [B, P]
-    page_idx = (kj // page_size).clamp(max=tables.shape[1] - 1)
-    slots = tables[:, page_idx] * page_size + (kj % page_size)[None, :]
     k_valid = kj[None, :] < s_lens[:, None]  # [B, L]
-    slots = torch.where(k_valid, slots, 0)
-
-    # Query i of a sequence sits at position seq_len - q_len + i and sees keys up to it.
-    q_pos = (s_lens - q_lens)[:, None] + qi[None, :]  # [B, Q]
-    visible = (kj[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
-    # Padded query rows see key 0 so their softmax stays finite; their output is dropped.
-    visible = visible | (~q_valid[:, :, None] & (kj == 0)[None, None, :])
-    # Query rows are ordered (head within its K/V group, position): repeat the mask per head.
-    mask = visible[:, None].expand(-1, per_kv, -1, -1).reshape(len(members), 1, per_kv * q_max, l_max)
+    if q_max == 1:
+        # A decode query sees every key its sequence holds: an additive bias is all it needs.
+        bias = torch.zeros((len(members), 1, 1, l_max), dtype=dtype, device=device)
+        mask = bias.masked_fill_(~k_valid[:, None, None, :], float("-inf"))
+    else:
+        # Query i of a sequence sits at position seq_len - q_len + i and sees keys up to it.
+        q_pos = (s_lens - q_lens)[:, None] + qi[None, :]  # [B, Q]
+        visible = (kj[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+        # Padded query rows see key 0 so their softmax stays finite; their output is dropped.
+        visible = visible | (~q_valid[:, :, None] & (kj == 0)[None, None, :])
+        # Query rows are ordered (head within its K/V group, position): repeat the mask per head.
+        mask = visible[:, None].expand(-1, per_kv, -1, -1).reshape(len(members), 1, per_kv * q_max, l_max)
 
     flat_valid = q_valid.reshape(-1)
     return _Group(
-        rows=rows,
+        rows=rows.reshape(-1),
         out_rows=rows.reshape(-1)[flat_valid],
         out_select=torch.nonzero(flat_valid).reshape(-1),
-        slots=slots.reshape(-1),
+        blocks=blocks.reshape(-1),
         mask=mask,
         batch=len(members),
         queries=q_max,
-        keys=l_max,
+        num_pages=p_max,
     )
 
 
 class _PreparedTorchAttention:
     def __init__(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
-        self._slot_mapping = batch.slot_mapping
         self._heads = num_heads
         self._kv_heads = num_kv_heads
+        page_size = batch.page_size
+        slots = batch.slot_mapping
+        # Row of [num_pages * kv_heads * page_size, head_dim] that token t's head h goes to.
+        heads = torch.arange(num_kv_heads, dtype=torch.int64, device=slots.device)
+        self._write_rows = (
+            ((slots // page_size)[:, None] * num_kv_heads + heads[None, :]) * page_size
+            + (slots % page_size)[:, None]
+        ).reshape(-1)
         decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
         longer = [i for i, n in enumerate(batch.query_lens) if n > 1]
         per_kv = num_heads // num_kv_heads
-        self._groups = [_build_group(batch, members, per_kv) for members in (decode, longer) if members]
-        # When the whole batch is one group in order, outputs need no scatter.
+        self._groups = [
+            _build_group(batch, members, num_kv_heads, per_kv, dtype)
+            for members in (decode, longer)
+            if members
+        ]
+        # When the whole batch is one decode group in order, outputs need no scatter.
         self._in_order = len(self._groups) == 1 and self._groups[0].queries == 1
 
     def write_kv(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        k_cache.index_copy_(0, self._slot_mapping, k)
-        v_cache.index_copy_(0, self._slot_mapping, v)
+        head_dim = k_cache.shape[-1]
+        k_cache.view(-1, head_dim).index_copy_(0, self._write_rows, k.reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, self._write_rows, v.reshape(-1, head_dim))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         tokens, heads, head_dim = q.shape
-        kv_heads = self._kv_heads
-        per_kv = heads // kv_heads
-        scale = head_dim**-0.5
         if self._in_order:
-            return self._attend_group(self._groups[0], q, k_cache, v_cache, per_kv, scale)
+            return self._attend_group(self._groups[0], q, k_cache, v_cache)
         out = torch.empty((tokens, heads * head_dim), dtype=q.dtype, device=q.device)
         for group in self._groups:
-            out[group.out_rows] = self._attend_group(group, q, k_cache, v_cache, per_kv, scale)
+            out[group.out_rows] = self._attend_group(group, q, k_cache, v_cache)
         return out
 
     def _attend_group(
-        self,
-        g: _Group,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        per_kv: int,
-        scale: float,
+        self, g: _Group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         _, heads, head_dim = q.shape
         kv_heads = self._kv_heads
+        per_kv = heads // kv_heads
+        page_size = k_cache.shape[2]
+        b, nq, np_ = g.batch, g.queries, g.num_pages
+        scale = head_dim**-0.5
+        keys = np_ * page_size
+        # [num_pages * kv, page_size * D] rows -> [B, kv, P * page_size, D], each (sequence, head) contiguous.
+        k = k_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(b, kv_heads, keys, head_dim)
+        v = v_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(b, kv_heads, keys, head_dim)
+        if nq == 1:
+            qg = (q if self._in_order else q[g.rows]).reshape(b, kv_heads, per_kv, head_dim)
+            s = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(g.mask)  # [B, kv, per_kv, keys]
+            p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(p, v).reshape(b, heads * head_dim)
         # [B, Q, kv, per_kv, D] -> [B, kv, per_kv * Q, D]
-        qg = q[g.rows.reshape(-1)].view(g.batch, g.queries, kv_heads, per_kv, head_dim)
-        qg = qg.permute(0, 2, 3, 1, 4).reshape(g.batch, kv_heads, per_kv * g.queries, head_dim)
-        k = k_cache.index_select(0, g.slots).view(g.batch, g.keys, kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, g.slots).view(g.batch, g.keys, kv_heads, head_dim).transpose(1, 2)
+        qg = q[g.rows].view(b, nq, kv_heads, per_kv, head_dim)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, per_kv * nq, head_dim)
         ctx = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
         # [B, kv, per_kv, Q, D] -> [B, Q, kv, per_kv, D] -> rows
-        ctx = ctx.view(g.batch, kv_heads, per_kv, g.queries, head_dim).permute(0, 3, 1, 2, 4)
-        ctx = ctx.reshape(g.batch * g.queries, heads * head_dim)
-        if g.queries == 1:
-            return ctx
+        ctx = ctx.view(b, kv_heads, per_kv, nq, head_dim).permute(0, 3, 1, 2, 4)
+        ctx = ctx.reshape(b * nq, heads * head_dim)
         return ctx[g.out_select]
 
 

@@ -6,6 +6,11 @@ layer then launches at most four kernels: the K/V write, the split decode kernel
 its reduction, and the multi-query kernel. Nothing is gathered or padded on the host:
 the kernels read K/V through the page tables in place.
 
+The caches are the PagedKVCache layout per layer, [num_pages, kv_heads, page_size,
+head_dim] (head-major pages, head_dim contiguous); slot s of head h is
+[s // page_size, h, s % page_size]. The kernels take the page, head and
+offset-in-page strides, so any such view with a contiguous head_dim works.
+
 Triton has no CPU backend: on CPU tensors the kernels only run under the interpreter
 (TRITON_INTERPRET=1 set before this module is imported), which is how the tests
 compare them with the torch path.
@@ -109,24 +114,35 @@ def _p2(n: int) -> int:
     return int(triton.next_power_of_2(n))
 
 
+def _check_cache(cache: torch.Tensor, kv_heads: int, head_dim: int, page_size: int | None = None) -> None:
+    assert cache.dim() == 4, (
+        f"cache must be [num_pages, kv_heads, page_size, head_dim], got {tuple(cache.shape)}"
+    )
+    assert cache.shape[1] == kv_heads and cache.shape[3] == head_dim, (tuple(cache.shape), kv_heads, head_dim)
+    assert page_size is None or cache.shape[2] == page_size, (tuple(cache.shape), page_size)
+    assert cache.stride(3) == 1, "head_dim must be contiguous"
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """k, v [T, kv_heads, head_dim] into the caches [num_slots, kv_heads, head_dim] at `slots` [T]."""
+    """k, v [T, kv_heads, head_dim] into the caches [num_pages, kv_heads, page_size, head_dim] at `slots` [T]."""
     check_device(k_cache)
     tokens, kv_heads, head_dim = k.shape
+    page_size = k_cache.shape[2]
     row = kv_heads * head_dim
     if k.stride(2) != 1 or k.stride(1) != head_dim:
         k = k.contiguous()
     if v.stride(2) != 1 or v.stride(1) != head_dim:
         v = v.contiguous()
-    assert k_cache.stride(1) == head_dim and k_cache.stride(2) == 1
-    assert v_cache.stride(1) == head_dim and v_cache.stride(2) == 1
+    _check_cache(k_cache, kv_heads, head_dim)
+    _check_cache(v_cache, kv_heads, head_dim, page_size)
     grid = (triton.cdiv(tokens, WRITE_BLOCK_T),)
     write_kv_kernel[grid](
-        k, v, k_cache, v_cache, slots, tokens,
-        k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
-        ROW=row, ROW_P2=_p2(row), BLOCK_T=WRITE_BLOCK_T,
+        k, v, k_cache, v_cache, slots, tokens, k.stride(0), v.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        PAGE_SIZE=page_size, HEAD_DIM=head_dim, ROW=row, ROW_P2=_p2(row), BLOCK_T=WRITE_BLOCK_T,
     )  # fmt: skip
 
 
@@ -147,14 +163,17 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} must be a power of two >= 16")
     if q.stride(2) != 1:
         q = q.contiguous()
-    assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+    _check_cache(k_cache, kv_heads, head_dim, meta.page_size)
+    _check_cache(v_cache, kv_heads, head_dim, meta.page_size)
     per_kv = heads // kv_heads
     per_kv_p2 = _p2(per_kv)
     scale = head_dim**-0.5
     out = torch.zeros((tokens, heads * head_dim), dtype=q.dtype, device=q.device)
     strides = (
-        *(q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1)),
-        *(v_cache.stride(0), v_cache.stride(1), meta.page_tables.stride(0)),
+        *(q.stride(0), q.stride(1)),
+        *(k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
+        *(v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+        meta.page_tables.stride(0),
     )
 
     n_decode = int(meta.decode_ids.shape[0])
@@ -199,6 +218,7 @@ class _PreparedTritonAttention:
     def write_kv(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
+        _check_cache(k_cache, k.shape[1], k.shape[2], self._meta.page_size)
         write_kv(k_cache, v_cache, k, v, self._slots)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:

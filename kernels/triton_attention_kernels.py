@@ -1,10 +1,12 @@
 """Triton kernels for attention over the paged KV cache (launched by kernels.triton_attention).
 
 Memory layout assumed (the PagedKVCache layout): per layer K and V are
-[num_slots, kv_heads, head_dim] with head_dim contiguous; page p owns slots
-p*PAGE_SIZE .. (p+1)*PAGE_SIZE-1; key j of a sequence lives at slot
-table[j // PAGE_SIZE] * PAGE_SIZE + j % PAGE_SIZE. Keys are fetched BLOCK_N at a
-time through that formula, so a block may straddle pages and any page size works.
+[num_pages, kv_heads, PAGE_SIZE, head_dim], head-major pages with head_dim
+contiguous; the other strides are passed in (page, head, offset in page). A token's
+slot is page * PAGE_SIZE + offset, and key j of a sequence lives in page
+table[j // PAGE_SIZE] at offset j % PAGE_SIZE. Keys are fetched BLOCK_N at a time
+through that formula, so a block may straddle pages and any page size works; within
+a page one head's keys are a contiguous [PAGE_SIZE, head_dim] run.
 
 One program serves one K/V head of one sequence and all the query heads that share
 it (grouped-query attention): K/V are read once per group, never per query head.
@@ -33,10 +35,12 @@ def decode_partial_kernel(
     out_ptr,
     stride_qt,
     stride_qh,
-    stride_ks,
+    stride_kp,
     stride_kh,
-    stride_vs,
+    stride_ko,
+    stride_vp,
     stride_vh,
+    stride_vo,
     stride_tb,
     stride_ot,
     num_splits,
@@ -71,6 +75,9 @@ def decode_partial_kernel(
     )
     q = q.to(tl.float32) * scale
 
+    # This program's K/V head; its keys are then addressed by (page, offset in page).
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
     m = tl.full([PER_KV_P2], float("-inf"), tl.float32)
     l_sum = tl.zeros([PER_KV_P2], tl.float32)
     acc = tl.zeros([PER_KV_P2, HEAD_DIM], tl.float32)
@@ -79,16 +86,14 @@ def decode_partial_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = offs < end
-        page = tl.load(tables_ptr + seq * stride_tb + offs // PAGE_SIZE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs % PAGE_SIZE
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0
-        )
+        page = tl.load(tables_ptr + seq * stride_tb + offs // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        in_page = offs % PAGE_SIZE
+        k_rows = k_head + page * stride_kp + in_page * stride_ko
+        k = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
         s = tl.where(valid[None, :], s, float("-inf"))
-        v = tl.load(
-            v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=valid[:, None], other=0.0
-        )
+        v_rows = v_head + page * stride_vp + in_page * stride_vo
+        v = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         # Online softmax step (inlined: nested jit calls are slow under the interpreter).
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -164,10 +169,12 @@ def prefill_kernel(
     seq_ids_ptr,
     stride_qt,
     stride_qh,
-    stride_ks,
+    stride_kp,
     stride_kh,
-    stride_vs,
+    stride_ko,
+    stride_vp,
     stride_vh,
+    stride_vo,
     stride_tb,
     stride_ot,
     scale,
@@ -208,6 +215,8 @@ def prefill_kernel(
         other=0.0,
     )
 
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
     m = tl.full([BLOCK_Q * PER_KV_P2], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_Q * PER_KV_P2], tl.float32)
     acc = tl.zeros([BLOCK_Q * PER_KV_P2, HEAD_DIM], tl.float32)
@@ -215,14 +224,12 @@ def prefill_kernel(
     for n0 in range(0, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = offs < end
-        page = tl.load(tables_ptr + seq * stride_tb + offs // PAGE_SIZE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + offs % PAGE_SIZE
-        k = tl.load(
-            k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0
-        )
-        v = tl.load(
-            v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=valid[:, None], other=0.0
-        )
+        page = tl.load(tables_ptr + seq * stride_tb + offs // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        in_page = offs % PAGE_SIZE
+        k_rows = k_head + page * stride_kp + in_page * stride_ko
+        v_rows = v_head + page * stride_vp + in_page * stride_vo
+        k = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         # The interpreter's dot is wrong on bfloat16 (numpy has none): give it float32 operands.
         if UPCAST_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -263,20 +270,36 @@ def write_kv_kernel(
     num_tokens,
     stride_kt,
     stride_vt,
-    stride_kcs,
-    stride_vcs,
+    stride_kcp,
+    stride_kch,
+    stride_kco,
+    stride_vcp,
+    stride_vch,
+    stride_vco,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     ROW: tl.constexpr,
     ROW_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Copy BLOCK_T tokens' K and V rows (kv_heads * head_dim, contiguous) into their slots."""
+    """Scatter BLOCK_T tokens' K and V rows (kv_heads * head_dim, contiguous) into their slots.
+
+    A token's row is read whole, then each head's head_dim piece goes to its own
+    [page, head, offset] position: the heads of one slot are a page stride apart.
+    """
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < num_tokens
     e = tl.arange(0, ROW_P2)
     ok = t_ok[:, None] & (e < ROW)[None, :]
     slot = tl.load(slots_ptr + t, mask=t_ok, other=0).to(tl.int64)
+    page = slot // PAGE_SIZE
+    in_page = slot % PAGE_SIZE
+    head = (e // HEAD_DIM).to(tl.int64)
+    dim = e % HEAD_DIM
     t64 = t.to(tl.int64)
     k = tl.load(k_ptr + t64[:, None] * stride_kt + e[None, :], mask=ok)
     v = tl.load(v_ptr + t64[:, None] * stride_vt + e[None, :], mask=ok)
-    tl.store(k_cache_ptr + slot[:, None] * stride_kcs + e[None, :], k, mask=ok)
-    tl.store(v_cache_ptr + slot[:, None] * stride_vcs + e[None, :], v, mask=ok)
+    k_dst = (page * stride_kcp + in_page * stride_kco)[:, None] + (head * stride_kch + dim)[None, :]
+    v_dst = (page * stride_vcp + in_page * stride_vco)[:, None] + (head * stride_vch + dim)[None, :]
+    tl.store(k_cache_ptr + k_dst, k, mask=ok)
+    tl.store(v_cache_ptr + v_dst, v, mask=ok)

@@ -99,8 +99,8 @@ def run_case(case: Case, seed: int) -> None:
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(case.dtype)
 
-    slots = num_pages * case.page_size
-    k_cache, v_cache = rand(slots, KV_HEADS, case.head_dim), rand(slots, KV_HEADS, case.head_dim)
+    cache_shape = (num_pages, KV_HEADS, case.page_size, case.head_dim)
+    k_cache, v_cache = rand(*cache_shape), rand(*cache_shape)
     tokens = batch.num_tokens
     q, k, v = (
         rand(tokens, heads, case.head_dim),
@@ -117,6 +117,9 @@ def run_case(case: Case, seed: int) -> None:
     ours.write_kv(k_cache, v_cache, k, v)
     # The write is a copy: bit-identical to the torch path's index_copy_.
     assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
+    # And lands where the layout says, independently of the torch path: slot s -> [s // ps, :, s % ps].
+    pages, offsets = batch.slot_mapping // case.page_size, batch.slot_mapping % case.page_size
+    assert torch.equal(k_cache[pages, :, offsets], k) and torch.equal(v_cache[pages, :, offsets], v)
     got = ours.attend(q, k_cache, v_cache)
     assert got.dtype == case.dtype and got.shape == expected.shape
     atol, rtol = TOLERANCE[case.dtype]
@@ -164,7 +167,7 @@ def test_sequence_without_keys_gives_zeros_and_leaves_others_alone() -> None:
         max_decode_len=meta.max_decode_len,
         max_multi_query=meta.max_multi_query,
     )
-    k_cache, v_cache = torch.randn(3 * page_size, 2, head_dim), torch.randn(3 * page_size, 2, head_dim)
+    k_cache, v_cache = torch.randn(3, 2, page_size, head_dim), torch.randn(3, 2, page_size, head_dim)
     q = torch.randn(5, heads, head_dim)
     with_empty = paged_attention(q, k_cache, v_cache, empty, tiles=Tiles(split_len=32))
     alone = paged_attention(q[:4], k_cache, v_cache, meta, tiles=Tiles(split_len=32))
@@ -174,12 +177,29 @@ def test_sequence_without_keys_gives_zeros_and_leaves_others_alone() -> None:
 
 def test_split_count_does_not_change_the_result() -> None:
     batch, num_pages = build_batch(16, seed=3)
-    k_cache, v_cache = torch.randn(num_pages * 16, 2, 64), torch.randn(num_pages * 16, 2, 64)
+    k_cache, v_cache = torch.randn(num_pages, 2, 16, 64), torch.randn(num_pages, 2, 16, 64)
     q = torch.randn(batch.num_tokens, 6, 64)
     meta = PagedMeta.build(batch, torch.device("cpu"))
     one = paged_attention(q, k_cache, v_cache, meta, tiles=Tiles(split_len=1024))
     many = paged_attention(q, k_cache, v_cache, meta, tiles=Tiles(split_len=32))
     torch.testing.assert_close(one, many, atol=1e-6, rtol=1e-6)
+
+
+def test_strided_cache_view_matches_contiguous() -> None:
+    # The kernels address the cache through its page, head and offset strides: a
+    # [pages, page_size, kv_heads, head_dim] buffer viewed as [pages, kv_heads, page_size,
+    # head_dim] must give what the contiguous layout gives.
+    batch, num_pages = build_batch(16, seed=4)
+    view_k = torch.zeros(num_pages, 16, 2, 64).transpose(1, 2)
+    view_v = torch.zeros(num_pages, 16, 2, 64).transpose(1, 2)
+    dense_k, dense_v = torch.zeros(num_pages, 2, 16, 64), torch.zeros(num_pages, 2, 16, 64)
+    k, v = torch.randn(batch.num_tokens, 2, 64), torch.randn(batch.num_tokens, 2, 64)
+    q = torch.randn(batch.num_tokens, 6, 64)
+    attn = TritonPagedAttention(SMALL_SPLITS).prepare(batch, 6, 2, torch.float32)
+    attn.write_kv(view_k, view_v, k, v)
+    attn.write_kv(dense_k, dense_v, k, v)
+    assert torch.equal(view_k, dense_k) and torch.equal(view_v, dense_v)
+    assert torch.equal(attn.attend(q, view_k, view_v), attn.attend(q, dense_k, dense_v))
 
 
 def test_dispatch() -> None:

@@ -41,4 +41,7 @@ class Linear:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
             return out
         assert self._weight is not None
+        if x.dim() == 2 and self.bias is None:
+            out2: torch.Tensor = torch.mm(self._weight, x.t()).t()
+            return out2
         return F.linear(x, self._weight, self.bias)

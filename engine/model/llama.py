@@ -182,6 +182,8 @@ class LlamaModel:
         h = rms_norm(x, self.layers[0].attn_norm, c.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
+            if self.fused:
+                qkv = qkv.contiguous()  # the in-place rotary kernel wants head_dim contiguous
             q = qkv[:, :q_size].view(tokens, c.num_heads, c.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(tokens, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
