@@ -116,8 +116,7 @@ class LlamaModel:
             )
         freq_factors = tensors.get("rope_freqs")
         self.rope = RotaryEmbedding(c, dtype, freq_factors)
-        self.rope.cos = self.rope.cos.to(self.device)
-        self.rope.sin = self.rope.sin.to(self.device)
+        self.rope.to(self.device)
         self.attention: AttentionBackend = select_attention(attention, self.device)
         # The fused Triton kernels (residual add + norm, rotary in place) go with Triton attention.
         self.fused = resolve_attention(attention, self.device) is AttentionKind.TRITON
@@ -184,19 +183,21 @@ class LlamaModel:
             qkv = layer.qkv(h)
             if self.fused:
                 qkv = qkv.contiguous()  # the in-place rotary kernel wants head_dim contiguous
-            q = qkv[:, :q_size].view(tokens, c.num_heads, c.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(tokens, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
             if self.fused:
                 # Imported here, not at the top: importing decorates the kernels, which reads
                 # TRITON_INTERPRET (see kernels.attention.select_attention).
                 from kernels.triton_fused import rotary_
 
+                q = qkv[:, :q_size].view(tokens, c.num_heads, c.head_dim)
+                k = qkv[:, q_size : q_size + kv_size].view(tokens, c.num_kv_heads, c.head_dim)
                 rotary_(q, self.rope.cos, self.rope.sin, batch.positions)
                 rotary_(k, self.rope.cos, self.rope.sin, batch.positions)
             else:
-                q = self.rope.apply(q, cos, sin)
-                k = self.rope.apply(k, cos, sin)
+                # Q and K heads side by side, rotated by one call.
+                qk = qkv[:, : q_size + kv_size].view(tokens, c.num_heads + c.num_kv_heads, c.head_dim)
+                qk = self.rope.apply(qk, cos, sin)
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             attn.write_kv(cache.k[i], cache.v[i], k, v)
             o = attn.attend(q, cache.k[i], cache.v[i])
             x, h = self._add_norm(x, layer.o(o), layer.ffn_norm)
