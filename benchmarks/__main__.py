@@ -21,6 +21,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="w1: rounds, engines taking turns; each keeps its best round"
+    )
     args = parser.parse_args()
     if args.workload == "single":
         from benchmarks.single_stream import run
@@ -47,7 +50,7 @@ def main() -> None:
 
         print(run_service_load(dtypes, args.workloads))
         return
-    print(run_throughput(args.workload, dtypes, args.workloads))
+    print(run_throughput(args.workload, dtypes, args.workloads, args.repeat))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import roofline
 from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine.generator import DynamicGenerator, GeneratorConfig
@@ -112,23 +113,48 @@ def run_transformers(
     return RunResult(seconds, total, statistics.mean(first_tokens), statistics.median(first_tokens))
 
 
-def w1(path: Path, dtypes: Sequence[WeightDtype], workloads: Path | None) -> str:
+def w1(path: Path, dtypes: Sequence[WeightDtype], workloads: Path | None, repeats: int = 1) -> str:
     w = load_workloads(workloads)["W1"]
     rows: list[Row] = []
     for dtype in dtypes:
         loaded = load_model(path, dtype, progress=False)
         prompts = [tuple(loaded.tokenizer.encode_chat([ChatMessage("user", m)])) for m in w["user_messages"]]
-        ours = run_dyngen(loaded, prompts, w["max_new_tokens"], w["ignore_eos"])
+        # Engines take turns, `repeats` rounds, and each keeps its best round: on a machine
+        # shared with others, both then get the same chances of a quiet moment.
+        ours: RunResult | None = None
+        best: tuple[float, int] = (0.0, 0)
+        for _ in range(repeats):
+            run = run_dyngen(loaded, prompts, w["max_new_tokens"], w["ignore_eos"])
+            ours = run if ours is None or run.seconds < ours.seconds else ours
+            for batch in (16, 64):
+                theirs = run_transformers(
+                    path, dtype.torch, prompts, w["max_new_tokens"], batch, w["ignore_eos"]
+                )
+                best = max(best, (theirs.tokens_per_second, batch))
+        assert ours is not None
+        bound = roofline.measure(loaded.model.config, dtype.torch)
         del loaded
         gc.collect()
-        best: tuple[float, int] = (0.0, 0)
-        for batch in (16, 64):
-            theirs = run_transformers(path, dtype.torch, prompts, w["max_new_tokens"], batch, w["ignore_eos"])
-            best = max(best, (theirs.tokens_per_second, batch))
+        rounds = f", best of {repeats}" if repeats > 1 else ""
         rows.append(
-            Row("dyngen", dtype.value, ours.tokens_per_second, "transformers", f"{ours.seconds:.1f} s wall")
+            Row(
+                "dyngen",
+                dtype.value,
+                ours.tokens_per_second,
+                "transformers",
+                f"{ours.seconds:.1f} s wall{rounds}",
+            )
         )
-        rows.append(Row("transformers", dtype.value, best[0], "", f"static batch {best[1]}"))
+        rows.append(Row("transformers", dtype.value, best[0], "", f"static batch {best[1]}{rounds}"))
+        rows.append(
+            Row(
+                "bound: decode matmuls at peak GEMM rate",
+                dtype.value,
+                bound.tokens_per_second,
+                "transformers",
+                f"{bound.gemm_gflops:.0f} GFLOP/s x {bound.gflop_per_token:.3f} GFLOP/token",
+            )
+        )
     return render("W1: 64 chat prompts x 128 new tokens (greedy, EOS ignored), all at once", "tok/s", rows)
 
 
@@ -175,11 +201,11 @@ def w2(path: Path, dtypes: Sequence[WeightDtype], workloads: Path | None, page_s
     return "\n".join(lines)
 
 
-def run(which: str, dtypes: Sequence[WeightDtype], workloads: Path | None) -> str:
+def run(which: str, dtypes: Sequence[WeightDtype], workloads: Path | None, repeats: int = 1) -> str:
     path = default_model_path()
     parts = []
     if which in ("w1", "all"):
-        parts.append(w1(path, dtypes, workloads))
+        parts.append(w1(path, dtypes, workloads, repeats))
     if which in ("w2", "all"):
         parts.append(w2(path, dtypes, workloads, page_sizes=(256, 64, 16)))
     header = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
