@@ -32,7 +32,7 @@ from engine.forward_batch import ForwardBatch
 
 @dataclass(frozen=True)
 class _Group:
-    """Sequences attended together, padded to Q query rows and P pages (L = P * page_size keys)."""
+    """Sequences attended together, padded to Q query rows, P pages and L keys (the longest sequence)."""
 
     rows: torch.Tensor  # [B * Q] rows of the flattened batch holding each query (padding -> 0)
     out_rows: torch.Tensor  # [N] flattened batch rows that are real queries
@@ -42,6 +42,7 @@ class _Group:
     batch: int
     queries: int
     num_pages: int
+    keys: int
 
 
 def _build_group(
@@ -54,7 +55,8 @@ def _build_group(
         starts.append(starts[-1] + n)
     q_max = max(batch.query_lens[i] for i in members)
     p_max = max(-(-batch.seq_lens[i] // page_size) for i in members)
-    l_max = p_max * page_size
+    # Keys past the longest sequence are cut off the gathered pages (a view): no work for them.
+    l_max = max(batch.seq_lens[i] for i in members)
     idx = torch.tensor(members, dtype=torch.int64, device=device)
     q_lens = torch.tensor([batch.query_lens[i] for i in members], dtype=torch.int64, device=device)
     s_lens = torch.tensor([batch.seq_lens[i] for i in members], dtype=torch.int64, device=device)
@@ -92,6 +94,7 @@ def _build_group(
         batch=len(members),
         queries=q_max,
         num_pages=p_max,
+        keys=l_max,
     )
 
 
@@ -143,10 +146,10 @@ class _PreparedTorchAttention:
         page_size = k_cache.shape[2]
         b, nq, np_ = g.batch, g.queries, g.num_pages
         scale = head_dim**-0.5
-        keys = np_ * page_size
         # [num_pages * kv, page_size * D] rows -> [B, kv, P * page_size, D], each (sequence, head) contiguous.
-        k = k_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(b, kv_heads, keys, head_dim)
-        v = v_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(b, kv_heads, keys, head_dim)
+        shape = (b, kv_heads, np_ * page_size, head_dim)
+        k = k_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(shape)[:, :, : g.keys]
+        v = v_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(shape)[:, :, : g.keys]
         if nq == 1:
             qg = (q if self._in_order else q[g.rows]).reshape(b, kv_heads, per_kv, head_dim)
             s = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(g.mask)  # [B, kv, per_kv, keys]
