@@ -3,13 +3,11 @@
 The cache of a layer is [num_pages, kv_heads, page_size, head_dim] (see
 engine.kv_cache): one page of one head is a contiguous [page_size, head_dim] matrix.
 
-Sequences are split into two groups, each handled with batched tensor ops and index
-tensors built once per forward and reused by every layer:
-
-Each sequence's pages are gathered whole, one page of one head per row (one
-index_select of page-sized blocks, far cheaper than a per-token gather), in the order
-(sequence, head, page): that lands every sequence's keys of one head as one contiguous
-[keys, head_dim] block, ready for a batched matmul with no further copy. Then:
+Index tensors and masks are built once per forward and reused by every layer. Each
+sequence's pages are gathered whole, one page of one head per row (one index_select of
+page-sized blocks, far cheaper than a per-token gather), in the order (sequence, head,
+page): that lands every sequence's keys of one head as one contiguous [keys, head_dim]
+block, ready for a batched matmul with no further copy. Sequences then go in two groups:
 
 - decode (one query token each): scores by one batched matmul, a float32 softmax under
   an additive padding bias, and one batched matmul with the values;
@@ -41,18 +39,20 @@ class _Group:
     mask: torch.Tensor  # decode: [B, 1, 1, L] additive bias; others: [B, 1, per_kv * Q, L] bool
     batch: int
     queries: int
-    num_pages: int
     keys: int
 
 
 def _build_group(
-    batch: ForwardBatch, members: list[int], kv_heads: int, per_kv: int, dtype: torch.dtype
+    batch: ForwardBatch,
+    members: list[int],
+    starts: list[int],
+    kv_heads: int,
+    per_kv: int,
+    dtype: torch.dtype,
 ) -> _Group:
+    """`starts[i]`: the flattened batch row of sequence i's first query."""
     device = batch.input_ids.device
     page_size = batch.page_size
-    starts = [0]
-    for n in batch.query_lens:
-        starts.append(starts[-1] + n)
     q_max = max(batch.query_lens[i] for i in members)
     p_max = max(-(-batch.seq_lens[i] // page_size) for i in members)
     # Keys past the longest sequence are cut off the gathered pages (a view): no work for them.
@@ -93,14 +93,12 @@ def _build_group(
         mask=mask,
         batch=len(members),
         queries=q_max,
-        num_pages=p_max,
         keys=l_max,
     )
 
 
 class _PreparedTorchAttention:
     def __init__(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
-        self._heads = num_heads
         self._kv_heads = num_kv_heads
         page_size = batch.page_size
         slots = batch.slot_mapping
@@ -113,8 +111,11 @@ class _PreparedTorchAttention:
         decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
         longer = [i for i, n in enumerate(batch.query_lens) if n > 1]
         per_kv = num_heads // num_kv_heads
+        starts = [0]
+        for n in batch.query_lens[:-1]:
+            starts.append(starts[-1] + n)
         self._groups = [
-            _build_group(batch, members, num_kv_heads, per_kv, dtype)
+            _build_group(batch, members, starts, num_kv_heads, per_kv, dtype)
             for members in (decode, longer)
             if members
         ]
@@ -144,10 +145,11 @@ class _PreparedTorchAttention:
         kv_heads = self._kv_heads
         per_kv = heads // kv_heads
         page_size = k_cache.shape[2]
-        b, nq, np_ = g.batch, g.queries, g.num_pages
+        b, nq = g.batch, g.queries
+        num_pages = g.blocks.shape[0] // (b * kv_heads)
         scale = head_dim**-0.5
         # [num_pages * kv, page_size * D] rows -> [B, kv, P * page_size, D], each (sequence, head) contiguous.
-        shape = (b, kv_heads, np_ * page_size, head_dim)
+        shape = (b, kv_heads, num_pages * page_size, head_dim)
         k = k_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(shape)[:, :, : g.keys]
         v = v_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(shape)[:, :, : g.keys]
         if nq == 1:

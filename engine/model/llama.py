@@ -171,7 +171,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        """Run one flattened batch; returns float32 logits [len(logits_indices), vocab]."""
+        """Run one flattened batch; returns contiguous float32 logits [len(logits_indices), vocab]."""
         c = self.config
         tokens = batch.num_tokens
         q_size, kv_size = c.q_size, c.kv_size
@@ -182,13 +182,11 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             if self.fused:
-                qkv = qkv.contiguous()  # the in-place rotary kernel wants head_dim contiguous
-            v = qkv[:, q_size + kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
-            if self.fused:
                 # Imported here, not at the top: importing decorates the kernels, which reads
                 # TRITON_INTERPRET (see kernels.attention.select_attention).
                 from kernels.triton_fused import rotary_
 
+                qkv = qkv.contiguous()  # the in-place rotary kernel wants head_dim contiguous
                 q = qkv[:, :q_size].view(tokens, c.num_heads, c.head_dim)
                 k = qkv[:, q_size : q_size + kv_size].view(tokens, c.num_kv_heads, c.head_dim)
                 rotary_(q, self.rope.cos, self.rope.sin, batch.positions)
@@ -198,6 +196,7 @@ class LlamaModel:
                 qk = qkv[:, : q_size + kv_size].view(tokens, c.num_heads + c.num_kv_heads, c.head_dim)
                 qk = self.rope.apply(qk, cos, sin)
                 q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            v = qkv[:, q_size + kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
             attn.write_kv(cache.k[i], cache.v[i], k, v)
             o = attn.attend(q, cache.k[i], cache.v[i])
             x, h = self._add_norm(x, layer.o(o), layer.ffn_norm)
@@ -208,4 +207,6 @@ class LlamaModel:
             else:
                 x = x + delta
         last = rms_norm(x[batch.logits_indices], self.final_norm, c.rms_norm_eps)
-        return self.lm_head(last).to(torch.float32)
+        # Row-major whatever layout the head's matmul chose: the sampler reduces along rows,
+        # ~5x slower over a transposed view than the copy costs.
+        return self.lm_head(last).to(torch.float32).contiguous()
