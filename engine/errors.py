@@ -17,6 +17,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = "not_found"
     UNSUPPORTED = "unsupported"
     RESOURCE_EXHAUSTED = "resource_exhausted"
+    INTERNAL = "internal"  # a fault inside the engine while running a job (the job failed, not the request)
 
 
 class DyngenError(Exception):

@@ -285,7 +285,8 @@ class DynamicGenerator:
 
     def _draft(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to them."""
-        wanting = [c for c in chunks if c.job.draft_budget > 0 and c.num_tokens > 1]
+        # Only a decode step verifies drafts; a prefill chunk (e.g. of a re-admitted job) never does.
+        wanting = [c for c in chunks if c.job.draft_budget > 0 and c.num_tokens > 1 and c.job.decoding]
         if self.drafter is None or not wanting:
             return chunks
         requests = [DraftRequest(c.job.job_id, c.job.tokens, c.job.pages, c.num_tokens - 1) for c in wanting]

@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import NewType
 
-from engine.errors import InvalidRequestError
+from engine.errors import ErrorKind, InvalidRequestError
 
 JobId = NewType("JobId", str)
 
@@ -28,6 +28,7 @@ class StopReason(enum.Enum):
     STOP_STRING = "stop_string"  # one of the job's stop strings appeared in the text
     MAX_NEW_TOKENS = "max_new_tokens"
     CANCELLED = "cancelled"
+    ERROR = "error"  # the engine failed this job (JobFinished.error says why); other jobs went on
 
 
 class JobStage(enum.Enum):
@@ -160,6 +161,14 @@ class TokensGenerated:
 
 
 @dataclass(frozen=True)
+class JobError:
+    """Why the engine failed a job: a kind to map to a status and a short message for the caller."""
+
+    kind: ErrorKind
+    message: str
+
+
+@dataclass(frozen=True)
 class JobFinished:
     job_id: JobId
     identifier: str | None
@@ -173,6 +182,7 @@ class JobFinished:
     text: str = ""  # held-back text released at the end, if any
     accepted_draft_tokens: int = 0
     rejected_draft_tokens: int = 0
+    error: JobError | None = None  # set exactly when stop_reason is ERROR
 
 
 JobEvent = JobStarted | PrefillProgress | TokensGenerated | JobFinished

@@ -208,6 +208,8 @@ class Scheduler:
         self.running.remove(job)
         self._release(job)
         job.stage = JobStage.QUEUED
+        # Its budget was planned for a decode step it will not take: re-admitted, it prefills first.
+        job.draft_budget = 0
         job.preemptions += 1
         self.queue.appendleft(job)
 
