@@ -11,6 +11,7 @@ Not thread-safe: one thread (the engine loop) owns a generator.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,9 @@ from engine.speculative import (
 )
 from engine.text_stream import TextStream
 
+# Ids appear in logs and metrics: printable, bounded, no separators to forge.
+_JOB_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
 
 @dataclass(frozen=True)
 class GeneratorConfig:
@@ -87,6 +91,7 @@ class GeneratorStats:
     prefix_query_tokens: int
     accepted_draft_tokens: int
     rejected_draft_tokens: int
+    failed_jobs: int  # jobs finished with StopReason.ERROR since start
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class DynamicGenerator:
         self._pending_events: list[JobEvent] = []
         self._accepted_drafts = 0
         self._rejected_drafts = 0
+        self._failed_jobs = 0
         self.drafter: Drafter | None = None
         match c.speculation.kind:
             case DrafterKind.NONE:
@@ -144,8 +150,17 @@ class DynamicGenerator:
 
     # -- the job API ---------------------------------------------------------------------------
 
-    def enqueue(self, spec: JobSpec) -> JobId:
-        """Validate and queue a job; raises InvalidRequestError, PromptTooLongError or QueueFullError."""
+    def enqueue(self, spec: JobSpec, job_id: JobId | None = None) -> JobId:
+        """Validate and queue a job; raises InvalidRequestError, PromptTooLongError or QueueFullError.
+
+        `job_id`: the caller's id for the job (minted with `new_job_id()`, e.g. so the caller can
+        route the job's events before it is queued); None mints one. An id in use is refused.
+        """
+        if job_id is not None:
+            if not _JOB_ID.fullmatch(job_id):
+                raise InvalidRequestError("a job id must be 1 to 64 characters of [0-9A-Za-z_-]")
+            if job_id in self.jobs:
+                raise InvalidRequestError(f"job id {job_id} is in use by another job")
         spec.validate(self.model.config.vocab_size)
         total = len(spec.prompt_ids) + spec.max_new_tokens
         if total > self.max_seq_len:
@@ -160,7 +175,8 @@ class DynamicGenerator:
                 f"tokens exceeds the whole KV cache of {capacity} tokens "
                 f"({self.pool.num_pages} pages of {self.pool.page_size})"
             )
-        job_id = new_job_id()
+        if job_id is None:
+            job_id = new_job_id()
         job = JobState(
             job_id=job_id,
             spec=spec,
@@ -198,6 +214,7 @@ class DynamicGenerator:
             prefix_query_tokens=p.prefix_query_tokens,
             accepted_draft_tokens=self._accepted_drafts,
             rejected_draft_tokens=self._rejected_drafts,
+            failed_jobs=self._failed_jobs,
         )
 
     def check_invariants(self) -> None:
@@ -363,7 +380,9 @@ class DynamicGenerator:
         while (job.registered + 1) * ps <= job.computed:
             i = job.registered
             parent = job.pages[i - 1] if i > 0 else None
-            job.pages[i] = self.pool.register_full(job.pages[i], parent, job.tokens[i * ps : (i + 1) * ps])
+            job.pages[i] = self.pool.register_full(
+                job.pages[i], parent, job.tokens[i * ps : (i + 1) * ps], job.spec.cache_salt
+            )
             job.registered += 1
 
     def _on_preempt(self, job: JobState) -> None:

@@ -27,6 +27,11 @@ class JobState:
     pages: list[PageId] = field(default_factory=list)
     computed: int = 0  # tokens whose K/V are in this job's pages
     registered: int = 0  # leading pages already registered as full in the pool
+    # Chain hashes of the leading full pages of `tokens` (all but the last token), computed once:
+    # tokens only ever grow, so a hash never goes stale; extended as the job's tokens grow.
+    page_hashes: list[int] = field(default_factory=list)
+    # (page index, hash) of prompt pages this job is computing that queued jobs may wait for.
+    inflight: list[tuple[int, int]] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
     skips: int = 0  # times smaller jobs were admitted past this one
     started: bool = False

@@ -16,6 +16,8 @@ from engine.errors import ErrorKind, InvalidRequestError
 
 JobId = NewType("JobId", str)
 
+MAX_CACHE_SALT_CHARS = 256
+
 
 def new_job_id() -> JobId:
     """128 random bits, hex: unguessable, so one caller cannot name another's job."""
@@ -102,6 +104,9 @@ class JobSpec:
     top_logprobs: int = 0  # alternatives per token, with return_logprobs
     identifier: str | None = None  # the caller's own tag, echoed back in every event
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    # Prefix-cache isolation: jobs share cached prompt pages only with jobs of the same salt
+    # (e.g. one salt per tenant); "" shares with every other unsalted job.
+    cache_salt: str = ""
 
     def validate(self, vocab_size: int) -> None:
         _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
@@ -118,6 +123,10 @@ class JobSpec:
         _check(all(s for s in self.stop_strings), "stop strings must not be empty")
         for token in self.stop_token_ids:
             _check(0 <= token < vocab_size, f"stop token id {token} is outside [0, {vocab_size})")
+        _check(
+            len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
+            f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}",
+        )
         self.sampling.validate(vocab_size)
 
 

@@ -16,9 +16,15 @@ caller's prefix, whatever the hash does; a collision costs at most a missed hit.
 (Checking only the page's own tokens would not suffice: the parent would then be
 identified by its hash alone.) Hence `register_full` takes the parent page, not its hash.
 
+Cache salts (tenant isolation). A job's non-empty `salt` roots its chain: its first
+page's parent hash is `salt_root(salt)` instead of None, and every registration records
+its salt, which a hit and a dedup must match exactly too. So jobs of different salts
+never share a page, even on a hash collision; an empty salt hashes as before.
+
 How a generator drives it, per job:
 1. `table = pool.match_prefix(prompt, max_tokens=len(prompt) - 1)`: the first
-   `len(table) * page_size` tokens are already in the cache.
+   `len(table) * page_size` tokens are already in the cache. (Or `find_prefix` to look
+   without taking anything, then `take_prefix` once the rest fits: one counted lookup.)
 2. `pool.allocate(k)` for the rest (None: queue or preempt).
 3. When page i fills: `table[i] = pool.register_full(table[i], table[i - 1] if i else None, its tokens)`.
 4. Before writing into a page (or rolling tokens back in it) that `is_shared`: copy on
@@ -61,12 +67,32 @@ def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def salt_root(salt: str) -> int | None:
+    """The parent hash of a first page under `salt` (None for no salt: today's hashes)."""
+    if not salt:
+        return None
+    h = hashlib.blake2b(digest_size=8, person=b"dyngen-salt")
+    h.update(salt.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(h.digest(), "little")
+
+
+def extend_chain(hashes: list[int], tokens: Sequence[int], page_size: int, salt: str, pages: int) -> None:
+    """Append the chain hashes of pages `len(hashes)..pages-1` of `tokens` (a sequence's hash cache).
+
+    Valid for as long as the sequence's tokens only grow, so a caller hashes each page once.
+    """
+    parent = hashes[-1] if hashes else salt_root(salt)
+    for i in range(len(hashes), pages):
+        parent = chain_hash(parent, tokens[i * page_size : (i + 1) * page_size])
+        hashes.append(parent)
+
+
 @dataclass(frozen=True)
 class PageKey:
     """What a registered (full) page holds: its chained hash, its parent's hash and its tokens."""
 
     hash: int
-    parent_hash: int | None
+    parent_hash: int | None  # None for a first page without a salt
     tokens: tuple[int, ...]
 
 
@@ -92,6 +118,7 @@ class _Registration:
     key: PageKey
     serial: int  # unique for the pool's lifetime: names this content, not this page slot
     parent_serial: int
+    salt: str  # the chain's salt, the same on every page of a chain
 
 
 class PagePool:
@@ -169,39 +196,70 @@ class PagePool:
 
     # -- operations ----------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[PageId]:
+    def match_prefix(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int | None = None,
+        *,
+        salt: str = "",
+        hashes: Sequence[int] | None = None,
+    ) -> list[PageId]:
         """Reference the longest run of cached leading full pages of `token_ids` (at most `max_tokens` tokens).
 
         Pages other tables hold are shared (ref + 1); CACHED ones are revived (ref 1).
         The generator passes `max_tokens=len(prompt) - 1`: it must still run at least one
-        prompt token to get logits.
+        prompt token to get logits. Counts as one lookup in the stats.
         """
-        if max_tokens is not None and max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        limit = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
+        matched = self.find_prefix(token_ids, max_tokens, salt=salt, hashes=hashes)
+        self.take_prefix(matched, self._limit(token_ids, max_tokens))
+        return matched
+
+    def find_prefix(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int | None = None,
+        *,
+        salt: str = "",
+        hashes: Sequence[int] | None = None,
+    ) -> list[PageId]:
+        """What `match_prefix` would match, taking no reference and counting nothing.
+
+        `hashes`: the sequence's chain hashes of its leading full pages (`extend_chain`), so a
+        caller that looks up again and again (a job waiting for room) hashes its pages once.
+        """
+        limit = self._limit(token_ids, max_tokens)
         ps = self._page_size
         matched: list[PageId] = []
-        parent_hash: int | None = None
+        parent_hash = salt_root(salt)
         parent_serial = _ROOT_SERIAL
-        for start in range(0, limit - ps + 1, ps):
+        for i, start in enumerate(range(0, limit - ps + 1, ps)):
             tokens = tuple(token_ids[start : start + ps])
-            h = chain_hash(parent_hash, tokens)
+            h = hashes[i] if hashes is not None and i < len(hashes) else chain_hash(parent_hash, tokens)
             page = self._index.get(h)
             if page is None:
                 break
             reg = self._reg[page]
-            # The hash only proposes; exact tokens on top of the exact parent decide. This
-            # also rules out a page matching twice (its parent chain ends at the root once).
-            if reg.key.tokens != tokens or reg.parent_serial != parent_serial:
+            # The hash only proposes; exact tokens on top of the exact parent (and salt) decide.
+            # This also rules out a page matching twice (its parent chain ends at the root once).
+            if reg.key.tokens != tokens or reg.parent_serial != parent_serial or reg.salt != salt:
                 break
             matched.append(page)
             parent_hash, parent_serial = h, reg.serial
-        for page in matched:
+        return matched
+
+    def take_prefix(self, pages: Sequence[PageId], query_tokens: int) -> None:
+        """Reference pages `find_prefix` just returned (nothing changed since), counting one lookup
+        of `query_tokens` tokens."""
+        for page in pages:
             self._take(page)
         self._prefix_lookups += 1
-        self._prefix_query_tokens += limit
-        self._prefix_hit_tokens += len(matched) * ps
-        return matched
+        self._prefix_query_tokens += query_tokens
+        self._prefix_hit_tokens += len(pages) * self._page_size
+
+    def _limit(self, token_ids: Sequence[int], max_tokens: int | None) -> int:
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        return len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
 
     def allocate(self, n: int) -> list[PageId] | None:
         """`n` pages for new content (ref 1): FREE first, then evicting CACHED ones LRU first.
@@ -224,8 +282,13 @@ class PagePool:
             pages.append(page)
         return pages
 
-    def register_full(self, page: PageId, parent: PageId | None, tokens: Sequence[int]) -> PageId:
+    def register_full(
+        self, page: PageId, parent: PageId | None, tokens: Sequence[int], salt: str = ""
+    ) -> PageId:
         """Record that the caller's `page` is full with `tokens` on top of its `parent` page (None: first page).
+
+        `salt`: the chain's cache salt; a page only ever dedups onto a page of the same salt,
+        and a page on a parent must have the parent's salt.
 
         If an identical page (same tokens on the same parent) exists, the caller switches
         to it: it gains the caller's reference, the caller's page is released, and its id
@@ -239,24 +302,30 @@ class PagePool:
         if self._ref[page] == 0:
             raise ValueError(f"page {page} is not held by anyone; only a held page can be registered")
         page_tokens = tuple(tokens)
-        parent_hash: int | None = None
+        parent_hash = salt_root(salt) if parent is None else None
         parent_serial = _ROOT_SERIAL
         if parent is not None:
             self._check_page(parent)
             parent_reg = self._reg.get(parent)
             if parent_reg is None or self._ref[parent] == 0:
                 raise ValueError(f"parent page {parent} is not a registered page the caller holds")
+            if parent_reg.salt != salt:
+                raise ValueError(f"parent page {parent} was registered under another cache salt")
             parent_hash, parent_serial = parent_reg.key.hash, parent_reg.serial
         own = self._reg.get(page)
         if own is not None:
-            if own.key.tokens == page_tokens and own.parent_serial == parent_serial:
+            if own.key.tokens == page_tokens and own.parent_serial == parent_serial and own.salt == salt:
                 return page
             raise ValueError(f"page {page} is already registered with other content; unregister it first")
         h = chain_hash(parent_hash, page_tokens)
         owner = self._index.get(h)
         if owner is not None:
             owner_reg = self._reg[owner]
-            if owner_reg.key.tokens == page_tokens and owner_reg.parent_serial == parent_serial:
+            if (
+                owner_reg.key.tokens == page_tokens
+                and owner_reg.parent_serial == parent_serial
+                and owner_reg.salt == salt
+            ):
                 self._take(owner)
                 self.release([page])
                 self._dedup_hits += 1
@@ -269,7 +338,7 @@ class PagePool:
                 self._drop_registration(owner)
                 self._free.append(owner)
         self._reg[page] = _Registration(
-            PageKey(h, parent_hash, page_tokens), self._next_serial, parent_serial
+            PageKey(h, parent_hash, page_tokens), self._next_serial, parent_serial, salt
         )
         self._next_serial += 1
         self._index[h] = page
@@ -358,7 +427,9 @@ class PagePool:
                     problems.append(f"page {p} is registered with {len(key.tokens)} tokens")
                 if key.hash != chain_hash(key.parent_hash, key.tokens):
                     problems.append(f"page {p}'s hash does not match its parent hash and tokens")
-                if (key.parent_hash is None) != (reg.parent_serial == _ROOT_SERIAL):
+                if reg.parent_serial == _ROOT_SERIAL and key.parent_hash != salt_root(reg.salt):
+                    problems.append(f"first page {p}'s parent hash is not its salt's root")
+                if reg.parent_serial != _ROOT_SERIAL and key.parent_hash is None:
                     problems.append(f"page {p} disagrees with itself on whether it is a first page")
         for h, page in self._index.items():
             reg = self._reg.get(page)

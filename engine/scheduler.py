@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.job_state import JobState
 from engine.jobs import JobStage
-from engine.pages import PagePool, chain_hash
+from engine.pages import PagePool, extend_chain
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,9 @@ class Scheduler:
         self.queue: deque[JobState] = deque()
         self.running: list[JobState] = []
         self._admitted = 0
-        # Chain hash of a full prompt page -> the running job computing it (entries go stale harmlessly).
+        # Chain hash of a full prompt page -> the running job computing it. An entry leaves when its
+        # page is registered or its job stops running (finish, cancel, preemption), so this holds
+        # at most the running jobs' uncomputed prompt pages.
         self._inflight: dict[int, JobState] = {}
 
     def submit(self, job: JobState) -> None:
@@ -81,6 +83,10 @@ class Scheduler:
             self.queue.remove(job)
         self._release(job)
 
+    def inflight_pages(self) -> int:
+        """Prompt pages running jobs are computing that queued jobs may wait for."""
+        return len(self._inflight)
+
     def idle(self) -> bool:
         return not self.running and not self.queue
 
@@ -89,6 +95,9 @@ class Scheduler:
         budget = self.config.max_chunk_size
         ps = self.pool.page_size
         chunks: list[ScheduledChunk] = []
+        for job in self.running:
+            if job.inflight and job.inflight[0][0] < job.registered:
+                self._forget_inflight(job, job.registered)
         # 1. Decode steps, oldest first: each may need one more page; preempt the newest when dry.
         #    A speculating job asks for room for its drafts too (verified in the same step).
         for job in sorted((j for j in self.running if j.decoding), key=lambda j: j.order):
@@ -134,14 +143,23 @@ class Scheduler:
         return chunks
 
     def _full_page_hashes(self, job: JobState) -> list[int]:
-        """Chain hashes of the job's full pages that a prefix match may cover (all but the last token)."""
+        """Chain hashes of the job's full pages that a prefix match may cover (all but the last token).
+
+        Kept on the job and only extended: a job waiting for room is not re-hashed at every step.
+        """
         ps = self.pool.page_size
-        hashes: list[int] = []
-        parent: int | None = None
-        for start in range(0, len(job.tokens) - ps, ps):
-            parent = chain_hash(parent, job.tokens[start : start + ps])
-            hashes.append(parent)
-        return hashes
+        extend_chain(job.page_hashes, job.tokens, ps, job.spec.cache_salt, (len(job.tokens) - 1) // ps)
+        return job.page_hashes
+
+    def _forget_inflight(self, job: JobState, below: int | None = None) -> None:
+        """Drop the job's in-flight entries for pages before `below` (None: all of them)."""
+        keep = []
+        for i, h in job.inflight:
+            if below is not None and i >= below:
+                keep.append((i, h))
+            elif self._inflight.get(h) is job:
+                del self._inflight[h]
+        job.inflight = keep
 
     def _awaits_inflight_prefix(self, job: JobState) -> bool:
         """Whether a running job is computing a page this job could otherwise take from the cache."""
@@ -154,7 +172,6 @@ class Scheduler:
                 continue
             if owner in self.running and owner.registered <= i and owner.computed < (i + 1) * ps:
                 return True
-            del self._inflight[h]  # computed (now a cache hit) or abandoned
         return False
 
     def _admit(self, job: JobState) -> bool:
@@ -162,25 +179,33 @@ class Scheduler:
         ps = self.pool.page_size
         # Everything but the last token may come from the prefix cache (its logits are needed).
         # A preempted job recomputes prompt + output, and its old full pages are likely cached.
+        # Look without taking: a job that does not fit is neither charged nor counted as a lookup.
+        query = len(job.tokens) - 1
         matched = (
-            self.pool.match_prefix(job.tokens, max_tokens=len(job.tokens) - 1)
+            self.pool.find_prefix(
+                job.tokens, query, salt=job.spec.cache_salt, hashes=self._full_page_hashes(job)
+            )
             if self.config.prefix_cache
             else []
         )
         need = job.pages_for(len(job.tokens), ps) - len(matched)
+        revived = sum(1 for p in matched if self.pool.ref_count(p) == 0)  # CACHED pages leave the LRU
         # Keep one page spare per running job so decode can continue without preempting at once.
-        fresh = self.pool.allocate(need) if need <= self.pool.available() - len(self.running) else None
-        if fresh is None:
-            self.pool.release(matched)
+        if need > self.pool.available() - revived - len(self.running):
             return False
+        if self.config.prefix_cache:
+            self.pool.take_prefix(matched, query)
+        fresh = self.pool.allocate(need)
+        assert fresh is not None, "the pages were counted as available"
         job.pages = matched + fresh
         job.computed = len(matched) * ps
         job.registered = len(matched)
         if not job.started:
             job.cached_tokens = job.computed
         if self.config.prefix_cache:
-            for h in self._full_page_hashes(job)[len(matched) :]:
-                self._inflight.setdefault(h, job)
+            for i, h in enumerate(self._full_page_hashes(job)[len(matched) :], start=len(matched)):
+                if self._inflight.setdefault(h, job) is job:
+                    job.inflight.append((i, h))
         job.stage = JobStage.PREFILL
         job.order = self._admitted
         self._admitted += 1
@@ -214,6 +239,8 @@ class Scheduler:
         self.queue.appendleft(job)
 
     def _release(self, job: JobState) -> None:
+        if job.inflight:
+            self._forget_inflight(job)
         if job.pages:
             self.pool.release(job.pages)
         job.pages = []

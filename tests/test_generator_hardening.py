@@ -93,3 +93,152 @@ def test_preemption_with_speculation_gives_the_plain_greedy_tokens(
     stats = gen.stats()
     assert stats.accepted_draft_tokens + stats.rejected_draft_tokens > 0
     assert stats.pages_used == 0 and stats.running == 0 and stats.queued == 0
+
+
+# -- the scheduler forgets what it no longer needs -----------------------------------------------
+
+
+def test_inflight_prefix_entries_leave_with_their_jobs(tiny: LoadedModel) -> None:
+    gen = make(tiny, num_pages=24, page_size=4, chunk=32, batch=4)
+    # Unique prompts of several full pages each; a small pool also preempts some of them.
+    specs = [
+        JobSpec(tuple(3 + (i * 7 + k) % 300 for k in range(17 + i % 9)), max_new_tokens=6) for i in range(40)
+    ]
+    ids = [gen.enqueue(s) for s in specs[:20]]
+    for _ in range(3):
+        gen.iterate()
+    gen.cancel(ids[-1])  # one queued or running job cancelled
+    for s in specs[20:]:
+        gen.enqueue(s)
+    steps = 0
+    while gen.has_work():
+        gen.iterate()
+        # Only running jobs' uncomputed prompt pages may be in flight.
+        bound = sum(len(j.pages) for j in gen.scheduler.running)
+        assert gen.scheduler.inflight_pages() <= bound
+        steps += 1
+        assert steps < 5000
+    assert gen.scheduler.inflight_pages() == 0
+
+
+# -- admission retries: hashed once, counted once ------------------------------------------------
+
+
+def test_a_queued_job_is_hashed_once_and_counted_once(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = pages.chain_hash
+
+    def counting(parent: int | None, tokens: Sequence[int]) -> int:
+        calls.append(tuple(tokens))
+        return real(parent, tokens)
+
+    monkeypatch.setattr(pages, "chain_hash", counting)
+    import engine.scheduler
+
+    monkeypatch.setattr(engine.scheduler, "chain_hash", counting, raising=False)
+    gen = make(tiny, num_pages=16, page_size=8)
+    a = JobSpec(tuple(range(3, 63)), max_new_tokens=20, ignore_eos=True)  # 8 pages, then up to 10
+    b_prompt = tuple(range(100, 164))  # 8 pages: cannot fit beside a (one spare page per running job)
+    b = JobSpec(b_prompt, max_new_tokens=4, ignore_eos=True)
+    a_id, b_id = gen.enqueue(a), gen.enqueue(b)
+    waited = 0
+    while b_id not in [j.job_id for j in gen.scheduler.running]:
+        gen.iterate()
+        waited += 1
+        assert waited < 100
+    assert waited > 5  # b failed admission at many steps
+    assert calls.count(b_prompt[:8]) <= 2  # its page hashes are kept on the job, not recomputed per try
+    while gen.has_work():
+        gen.iterate()
+    s = gen.pool.stats()
+    assert s.prefix_lookups == 2  # one per admission, not per failed try
+    assert s.prefix_query_tokens == (60 - 1) + (64 - 1)
+    assert s.prefix_hit_tokens == 0
+    # The same prompt again: 7 of its 8 pages hit (the last token is always computed).
+    again = gen.generate([JobSpec(b_prompt, max_new_tokens=2)])[0]
+    assert again.finished.cached_tokens == 56
+    s = gen.pool.stats()
+    assert (s.prefix_lookups, s.prefix_query_tokens, s.prefix_hit_tokens) == (3, 59 + 63 + 63, 56)
+    assert gen.stats().prefix_hit_tokens == 56 and a_id not in gen.jobs
+
+
+# -- caller-minted job ids -----------------------------------------------------------------------
+
+
+def test_enqueue_uses_the_callers_job_id_and_refuses_one_in_use(tiny: LoadedModel) -> None:
+    gen = make(tiny)
+    mine = new_job_id()
+    assert gen.enqueue(JobSpec((5, 6, 7), max_new_tokens=3), job_id=mine) == mine
+    assert mine in gen.jobs
+    with pytest.raises(InvalidRequestError, match="in use"):
+        gen.enqueue(JobSpec((5, 6, 7), max_new_tokens=3), job_id=mine)
+    assert len(gen.jobs) == 1 and len(gen.scheduler.queue) == 1
+    minted = gen.enqueue(JobSpec((5, 6, 7), max_new_tokens=3))
+    assert minted != mine and len(minted) == 32
+    with pytest.raises(InvalidRequestError, match="job id"):
+        gen.enqueue(JobSpec((5, 6, 7), max_new_tokens=3), job_id=JobId(""))
+    while gen.has_work():
+        gen.iterate()
+    # A finished job's id may be used again (the generator forgot it).
+    assert gen.enqueue(JobSpec((5, 6, 7), max_new_tokens=3), job_id=mine) == mine
+
+
+# -- cache salts ---------------------------------------------------------------------------------
+
+
+def test_cache_salts_keep_tenants_prefixes_apart(tiny: LoadedModel) -> None:
+    gen = make(tiny, num_pages=64, page_size=8)
+    prompt = tuple(range(10, 60))
+
+    def cached(salt: str) -> int:
+        return gen.generate([JobSpec(prompt, max_new_tokens=3, cache_salt=salt)])[0].finished.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # same prompt, other salt: nothing shared
+    assert cached("") == 0
+    assert cached("tenant-a") == 48  # same salt: 6 full pages hit
+    assert cached("") == 48
+    gen.check_invariants()
+
+
+def test_cache_salts_never_share_live_pages(tiny: LoadedModel) -> None:
+    """Jobs arriving together with the same prompt: only same-salt jobs share (wait for or dedup) pages."""
+    gen = make(tiny, num_pages=64, page_size=8)
+    prompt = tuple(range(10, 60))
+    salts = ["x", "y", "x", ""]
+    ids = [gen.enqueue(JobSpec(prompt, max_new_tokens=3, cache_salt=s)) for s in salts]
+    finished: dict[JobId, JobFinished] = {}
+    while gen.has_work():
+        for e in gen.iterate():
+            if isinstance(e, JobFinished):
+                finished[e.job_id] = e
+            # Pages held by two running jobs belong to jobs of the same salt.
+            holders: dict[int, set[str]] = {}
+            for j in gen.jobs.values():
+                for p in j.pages:
+                    holders.setdefault(p, set()).add(j.spec.cache_salt)
+            assert all(len(s) == 1 for s in holders.values())
+        gen.check_invariants()
+    tokens = {i: finished[i].cached_tokens for i in ids}
+    assert tokens[ids[0]] == 0 and tokens[ids[1]] == 0 and tokens[ids[3]] == 0
+    assert tokens[ids[2]] == 48  # waited for the first x job's pages, then hit them
+
+
+def test_cache_salt_is_bounded(tiny: LoadedModel) -> None:
+    gen = make(tiny)
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        gen.enqueue(JobSpec((5, 6), cache_salt="s" * 257))
+    gen.enqueue(JobSpec((5, 6), max_new_tokens=2, cache_salt="s" * 256))
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+
+def test_stats_show_no_pages_used_when_idle(tiny: LoadedModel) -> None:
+    gen = make(tiny, num_pages=16)
+    gen.generate([JobSpec(tuple(range(3, 40)), max_new_tokens=5), JobSpec((7, 8, 9), max_new_tokens=4)])
+    s = gen.stats()
+    assert (s.running, s.queued, s.pages_used, s.failed_jobs) == (0, 0, 0, 0)
+    assert s.pages_free + s.pages_cached == 16

@@ -208,6 +208,62 @@ def test_dedup_with_colliding_hashes_checks_parents(monkeypatch: pytest.MonkeyPa
 # -- registration and dedup ------------------------------------------------------------------
 
 
+def test_salts_never_share_pages_and_same_salts_do() -> None:
+    pool = PagePool(16, 2)
+    a = pool.allocate(2)
+    assert a is not None
+    a[0] = pool.register_full(a[0], None, [1, 2], salt="a")
+    a[1] = pool.register_full(a[1], a[0], [3, 4], salt="a")
+    assert pool.match_prefix([1, 2, 3, 4, 5], salt="b") == []
+    assert pool.match_prefix([1, 2, 3, 4, 5]) == []  # unsalted does not see salted pages either
+    hit = pool.match_prefix([1, 2, 3, 4, 5], salt="a")
+    assert hit == a
+    key = pool.page_key(a[0])
+    assert key is not None and key.parent_hash == pages.salt_root("a") != pages.salt_root("b")
+    # Live dedup only within a salt.
+    b = pool.allocate(1)
+    assert b is not None
+    assert pool.register_full(b[0], None, [1, 2], salt="b") == b[0]
+    c = pool.allocate(1)
+    assert c is not None
+    assert pool.register_full(c[0], None, [1, 2], salt="a") == a[0]
+    with pytest.raises(ValueError, match="salt"):
+        pool.register_full(a[1], b[0], [3, 4], salt="a")  # a parent of another salt
+    pool.check_invariants([a, hit, b, [a[0]]])
+    assert pool.stats().prefix_lookups == 3 and pool.stats().prefix_hit_tokens == 4
+
+
+def test_salts_stay_apart_when_every_hash_collides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pages, "chain_hash", lambda parent, tokens: 7)
+    monkeypatch.setattr(pages, "salt_root", lambda salt: 7 if salt else None)
+    pool = PagePool(8, 2)
+    a = pool.allocate(1)
+    assert a is not None
+    a[0] = pool.register_full(a[0], None, [1, 2], salt="a")
+    assert pool.match_prefix([1, 2, 3], salt="b") == []
+    b = pool.allocate(1)
+    assert b is not None
+    assert pool.register_full(b[0], None, [1, 2], salt="b") == b[0]  # no dedup onto a's page
+    assert pool.stats().dedup_hits == 0
+    pool.check_invariants([a, b])
+
+
+def test_find_prefix_looks_without_taking_or_counting() -> None:
+    pool = PagePool(8, 2)
+    table = fill(pool, [1, 2, 3, 4])
+    pool.release(table)
+    before = states(pool), pool.stats()
+    hashes: list[int] = []
+    pages.extend_chain(hashes, [1, 2, 3, 4, 5], 2, "", 2)
+    assert hashes == [chain_hash(None, [1, 2]), chain_hash(hashes[0], [3, 4])]
+    assert pool.find_prefix([1, 2, 3, 4, 5], 4, hashes=hashes) == table
+    assert (states(pool), pool.stats()) == before
+    pool.take_prefix(table, 4)
+    s = pool.stats()
+    assert (s.prefix_lookups, s.prefix_query_tokens, s.prefix_hit_tokens, s.cached) == (1, 4, 4, 0)
+    pool.check_invariants([table])
+
+
 def test_register_records_hash_and_key() -> None:
     pool = PagePool(4, 2)
     t = pool.allocate(2)
@@ -462,10 +518,14 @@ PROMPTS = st.builds(
 ).filter(bool)
 
 
+SALTS = st.sampled_from(["", "a", "b"])
+
+
 @dataclass(eq=False)
 class Job:
     tokens: list[int]
     table: list[PageId]
+    salt: str = ""
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -477,6 +537,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.jobs: list[Job] = []
         self.hogs: list[list[PageId]] = []  # tables of pages held without content: memory pressure
         self.kv: dict[PageId, tuple[int, ...]] = {}
+        self.kv_salt: dict[PageId, str] = {}  # the salt of the job whose KV a page holds
 
     @initialize(num_pages=st.integers(min_value=3, max_value=16), page_size=st.integers(1, 4))
     def setup(self, num_pages: int, page_size: int) -> None:
@@ -506,6 +567,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.release([job.table[i]])
         job.table[i] = fresh[0]
         self.kv[fresh[0]] = content
+        self.kv_salt[fresh[0]] = job.salt
         return True
 
     def write(self, job: Job, token: int) -> bool:
@@ -518,6 +580,7 @@ class PoolMachine(RuleBasedStateMachine):
                 return False
             job.table.append(fresh[0])
             self.kv[fresh[0]] = ()
+            self.kv_salt[fresh[0]] = job.salt
         elif self.pool.is_shared(job.table[i]) and not self.replace(job, i, self.kv[job.table[i]]):
             return False
         page = job.table[i]
@@ -526,22 +589,24 @@ class PoolMachine(RuleBasedStateMachine):
         self.kv[page] = tuple(job.tokens)
         if offset == self.ps - 1:
             parent = job.table[i - 1] if i else None
-            got = self.pool.register_full(page, parent, job.tokens[i * self.ps :])
+            got = self.pool.register_full(page, parent, job.tokens[i * self.ps :], job.salt)
             if got != page:
                 assert self.kv[got] == self.kv[page], "dedup handed a job a page computed over another prefix"
+                assert self.kv_salt[got] == job.salt, "dedup handed a job another salt's page"
                 job.table[i] = got
         return True
 
     # -- rules --
 
     @precondition(lambda self: len(self.jobs) < MAX_JOBS)
-    @rule(prompt=PROMPTS, whole=st.booleans())
-    def start_job(self, prompt: list[int], whole: bool) -> None:
+    @rule(prompt=PROMPTS, whole=st.booleans(), salt=SALTS)
+    def start_job(self, prompt: list[int], whole: bool, salt: str) -> None:
         max_tokens = None if whole else len(prompt) - 1
-        matched = self.pool.match_prefix(prompt, max_tokens=max_tokens)
+        matched = self.pool.match_prefix(prompt, max_tokens=max_tokens, salt=salt)
         assert len(matched) * self.ps <= (len(prompt) if whole else len(prompt) - 1)
         for i, page in enumerate(matched):
             assert self.kv[page] == tuple(prompt[: (i + 1) * self.ps]), "a prefix hit with other KV"
+            assert self.kv_salt[page] == salt, "a prefix hit on another salt's page"
         need = -(-len(prompt) // self.ps) - len(matched)
         fresh = self.pool.allocate(need)
         if fresh is None:  # not admitted: hand the hits back
@@ -550,7 +615,8 @@ class PoolMachine(RuleBasedStateMachine):
             return
         for page in fresh:
             self.kv[page] = ()
-        job = Job(list(prompt[: len(matched) * self.ps]), matched + fresh)
+            self.kv_salt[page] = salt
+        job = Job(list(prompt[: len(matched) * self.ps]), matched + fresh, salt)
         self.jobs.append(job)
         for token in prompt[len(job.tokens) :]:
             assert self.write(job, token), "the prompt's pages were allocated up front"
@@ -590,7 +656,7 @@ class PoolMachine(RuleBasedStateMachine):
     def fork(self, which: int) -> None:
         job = self.pick(which)
         self.pool.retain(job.table)
-        self.jobs.append(Job(list(job.tokens), list(job.table)))
+        self.jobs.append(Job(list(job.tokens), list(job.table), job.salt))
 
     @precondition(lambda self: self.jobs)
     @rule(which=JOB)
@@ -640,7 +706,7 @@ class PoolMachine(RuleBasedStateMachine):
                 continue
             content = self.kv[PageId(p)]
             assert len(content) % ps == 0 and content[-ps:] == key.tokens
-            h: int | None = None
+            h = pages.salt_root(self.kv_salt[PageId(p)])
             for start in range(0, len(content), ps):
                 h = pages.chain_hash(h, content[start : start + ps])
             assert h == key.hash, f"page {p}'s hash does not describe its KV"
