@@ -14,9 +14,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument(
         "workload",
-        choices=["single", "sampler", "w1", "w2", "w3", "w4", "all"],
+        choices=["single", "sampler", "w1", "w2", "w3", "w4", "all", "soak"],
         help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
-        "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2",
+        "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
+        "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure)",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")
@@ -24,7 +25,32 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=1, help="w1: rounds, engines taking turns; each keeps its best round"
     )
+    soak = parser.add_argument_group("soak")
+    soak.add_argument("--minutes", type=float, default=10.0, help="soak: how long to run")
+    soak.add_argument("--streams", type=int, default=64, help="soak: concurrent streams")
+    soak.add_argument("--model", type=Path, default=None, help="soak: model to serve (default: shipped)")
+    soak.add_argument("--seed", type=int, default=0, help="soak: seed of every random choice")
+    soak.add_argument("--target", default=None, help="soak: host:port of a running server (none: start one)")
+    soak.add_argument("--max-new-tokens", type=int, default=256, help="soak: requests draw 1..this")
+    soak.add_argument("--serve-args", default="", help="soak: extra `dyngen serve` flags, one string")
     args = parser.parse_args()
+    if args.workload == "soak":
+        import shlex
+        import sys
+
+        from benchmarks.soak import run as run_soak
+
+        text, status = run_soak(
+            args.minutes,
+            args.streams,
+            args.model,
+            args.seed,
+            args.target,
+            args.max_new_tokens,
+            shlex.split(args.serve_args),
+        )
+        print(text)
+        sys.exit(status)
     if args.workload == "single":
         from benchmarks.single_stream import run
 
