@@ -11,11 +11,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from clients.client import Client
+from service.proto.dyngen.v1 import generator_pb2 as pb
 
 
 def free_port() -> int:
@@ -114,3 +116,35 @@ def start_server(*flags: str) -> ServerProcess:
         server.stop()
         raise
     return server
+
+
+# -- helpers for the fuzz, soak and memory tests (tests/test_service_fuzz.py and friends) ----------
+
+# A small cache and passive OpenMP waiting: these servers share two cores with the test process.
+TINY_SERVER_FLAGS = ("--cache-tokens", "16384", "--omp-wait-policy", "passive")
+
+
+def start_tiny_server(model: Path, *flags: str) -> ServerProcess:
+    """`dyngen serve` with a tiny random-weight model (tests/tiny_service_model.py) and `flags`."""
+    return start_server("--model", str(model), *TINY_SERVER_FLAGS, *flags)
+
+
+def log_count(server: ServerProcess, event: str) -> int:
+    """How many of the server's log records are named `event` (engine_starting, engine_down...)."""
+    return sum(1 for record in list(server.logs) if record.get("event") == event)
+
+
+def wait_pool_idle(client: Client, timeout: float = 10.0) -> pb.ModelInfo:
+    """GetModelInfo until no job runs or waits and no page is in use, or `timeout`: the last reply."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.model_info(timeout=5)
+        if (info.pages_used == 0 and info.running_jobs == 0 and info.queued_jobs == 0) or (
+            time.monotonic() > deadline
+        ):
+            return info
+        time.sleep(0.05)
+
+
+def is_idle(info: pb.ModelInfo) -> bool:
+    return info.pages_used == 0 and info.running_jobs == 0 and info.queued_jobs == 0
