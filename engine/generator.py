@@ -11,6 +11,7 @@ Not thread-safe: one thread (the engine loop) owns a generator.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Sequence
@@ -18,10 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.errors import InvalidRequestError, JobNotFoundError, PromptTooLongError
+from engine.errors import DyngenError, ErrorKind, InvalidRequestError, JobNotFoundError, PromptTooLongError
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.job_state import JobState
 from engine.jobs import (
+    JobError,
     JobEvent,
     JobFinished,
     JobId,
@@ -39,7 +41,14 @@ from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.model.tokenizer import Tokenizer
 from engine.pages import PagePool
-from engine.sampler import DEFAULT_MIN_SAMPLING_THREADS, Sampler, SampleRequest, SamplerMode, SamplerState
+from engine.sampler import (
+    DEFAULT_MIN_SAMPLING_THREADS,
+    Sampler,
+    SampleRequest,
+    SampleResult,
+    SamplerMode,
+    SamplerState,
+)
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.speculative import (
     Draft,
@@ -53,6 +62,10 @@ from engine.speculative import (
     accept_sampled,
 )
 from engine.text_stream import TextStream
+
+logger = logging.getLogger(__name__)
+
+_MAX_ERROR_CHARS = 200
 
 # Ids appear in logs and metrics: printable, bounded, no separators to forge.
 _JOB_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -92,6 +105,26 @@ class GeneratorStats:
     accepted_draft_tokens: int
     rejected_draft_tokens: int
     failed_jobs: int  # jobs finished with StopReason.ERROR since start
+
+
+@dataclass(frozen=True)
+class _StepOutput:
+    """One chunk's share of a forward: its logits start at `row` of `logits`."""
+
+    chunk: ScheduledChunk
+    seq: SequenceInput
+    logits: torch.Tensor
+    row: int
+
+
+def _logit_rows(outputs: list[_StepOutput]) -> torch.Tensor:
+    """The logits row of each output, stacked in order (no copy when they are the whole forward's)."""
+    first = outputs[0].logits
+    if all(o.logits is first for o in outputs):
+        if len(outputs) == first.shape[0]:
+            return first
+        return first[[o.row for o in outputs]]
+    return torch.cat([o.logits[o.row : o.row + 1] for o in outputs])
 
 
 @dataclass(frozen=True)
@@ -223,58 +256,135 @@ class DynamicGenerator:
     # -- one iteration -------------------------------------------------------------------------
 
     def iterate(self) -> list[JobEvent]:
-        """Run one forward over this iteration's chunks; return the events it produced."""
+        """Run one forward over this iteration's chunks; return the events it produced.
+
+        A fault while running one job (its forward, sampling, text, stop checks, drafts) fails that
+        job alone (StopReason.ERROR); every other job goes on as if it had not happened.
+        """
         events, self._pending_events = self._pending_events, []
         self._plan_speculation()
-        chunks = self._draft(self.scheduler.schedule(on_preempt=self._on_preempt))
+        chunks = self._draft(self.scheduler.schedule(on_preempt=self._on_preempt), events)
         if not chunks:
             return events
         now = time.perf_counter()
-        inputs: list[SequenceInput] = []
+        staged: list[tuple[ScheduledChunk, SequenceInput]] = []
         for c in chunks:
-            job = c.job
-            if not job.started:
-                job.started = True
-                job.scheduled_at = now
-                events.append(JobStarted(job.job_id, job.spec.identifier, job.prompt_len, job.cached_tokens))
-            job.stage = JobStage.DECODE if job.computed >= job.prompt_len else JobStage.PREFILL
-            if c.draft:
-                tokens = [*job.tokens[job.computed :], *c.draft]
-                inputs.append(SequenceInput(tokens, job.computed, job.pages, True, len(tokens)))
-                continue
-            end = job.computed + c.num_tokens
-            inputs.append(
-                SequenceInput(job.tokens[job.computed : end], job.computed, job.pages, end == len(job.tokens))
+            try:
+                staged.append((c, self._stage(c, now, events)))
+            except Exception as exc:
+                self._contain(c.job, "preparing its step", exc, events)
+        if not staged:
+            return events
+        self._iterations += 1
+        sampled: list[_StepOutput] = []
+        for out in self._forward(staged, events):
+            job, seq = out.chunk.job, out.seq
+            try:
+                if out.chunk.draft:
+                    logits = out.logits[out.row : out.row + seq.logit_positions]
+                    self._verify(job, out.chunk.draft, logits, events)
+                    continue
+                job.computed = seq.end_pos
+                self._register_full_pages(job)
+                if seq.want_logits:
+                    sampled.append(out)
+                elif job.computed <= job.prompt_len:
+                    events.append(
+                        PrefillProgress(job.job_id, job.spec.identifier, job.computed, job.prompt_len)
+                    )
+            except Exception as exc:
+                self._contain(job, "taking its step's results", exc, events)
+        if sampled:
+            self._sample(sampled, events)
+        return events
+
+    def _stage(self, c: ScheduledChunk, now: float, events: list[JobEvent]) -> SequenceInput:
+        """The model input of one chunk (and the job's start event, the first time it runs)."""
+        job = c.job
+        if not job.started:
+            job.started = True
+            job.scheduled_at = now
+            events.append(JobStarted(job.job_id, job.spec.identifier, job.prompt_len, job.cached_tokens))
+        job.stage = JobStage.DECODE if job.computed >= job.prompt_len else JobStage.PREFILL
+        if c.draft:
+            tokens = [*job.tokens[job.computed :], *c.draft]
+            return SequenceInput(tokens, job.computed, job.pages, True, len(tokens))
+        end = job.computed + c.num_tokens
+        return SequenceInput(job.tokens[job.computed : end], job.computed, job.pages, end == len(job.tokens))
+
+    def _forward(
+        self, staged: list[tuple[ScheduledChunk, SequenceInput]], events: list[JobEvent]
+    ) -> list[_StepOutput]:
+        """One batched forward; if it raises, each chunk alone, failing only the jobs whose chunk fails.
+
+        Nothing is committed before a forward returns (`computed` advances after it), so a chunk can
+        simply run again; K/V a failed forward wrote past `computed` is overwritten later.
+        """
+        try:
+            return self._run_model(staged)
+        except Exception as exc:
+            if len(staged) == 1:
+                self._contain(staged[0][0].job, "running the model", exc, events)
+                return []
+            logger.warning(
+                "a forward of %d jobs failed (%s); running them one at a time",
+                len(staged),
+                type(exc).__name__,
             )
-        batch = ForwardBatch.build(inputs, self.pool.page_size, self.model.device)
+        outputs: list[_StepOutput] = []
+        for item in staged:
+            try:
+                outputs.extend(self._run_model([item]))
+            except Exception as exc:
+                self._contain(item[0].job, "running the model", exc, events)
+        return outputs
+
+    def _run_model(self, staged: list[tuple[ScheduledChunk, SequenceInput]]) -> list[_StepOutput]:
+        batch = ForwardBatch.build([seq for _, seq in staged], self.pool.page_size, self.model.device)
         logits = self.model.forward(batch, self.cache)
         self._forwarded += batch.num_tokens
-        self._iterations += 1
-
-        sampled: list[ScheduledChunk] = []
-        sampled_rows: list[int] = []
+        outputs = []
         row = 0
-        for c, seq in zip(chunks, inputs, strict=True):
-            job = c.job
-            if c.draft:
-                events.extend(self._verify(job, c.draft, logits[row : row + seq.logit_positions]))
-                row += seq.logit_positions
-                continue
-            job.computed = seq.end_pos
-            self._register_full_pages(job)
+        for c, seq in staged:
+            outputs.append(_StepOutput(c, seq, logits, row))
             if seq.want_logits:
-                sampled.append(c)
-                sampled_rows.append(row)
-                row += 1
-            elif job.computed <= job.prompt_len:
-                events.append(PrefillProgress(job.job_id, job.spec.identifier, job.computed, job.prompt_len))
-        if sampled:
-            requests = [self._sample_request(c.job) for c in sampled]
-            rows = logits if len(sampled_rows) == logits.shape[0] else logits[sampled_rows]
-            results = self.sampler.sample(rows, requests)
-            for c, result in zip(sampled, results, strict=True):
-                events.extend(self._accept(c.job, result.token_id, result.logprob))
-        return events
+                row += seq.logit_positions
+        return outputs
+
+    def _sample(self, sampled: list[_StepOutput], events: list[JobEvent]) -> None:
+        """Sample the next token of every job whose chunk reached its last token, then take it."""
+        ready: list[tuple[_StepOutput, SampleRequest]] = []
+        for out in sampled:
+            try:
+                ready.append((out, self._sample_request(out.chunk.job)))
+            except Exception as exc:
+                self._contain(out.chunk.job, "preparing its sampling", exc, events)
+        if not ready:
+            return
+        taken: list[tuple[_StepOutput, SampleResult]] = []
+        try:
+            results = self.sampler.sample(_logit_rows([o for o, _ in ready]), [r for _, r in ready])
+            taken = list(zip((o for o, _ in ready), results, strict=True))
+        except Exception as exc:
+            if len(ready) == 1:
+                self._contain(ready[0][0].chunk.job, "sampling", exc, events)
+                return
+            # A seeded sampled job whose uniform was already drawn in the failed call draws again:
+            # still a valid sample, though not the one its seed gives alone.
+            logger.warning(
+                "sampling %d jobs failed (%s); sampling them one at a time", len(ready), type(exc).__name__
+            )
+            for out, request in ready:
+                try:
+                    (result,) = self.sampler.sample(out.logits[out.row : out.row + 1], [request])
+                    taken.append((out, result))
+                except Exception as exc:
+                    self._contain(out.chunk.job, "sampling", exc, events)
+        for out, result in taken:
+            try:
+                self._accept(out.chunk.job, result.token_id, result.logprob, events)
+            except Exception as exc:
+                self._contain(out.chunk.job, "taking its sampled token", exc, events)
 
     # -- speculation ---------------------------------------------------------------------------
 
@@ -300,16 +410,33 @@ class DynamicGenerator:
             left = job.spec.max_new_tokens - job.new_tokens - 1  # the verify step adds one token of its own
             job.draft_budget = min(spec.num_draft_tokens, left) if active and self._speculates(job) else 0
 
-    def _draft(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    def _draft(self, chunks: list[ScheduledChunk], events: list[JobEvent]) -> list[ScheduledChunk]:
         """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to them."""
         # Only a decode step verifies drafts; a prefill chunk (e.g. of a re-admitted job) never does.
         wanting = [c for c in chunks if c.job.draft_budget > 0 and c.num_tokens > 1 and c.job.decoding]
         if self.drafter is None or not wanting:
             return chunks
+        drafter = self.drafter
         requests = [DraftRequest(c.job.job_id, c.job.tokens, c.job.pages, c.num_tokens - 1) for c in wanting]
-        drafts = dict(zip((id(c) for c in wanting), self.drafter.propose(requests), strict=True))
+        drafts: dict[int, Draft] = {}
+        try:
+            drafts = dict(zip((id(c) for c in wanting), drafter.propose(requests), strict=True))
+        except Exception as exc:
+            if len(wanting) > 1:
+                logger.warning(
+                    "drafting for %d jobs failed (%s); drafting one at a time",
+                    len(wanting),
+                    type(exc).__name__,
+                )
+            for c, request in zip(wanting, requests, strict=True):
+                try:
+                    (drafts[id(c)],) = drafter.propose([request])
+                except Exception as exc:
+                    self._contain(c.job, "drafting", exc, events)
         out = []
         for c in chunks:
+            if c.job.stage is JobStage.FINISHED:
+                continue  # failed while drafting
             draft = drafts.get(id(c))
             if draft is None:
                 out.append(c)
@@ -317,7 +444,9 @@ class DynamicGenerator:
                 out.append(ScheduledChunk(c.job, 1 + len(draft.tokens), draft.tokens))
         return out
 
-    def _verify(self, job: JobState, draft: tuple[int, ...], logits: torch.Tensor) -> list[JobEvent]:
+    def _verify(
+        self, job: JobState, draft: tuple[int, ...], logits: torch.Tensor, events: list[JobEvent]
+    ) -> None:
         """Keep the acceptable prefix of `draft` plus one token of the target's own."""
         requests = [self._sample_request(job, ahead=i) for i in range(len(draft) + 1)]
         probs = self.sampler.processed_probs(logits, requests)
@@ -333,16 +462,14 @@ class DynamicGenerator:
         self._accepted_drafts += accepted
         self._rejected_drafts += len(draft) - accepted
         base = job.computed
-        events: list[JobEvent] = []
         for token in (*draft[:accepted], bonus):
-            events.extend(self._accept(job, token, None))
+            self._accept(job, token, None, events)
             if job.stage is JobStage.FINISHED:
-                return events
+                return
         # K/V are valid for the last token and the accepted drafts; a rejected tail is overwritten
         # later, and no page holding it is registered before then.
         job.computed = base + 1 + accepted
         self._register_full_pages(job)
-        return events
 
     def _sample_request(self, job: JobState, ahead: int = 0) -> SampleRequest:
         """The request for the job's next token (`ahead` tokens further on, when verifying drafts)."""
@@ -352,25 +479,27 @@ class DynamicGenerator:
             banned = spec.stop_token_ids | (frozenset() if spec.ignore_eos else self._eos)
         return SampleRequest(job.sampler, banned, spec.return_logprobs, spec.top_logprobs)
 
-    def _accept(self, job: JobState, token: int, logprob: TokenLogprob | None) -> list[JobEvent]:
+    def _accept(
+        self, job: JobState, token: int, logprob: TokenLogprob | None, events: list[JobEvent]
+    ) -> None:
+        """Take one new token of the job: stream its text, or finish the job on a stop condition."""
         spec = job.spec
         now = time.perf_counter()
         if job.first_token_at is None:
             job.first_token_at = now
         if token in spec.stop_token_ids or (not spec.ignore_eos and token in self._eos):
             reason = StopReason.STOP_TOKEN if token in spec.stop_token_ids else StopReason.EOS
-            return [self._finish(job, reason, token, None, job.text.finish())]
+            events.append(self._finish(job, reason, token, None, job.text.finish()))
+            return
         job.tokens.append(token)
         job.sampler.accept(token)
         delta = job.text.push([token])
-        events: list[JobEvent] = []
         logprobs = (logprob,) if logprob is not None else ()
         events.append(TokensGenerated(job.job_id, spec.identifier, delta.text, (token,), logprobs))
         if delta.stop_string is not None:
             events.append(self._finish(job, StopReason.STOP_STRING, None, delta.stop_string, ""))
         elif job.new_tokens >= spec.max_new_tokens:
             events.append(self._finish(job, StopReason.MAX_NEW_TOKENS, None, None, job.text.finish()))
-        return events
 
     def _register_full_pages(self, job: JobState) -> None:
         """Make every newly filled page findable; switch to an identical page if one exists."""
@@ -387,21 +516,45 @@ class DynamicGenerator:
 
     def _on_preempt(self, job: JobState) -> None:
         job.stage = JobStage.QUEUED
-        if self.drafter is not None:
+        self._forget_drafts(job)
+
+    def _forget_drafts(self, job: JobState) -> None:
+        if self.drafter is None:
+            return
+        try:
             self.drafter.forget(job.job_id)
+        except Exception:
+            # Its per-job state may linger; every job, this one included, can still run.
+            logger.exception("job %s: the drafter failed to forget it", job.job_id[:8])
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _contain(self, job: JobState, where: str, exc: Exception, events: list[JobEvent]) -> None:
+        """An exception while running `job` alone: fail the job (once), log the traceback, go on."""
+        if job.stage is JobStage.FINISHED:  # its JobFinished is already in `events`
+            logger.error("job %s: error while %s after it finished", job.job_id[:8], where, exc_info=exc)
+            return
+        logger.error("job %s failed while %s", job.job_id[:8], where, exc_info=exc)
+        self._failed_jobs += 1
+        if isinstance(exc, DyngenError):  # raised on purpose: its message is written for callers
+            error = JobError(exc.kind, str(exc)[:_MAX_ERROR_CHARS])
+        else:
+            error = JobError(ErrorKind.INTERNAL, f"internal error while {where} ({type(exc).__name__})")
+        events.append(self._finish(job, StopReason.ERROR, None, None, "", error))
 
     def _finish(
-        self, job: JobState, reason: StopReason, token: int | None, stop_string: str | None, text: str
+        self,
+        job: JobState,
+        reason: StopReason,
+        token: int | None,
+        stop_string: str | None,
+        text: str,
+        error: JobError | None = None,
     ) -> JobFinished:
-        self.scheduler.remove(job)
-        del self.jobs[job.job_id]
-        if self.drafter is not None:
-            self.drafter.forget(job.job_id)
-        job.stage = JobStage.FINISHED
         now = time.perf_counter()
         scheduled = job.scheduled_at if job.scheduled_at is not None else now
         first = job.first_token_at if job.first_token_at is not None else now
-        return JobFinished(
+        finished = JobFinished(
             job_id=job.job_id,
             identifier=job.spec.identifier,
             stop_reason=reason,
@@ -414,7 +567,17 @@ class DynamicGenerator:
             text=text,
             accepted_draft_tokens=job.accepted_drafts,
             rejected_draft_tokens=job.rejected_drafts,
+            error=error,
         )
+        job.stage = JobStage.FINISHED
+        self.jobs.pop(job.job_id, None)
+        try:
+            self.scheduler.remove(job)
+        except Exception:
+            # The scheduler has let go of the job; only its pages' release failed.
+            logger.exception("job %s: releasing its pages failed", job.job_id[:8])
+        self._forget_drafts(job)
+        return finished
 
     # -- convenience ---------------------------------------------------------------------------
 

@@ -241,8 +241,8 @@ class Scheduler:
     def _release(self, job: JobState) -> None:
         if job.inflight:
             self._forget_inflight(job)
-        if job.pages:
-            self.pool.release(job.pages)
-        job.pages = []
+        pages, job.pages = job.pages, []
         job.computed = 0
         job.registered = 0
+        if pages:
+            self.pool.release(pages)
