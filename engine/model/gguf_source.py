@@ -1,4 +1,8 @@
-"""GGUF files: config from the metadata, tensors dequantized with the `gguf` package."""
+"""GGUF files: config from the metadata, tensors dequantized with the `gguf` package.
+
+`raw_tensor` gives a tensor's blocks as stored instead, and `stored_int4` the 4-bit ones
+(Q4_0/Q4_1) as int4 groups, so quantized linears can run the file's own weights.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import torch
 
 from engine.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from engine.model.config import ModelConfig, RopeScaling, RopeScalingKind
+from engine.model.gguf_blocks import RawTensor, int4_groups
+from kernels.int4_groups import Int4Groups
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -106,6 +112,7 @@ class GGUFSource:
             raise ModelFormatError(f"{path} is not a readable GGUF file: {exc}") from exc
         self._path = path
         self._config = self._read_config()
+        self._by_name = {n: t for t in self._reader.tensors if (n := canonical_name(t.name)) is not None}
         for t in self._reader.tensors:
             if canonical_name(t.name) is not None and t.tensor_type not in _FLOAT_TYPES | _BLOCK_TYPES:
                 raise UnsupportedModelError(
@@ -195,12 +202,16 @@ class GGUFSource:
     def tensor_count(self) -> int:
         return sum(1 for t in self._reader.tensors if canonical_name(t.name) is not None)
 
+    def _unpermute(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Hugging Face row order for Q and K (whole rows: blocks never straddle rows)."""
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            return unpermute_rotary(tensor, self._config.num_heads)
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            return unpermute_rotary(tensor, self._config.num_kv_heads)
+        return tensor
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        cfg = self._config
-        for t in self._reader.tensors:
-            name = canonical_name(t.name)
-            if name is None:
-                continue
+        for name, t in self._by_name.items():
             if t.tensor_type in _FLOAT_TYPES:
                 # The reader maps the file read-only; copy so torch owns writable memory.
                 array = np.array(t.data, dtype=np.float32)
@@ -209,8 +220,18 @@ class GGUFSource:
             # ggml lists dims fastest first; torch wants them slowest first.
             shape = tuple(int(d) for d in reversed(t.shape))
             tensor = torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
-            if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
-                tensor = unpermute_rotary(tensor, cfg.num_heads)
-            elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
-                tensor = unpermute_rotary(tensor, cfg.num_kv_heads)
-            yield name, tensor
+            yield name, self._unpermute(name, tensor)
+
+    def raw_tensor(self, name: str) -> RawTensor | None:
+        """The stored blocks of a quantized tensor (by its Hugging Face name); None for float ones."""
+        t = self._by_name.get(name)
+        if t is None or t.tensor_type in _FLOAT_TYPES:
+            return None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        rows = int(np.prod(shape[:-1]))
+        data = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(rows, -1))
+        return RawTensor(gguf.GGMLQuantizationType(t.tensor_type), shape, self._unpermute(name, data))
+
+    def stored_int4(self, name: str) -> Int4Groups | None:
+        raw = self.raw_tensor(name)
+        return None if raw is None else int4_groups(raw)

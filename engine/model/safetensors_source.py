@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from engine.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from engine.model.config import ModelConfig, RopeScaling, RopeScalingKind
+from kernels.int4_groups import Int4Groups
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
@@ -115,3 +116,6 @@ class SafetensorsSource:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                     yield name, f.get_tensor(name).to(torch.float32)
+
+    def stored_int4(self, name: str) -> Int4Groups | None:
+        return None  # safetensors folders hold float weights

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from engine.model.config import ModelConfig
+from kernels.int4_groups import Int4Groups
 
 
 class WeightSource(Protocol):
@@ -29,4 +30,8 @@ class WeightSource(Protocol):
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (canonical name, float32 tensor) pairs, dequantized where needed."""
+        ...
+
+    def stored_int4(self, name: str) -> Int4Groups | None:
+        """A weight's 4-bit groups exactly as the file stores them (GGUF Q4_0/Q4_1), else None."""
         ...

@@ -1,0 +1,87 @@
+"""The linear-layer seam: one typed dispatch in front of float and quantized matmuls.
+
+The model holds a `Linear` per projection and calls it with activations of any
+leading shape; which kernel runs (and in which dtype it computes inside) is the
+layer's business. Every kind takes and returns the caller's activation dtype.
+
+Measured per decode step of SmolLM2-135M on a 2-core AVX2 CPU (torch 2.13, see
+benchmarks/single_stream.py --matmuls): no kind wins at every batch size or on every
+CPU, so the kind is chosen per layer at load (engine.model.quantization).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol, assert_never
+
+import torch
+
+from kernels.cpu_features import CpuFeatures, cpu_features
+from kernels.int4_groups import Int4Groups
+
+
+class LinearKind(enum.Enum):
+    FLOAT = "float"  # the weight's own dtype (float32 or bfloat16)
+    INT8_WEIGHT = "int8_weight"  # int8 weights, per-row scales; bfloat16 activations inside
+    INT8_DYNAMIC = "int8_dynamic"  # fbgemm: int8 weights and per-call int8 activations
+    INT4 = "int4"  # 4-bit groups of 32 (GGUF Q4_0/Q4_1 kept as stored); bfloat16 inside
+
+
+class Linear(Protocol):
+    @property
+    def kind(self) -> LinearKind: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def out_features(self) -> int: ...
+
+    def describe(self) -> str:
+        """What runs: "float32", "int8_dynamic", "int4[file]" (the file's own blocks), ..."""
+        ...
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight (and scales) a call streams."""
+        ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features], in x's dtype."""
+        ...
+
+
+def make_linear(
+    kind: LinearKind,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stored: Int4Groups | None = None,
+    cpu: CpuFeatures | None = None,
+) -> Linear:
+    """A linear of `kind` for `weight` [out, in].
+
+    FLOAT keeps `weight` as given (its dtype is the compute dtype); the quantized kinds
+    quantize it from float32, except INT4 with `stored` groups (a file's 4-bit blocks),
+    which are used exactly as they are.
+    """
+    match kind:
+        case LinearKind.FLOAT:
+            from kernels.float_linear import FloatLinear
+
+            return FloatLinear(weight, bias)
+        case LinearKind.INT8_WEIGHT:
+            from kernels.int8_weight_linear import Int8WeightLinear
+
+            return Int8WeightLinear.quantize(weight, bias)
+        case LinearKind.INT8_DYNAMIC:
+            from kernels.int8_dynamic_linear import Int8DynamicLinear
+
+            features = cpu if cpu is not None else cpu_features()
+            return Int8DynamicLinear(weight, bias, reduce_range=not features.vnni)
+        case LinearKind.INT4:
+            from kernels.int4_linear import Int4Linear
+
+            if stored is not None:
+                return Int4Linear(stored, bias, from_file=True)
+            return Int4Linear(Int4Groups.quantize(weight), bias)
+        case _:
+            assert_never(kind)
