@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument(
+        "--quant",
+        choices=["auto", "none", "int8", "int4"],
+        default="none",
+        help="linear kinds: none = float in --dtype; int8; int4 = the GGUF's own Q4_0/Q4_1 blocks "
+        "(others re-quantized), int8 head; auto = picked for this CPU (see engine/model/quantization.py)",
+    )
+    gen.add_argument(
         "--page-size", type=_positive, default=DEFAULT_PAGE_SIZE, help="KV cache page size in tokens"
     )
     gen.add_argument(
@@ -229,7 +236,13 @@ def run_generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
     )
-    loaded = load_model(args.model, WeightDtype(args.dtype), progress=not args.quiet)
+    from engine.model.quantization import QuantMode
+
+    loaded = load_model(
+        args.model, WeightDtype(args.dtype), progress=not args.quiet, quant=QuantMode(args.quant)
+    )
+    if not args.quiet:
+        print(f"model: {loaded.model.describe()}", file=sys.stderr)
     tok = loaded.tokenizer
     from service.speculation_flags import speculation_from_args
 
