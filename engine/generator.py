@@ -509,9 +509,12 @@ class DynamicGenerator:
         while (job.registered + 1) * ps <= job.computed:
             i = job.registered
             parent = job.pages[i - 1] if i > 0 else None
-            job.pages[i] = self.pool.register_full(
+            page = self.pool.register_full(
                 job.pages[i], parent, job.tokens[i * ps : (i + 1) * ps], job.spec.cache_salt
             )
+            if page != job.pages[i] and self.drafter is not None:
+                self.drafter.rewind(job.job_id, i * ps)
+            job.pages[i] = page
             job.registered += 1
 
     def _on_preempt(self, job: JobState) -> None:

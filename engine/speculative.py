@@ -82,6 +82,11 @@ class Drafter(Protocol):
         """Drop per-job state (finished, cancelled or preempted)."""
         ...
 
+    def rewind(self, job_id: JobId, position: int) -> None:
+        """The job's page holding `position` was swapped for an identical one (live dedup): state
+        built from the job's cache from that page on must be rebuilt. Its tokens did not change."""
+        ...
+
 
 class NgramDrafter:
     """Proposes the continuation of the longest earlier match of the sequence's suffix.
@@ -127,6 +132,9 @@ class NgramDrafter:
         self._index.pop(job_id, None)
         self._indexed.pop(job_id, None)
 
+    def rewind(self, job_id: JobId, position: int) -> None:
+        pass  # the index is built from tokens alone
+
     def tracked_jobs(self) -> int:
         return len(self._index)
 
@@ -140,7 +148,9 @@ class DraftModelDrafter:
     Its KV cache has the target's page geometry and is addressed through the target's
     page tables, so prefix sharing, cancel and preemption need nothing extra: a page a
     job holds is the same page id in both caches. Per job it tracks how many tokens its
-    own cache holds and catches up (a batched prefill) before proposing.
+    own cache holds and catches up (a batched prefill) before proposing; a new or
+    re-admitted job starts from 0 (its prefix hits' draft K/V are recomputed), and a page
+    swapped by live dedup rewinds it to that page.
     """
 
     def __init__(self, model: LlamaModel, target_vocab: int, num_pages: int, page_size: int) -> None:
@@ -184,6 +194,13 @@ class DraftModelDrafter:
 
     def forget(self, job_id: JobId) -> None:
         self._computed.pop(job_id, None)
+
+    def rewind(self, job_id: JobId, position: int) -> None:
+        # The swapped-in page's draft K/V was written by whichever job's drafter ran over it, if any
+        # did (its owner may not speculate), so recompute it.
+        done = self._computed.get(job_id)
+        if done is not None and done > position:
+            self._computed[job_id] = position
 
 
 def accept_greedy(target_choice: Sequence[int], draft: Sequence[int]) -> int:

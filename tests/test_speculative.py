@@ -12,7 +12,8 @@ from engine.errors import InvalidRequestError
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
-from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason
+from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason, TokensGenerated
+from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, WeightDtype, load_model, open_weight_source
 from engine.model.tokenizer import ChatMessage
@@ -21,6 +22,7 @@ from engine.scheduler import SchedulerConfig
 from engine.speculative import (
     Draft,
     DrafterKind,
+    DraftModelDrafter,
     DraftRequest,
     NgramDrafter,
     SpeculationConfig,
@@ -215,3 +217,66 @@ def test_speculatively_sampled_token_follows_the_target_distribution(tmp_path: P
     chi2 = float(((obs - exp) ** 2 / exp).sum())
     assert n > 500
     assert chi2 < chi_square_critical(len(obs) - 1), (chi2, len(obs))
+
+
+def test_draft_model_rewind_recomputes_from_the_position(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drafter = DraftModelDrafter(tiny.model, tiny.model.config.vocab_size, num_pages=8, page_size=16)
+    starts: list[int] = []
+    real = tiny.model.forward
+
+    def forward(batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        starts.append(int(batch.positions[0]))
+        return real(batch, cache)
+
+    monkeypatch.setattr(tiny.model, "forward", forward)
+    job, pages = JobId("j"), [PageId(0), PageId(1), PageId(2)]
+    tokens = list(range(3, 40))
+    drafter.propose([DraftRequest(job, tokens, pages, 2)])
+    assert starts[0] == 0
+    starts.clear()
+    drafter.propose([DraftRequest(job, [*tokens, 7], pages, 2)])
+    assert starts[0] == len(tokens)  # catches up on the new token only
+    drafter.rewind(job, 16)  # page 1 was swapped for an identical page: its draft K/V is unknown
+    starts.clear()
+    drafter.propose([DraftRequest(job, [*tokens, 7, 8], pages, 2)])
+    assert starts[0] == 16
+    drafter.rewind(JobId("unknown"), 0)  # nothing to do for a job it never saw
+    drafter.forget(job)
+
+
+def test_a_page_swapped_by_live_dedup_rewinds_the_drafter(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two identical greedy jobs a step apart: the later one's output pages dedup onto the earlier's,
+    whose draft-model K/V this job's drafter never computed, so the drafter rewinds to each swapped page."""
+    draft = LlamaModel.from_source(open_weight_source(tiny.path), progress=False, num_layers=2)
+    prompt = tuple([5, 6, 7, 8] * 4 + [9])
+    spec = JobSpec(prompt, max_new_tokens=40, ignore_eos=True)
+    plain = DynamicGenerator(tiny.model, tiny.tokenizer, spec_config(DrafterKind.NONE)).generate([spec])[0]
+    gen = DynamicGenerator(
+        tiny.model, tiny.tokenizer, spec_config(DrafterKind.DRAFT_MODEL), draft_model=draft
+    )
+    assert gen.drafter is not None
+    rewinds: list[tuple[JobId, int]] = []
+    real = gen.drafter.rewind
+
+    def rewind(job_id: JobId, position: int) -> None:
+        rewinds.append((job_id, position))
+        real(job_id, position)
+
+    monkeypatch.setattr(gen.drafter, "rewind", rewind)
+    first = gen.enqueue(spec)
+    tokens: dict[JobId, list[int]] = {first: []}
+    while gen.has_work():
+        if len(tokens) == 1 and gen.stats().iterations == 1:
+            tokens[gen.enqueue(spec)] = []
+        for e in gen.iterate():
+            if isinstance(e, TokensGenerated):
+                tokens[e.job_id].extend(e.token_ids)
+        gen.check_invariants()
+    second = next(j for j in tokens if j != first)
+    assert tokens[first] == tokens[second] == list(plain.token_ids)
+    assert gen.pool.stats().dedup_hits > 0
+    assert rewinds and all(j == second and p % 16 == 0 and p >= 16 for j, p in rewinds)
