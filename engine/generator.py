@@ -1,10 +1,16 @@
 """The dynamic generator: the in-process API of the engine.
 
-`enqueue(spec) -> JobId`, `iterate() -> list[JobEvent]`, `cancel(job_id)`, and
-`generate(...)` for simple use. Each `iterate()` asks the scheduler for this
+`enqueue(spec, job_id=None) -> JobId`, `iterate() -> list[JobEvent]`, `cancel(job_id)`,
+and `generate(...)` for simple use. Each `iterate()` asks the scheduler for this
 iteration's chunks (decode steps and prefill chunks of many jobs), runs them in one
 forward over the paged KV cache, samples every job whose chunk reached its last
 token, and turns the results into events. Jobs join and leave at every iteration.
+
+Faults stay with their job: an exception while running one job's step (its share of the
+forward, its sampling, text, stop checks or drafts) finishes that job with
+StopReason.ERROR and a JobError, releases its pages and logs the traceback; the other
+jobs of the step go on. A batched call that raises (forward, sampler, drafter) is re-run
+one job at a time to find whose it was; nothing is committed before it returns.
 
 Not thread-safe: one thread (the engine loop) owns a generator.
 """

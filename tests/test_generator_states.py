@@ -14,6 +14,7 @@ from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobFinished, JobId, JobSpec, PrefillProgress, SamplingSettings, StopReason
 from engine.model.loader import LoadedModel, load_model
 from engine.scheduler import SchedulerConfig
+from engine.speculative import DrafterKind, SpeculationConfig
 from tests.tiny_llama import save_tiny_llama
 
 _TINY: LoadedModel | None = None
@@ -39,11 +40,13 @@ def generator(
     chunk: int = 64,
     max_q: int = 64,
     batch: int = 16,
+    speculation: DrafterKind = DrafterKind.NONE,
 ) -> DynamicGenerator:
     sched = SchedulerConfig(max_batch_size=batch, max_chunk_size=chunk, max_q_size=max_q)
-    return DynamicGenerator(
-        tiny.model, tiny.tokenizer, GeneratorConfig(page_size, num_pages, scheduler=sched)
+    config = GeneratorConfig(
+        page_size, num_pages, scheduler=sched, speculation=SpeculationConfig(speculation, num_draft_tokens=3)
     )
+    return DynamicGenerator(tiny.model, tiny.tokenizer, config)
 
 
 def all_pages_idle(gen: DynamicGenerator) -> bool:
@@ -107,7 +110,8 @@ def test_min_new_tokens_suppresses_stop_tokens(tiny: LoadedModel) -> None:
 
 
 class GeneratorLifecycle(RuleBasedStateMachine):
-    """Random enqueue / step / cancel sequences; a small pool forces preemption."""
+    """Random enqueue / step / cancel sequences; a small pool forces preemption, with and without
+    n-gram speculation, and jobs of two cache salts share prompts."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -115,33 +119,43 @@ class GeneratorLifecycle(RuleBasedStateMachine):
         self.live: list[JobId] = []
 
     @initialize(
-        pages=st.integers(6, 24), page_size=st.sampled_from([4, 8, 16]), chunk=st.sampled_from([8, 32])
+        pages=st.integers(6, 24),
+        page_size=st.sampled_from([4, 8, 16]),
+        chunk=st.sampled_from([8, 32]),
+        speculate=st.booleans(),
     )
-    def setup(self, pages: int, page_size: int, chunk: int) -> None:
+    def setup(self, pages: int, page_size: int, chunk: int, speculate: bool) -> None:
         assert _TINY is not None
-        self.gen = generator(_TINY, num_pages=pages, page_size=page_size, chunk=chunk, batch=6)
+        kind = DrafterKind.NGRAM if speculate else DrafterKind.NONE
+        self.gen = generator(
+            _TINY, num_pages=pages, page_size=page_size, chunk=chunk, batch=6, speculation=kind
+        )
 
     @rule(
         prefix=st.integers(0, 2),
         tail=st.lists(st.integers(3, 40), min_size=1, max_size=12),
         new=st.integers(1, 12),
+        salt=st.sampled_from(["", "t"]),
     )
-    def enqueue(self, prefix: int, tail: list[int], new: int) -> None:
+    def enqueue(self, prefix: int, tail: list[int], new: int, salt: str) -> None:
         assert self.gen is not None
         # Shared leading tokens so prefix pages collide often.
         prompt = tuple([11, 12, 13, 14, 15, 16, 17, 18] * prefix + tail)
         capacity = self.gen.pool.num_pages * self.gen.pool.page_size
         if len(prompt) + new > capacity:
             return
-        self.live.append(self.gen.enqueue(JobSpec(prompt, max_new_tokens=new, ignore_eos=True)))
+        spec = JobSpec(prompt, max_new_tokens=new, ignore_eos=True, cache_salt=salt)
+        self.live.append(self.gen.enqueue(spec))
 
     @rule(steps=st.integers(1, 4))
     def step(self, steps: int) -> None:
         assert self.gen is not None
         for _ in range(steps):
             for e in self.gen.iterate():
-                if isinstance(e, JobFinished) and e.job_id in self.live:
-                    self.live.remove(e.job_id)
+                if isinstance(e, JobFinished):
+                    assert e.error is None, e.error
+                    if e.job_id in self.live:
+                        self.live.remove(e.job_id)
 
     @precondition(lambda self: bool(self.live))
     @rule(which=st.integers(0, 100))
@@ -165,6 +179,8 @@ class GeneratorLifecycle(RuleBasedStateMachine):
             self.gen.check_invariants()
         assert not self.gen.has_work(), "jobs never finished"
         assert all_pages_idle(self.gen)
+        assert self.gen.scheduler.inflight_pages() == 0
+        assert self.gen.stats().failed_jobs == 0
 
 
 def test_random_lifecycles_keep_page_invariants(tiny: LoadedModel) -> None:
