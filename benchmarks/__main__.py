@@ -14,10 +14,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument(
         "workload",
-        choices=["single", "sampler", "w1", "w2", "w3", "w4", "all", "soak"],
+        choices=["single", "sampler", "w1", "w2", "w3", "w4", "all", "soak", "quant", "quality"],
         help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
         "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
-        "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure)",
+        "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure); "
+        "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")
@@ -55,6 +56,18 @@ def main() -> None:
         from benchmarks.single_stream import run
 
         print(run(args.new_tokens, args.workloads))
+        return
+    if args.workload == "quant":
+        from benchmarks.single_stream import matmul_table, quant_decode_table
+
+        print(matmul_table(max(args.repeat, 3)), flush=True)
+        print()
+        print(quant_decode_table(args.new_tokens, args.workloads, args.repeat))
+        return
+    if args.workload == "quality":
+        from benchmarks.quality import run as run_quality
+
+        print(run_quality())
         return
     if args.workload == "w3":
         from benchmarks.speculative import run as run_speculative

@@ -2,6 +2,10 @@
 
 Both are timed the same way: wall time to generate N+1 tokens minus wall time to
 generate 1 token (the prefill and first token), over N. Greedy, EOS ignored.
+
+`python -m benchmarks quant` times the quantized linears instead: matmul milliseconds
+per decode step for each linear kind at 1, 8 and 64 rows, and dyngen's decode speed
+for each --quant mode, with the CPU's feature line.
 """
 
 from __future__ import annotations
@@ -16,8 +20,14 @@ import torch
 from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine.batch_generate import GenerationSettings, generate_batch
+from engine.model.gguf_source import GGUFSource
+from engine.model.llama import LlamaModel
 from engine.model.loader import WeightDtype, default_model_path, load_model
+from engine.model.quantization import LinearPlan, QuantMode, resolve_quant
 from engine.model.tokenizer import ChatMessage
+from kernels.cpu_features import cpu_features
+from kernels.int4_groups import Int4Groups
+from kernels.linear import Linear, LinearKind
 
 
 def decode_rate(run: Callable[[int], None], new_tokens: int) -> float:
@@ -70,4 +80,102 @@ def run(new_tokens: int = 128, workloads: Path | None = None) -> str:
         rows.append(Row("transformers", dtype.value, decode_rate(theirs, new_tokens), ""))
         del ref
     title = f"Single-stream decode, SmolLM2-135M Q4_1 GGUF dequantized, {new_tokens} tokens, {torch.get_num_threads()} threads"
+    return render(title, "tok/s", rows)
+
+
+# --- quantized linears: per-step matmul time per kind, and decode speed per --quant mode ---
+
+MATMUL_ROWS = (1, 8, 64)
+
+
+def _step_linears(
+    kind: LinearKind, tensors: dict[str, torch.Tensor], stored: dict[str, Int4Groups]
+) -> list[Linear]:
+    """One decode step's linears of the shipped model (30 layers' QKV, O, gate/up, down, and the head)."""
+    config = GGUFSource(default_model_path()).config
+    model = LlamaModel(config, tensors, plan=LinearPlan.uniform(kind), stored_int4=stored)
+    out: list[Linear] = []
+    for layer in model.layers:
+        out += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    return [*out, model.lm_head]
+
+
+def _time_step(linears: list[Linear], inputs: dict[int, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for lin in linears:
+        lin(inputs[lin.in_features])
+    return time.perf_counter() - t0
+
+
+def matmul_table(rounds: int = 5) -> str:
+    """Milliseconds of matmul per decode step at 1, 8 and 64 rows, best of `rounds` (kinds take turns)."""
+    source = GGUFSource(default_model_path())
+    tensors = dict(source.tensors())
+    stored = {n: g for n, t in tensors.items() if t.dim() == 2 and (g := source.stored_int4(n)) is not None}
+    kinds = {kind: _step_linears(kind, tensors, stored) for kind in LinearKind}
+    labels = {k: f"{k.value} ({lins[0].describe()}; head {lins[-1].describe()})" for k, lins in kinds.items()}
+    widths = {lin.in_features for lin in kinds[LinearKind.FLOAT]}
+    best: dict[tuple[str, int], float] = {}
+    for rows in MATMUL_ROWS:
+        inputs = {w: torch.randn(rows, w) for w in widths}
+        bf16 = {w: x.to(torch.bfloat16) for w, x in inputs.items()}
+        runs: list[tuple[str, list[Linear], dict[int, torch.Tensor]]] = [
+            (labels[k], lins, inputs) for k, lins in kinds.items()
+        ]
+        # The same kernels fed bfloat16 directly: what the cast inside costs.
+        for k in (LinearKind.INT8_WEIGHT, LinearKind.INT4):
+            runs.append((f"{labels[k]}, bf16 input (no cast)", kinds[k], bf16))
+        for _label, lins, xs in runs:
+            _time_step(lins, xs)  # warm-up
+        for _ in range(rounds):
+            for label, lins, xs in runs:
+                t = _time_step(lins, xs)
+                best[(label, rows)] = min(best.get((label, rows), t), t)
+    lines = [
+        f"### Matmul time per decode step (30 layers + head), ms, best of {rounds} rounds",
+        "",
+        f"CPU: {cpu_features().summary()}",
+        "",
+        "| kind | " + " | ".join(f"M={m}" for m in MATMUL_ROWS) + " |",
+        "| --- |" + " ---: |" * len(MATMUL_ROWS),
+    ]
+    for label in dict.fromkeys(label for label, _ in best):
+        lines.append(
+            f"| {label} | " + " | ".join(f"{best[(label, m)] * 1e3:.1f}" for m in MATMUL_ROWS) + " |"
+        )
+    return "\n".join(lines)
+
+
+def quant_decode_table(new_tokens: int = 128, workloads: Path | None = None, rounds: int = 3) -> str:
+    """Single-stream decode tok/s of the engine per --quant mode, best of `rounds` (modes take turns)."""
+    user = load_workloads(workloads)["W1"]["user_messages"][0]
+    path = default_model_path()
+    cpu = cpu_features()
+    runs: list[tuple[str, Callable[[int], None], str]] = []
+    for mode in QuantMode:
+        t0 = time.perf_counter()
+        loaded = load_model(path, WeightDtype.FLOAT32, progress=False, quant=mode)
+        load_s = time.perf_counter() - t0
+        prompt = loaded.tokenizer.encode_chat([ChatMessage("user", user)])
+        cache = loaded.model.new_cache(num_pages=2, page_size=256)
+
+        def ours(n: int, loaded: Any = loaded, prompt: list[int] = prompt, cache: Any = cache) -> None:
+            generate_batch(
+                loaded.model, cache, [prompt], GenerationSettings(max_new_tokens=n, ignore_eos=True)
+            )
+
+        label = mode.value if mode is not QuantMode.AUTO else f"auto (= {resolve_quant(mode, cpu).value})"
+        runs.append((label, ours, f"load {load_s:.1f} s; {loaded.model.describe()}"))
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for label, fn, _note in runs:
+            best[label] = max(best.get(label, 0.0), decode_rate(fn, new_tokens))
+    rows = [
+        Row(f"dyngen --quant {label}", "float32", best[label], "dyngen --quant none", note)
+        for label, _, note in runs
+    ]
+    title = (
+        f"Single-stream decode per --quant, SmolLM2-135M Q4_1 GGUF, {new_tokens} tokens, best of {rounds} "
+        f"rounds\n\nCPU: {cpu.summary()}\n"
+    )
     return render(title, "tok/s", rows)
