@@ -53,9 +53,11 @@ class Request:
     return_logprobs: bool = False
     top_logprobs: int = 0
     identifier: str = ""
+    cache_salt: str = ""  # prefix-cache isolation: share cached prompt pages only within one salt
 
     def to_proto(self) -> pb.GenerateRequest:
         req = pb.GenerateRequest(
+            cache_salt=self.cache_salt,
             stop_strings=self.stop_strings,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
@@ -115,6 +117,27 @@ def _tokenize_request(prompt: str | Chat) -> pb.TokenizeRequest:
     return req
 
 
+def tls_credentials(
+    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials:
+    """TLS to the server: `ca_file` verifies it (default: the system's roots); `cert_file` and
+    `key_file` present a client certificate (a server with --tls-client-ca requires one)."""
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs both cert_file and key_file")
+    return grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
+
+
+def _auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 def _options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -123,14 +146,19 @@ def _options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class Client:
-    """Blocking client. Use as a context manager, or call close()."""
+    """Blocking client. Use as a context manager, or call close().
+
+    `credentials`: TLS (see `tls_credentials`); `token`: a bearer token sent with every call.
+    """
 
     def __init__(
         self,
         target: str,
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = 4 << 20,
+        token: str | None = None,
     ) -> None:
+        self.metadata = _auth_metadata(token)
         opts = _options(max_message_bytes)
         self.channel = (
             grpc.secure_channel(target, credentials, opts)
@@ -150,30 +178,30 @@ class Client:
 
     def generate(self, request: Request, timeout: float | None = None) -> Iterator[Event]:
         """The job's events; leaving the loop early cancels the call and so the job."""
-        call = self.stub.Generate(request.to_proto(), timeout=timeout)
+        call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self.metadata)
         try:
             yield from call
         finally:
             call.cancel()
 
     def enqueue(self, request: Request, timeout: float | None = None) -> str:
-        return str(self.stub.Enqueue(request.to_proto(), timeout=timeout).job_id)
+        return str(self.stub.Enqueue(request.to_proto(), timeout=timeout, metadata=self.metadata).job_id)
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[Event]:
-        call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout)
+        call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
         try:
             yield from call
         finally:
             call.cancel()
 
     def cancel(self, job_id: str, timeout: float | None = None) -> None:
-        self.stub.Cancel(pb.CancelRequest(job_id=job_id), timeout=timeout)
+        self.stub.Cancel(pb.CancelRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def tokenize(self, prompt: str | Chat, timeout: float | None = None) -> list[int]:
-        return list(self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout).token_ids)
+        return list(self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout, metadata=self.metadata).token_ids)
 
 
 class AsyncClient:
@@ -184,7 +212,9 @@ class AsyncClient:
         target: str,
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = 4 << 20,
+        token: str | None = None,
     ) -> None:
+        self.metadata = _auth_metadata(token)
         opts = _options(max_message_bytes)
         self.channel = (
             grpc.aio.secure_channel(target, credentials, opts)
@@ -203,7 +233,7 @@ class AsyncClient:
         await self.channel.close()
 
     async def generate(self, request: Request, timeout: float | None = None) -> AsyncIterator[Event]:
-        call = self.stub.Generate(request.to_proto(), timeout=timeout)
+        call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self.metadata)
         try:
             async for event in call:
                 yield event
@@ -211,10 +241,10 @@ class AsyncClient:
             call.cancel()
 
     async def enqueue(self, request: Request, timeout: float | None = None) -> str:
-        return str((await self.stub.Enqueue(request.to_proto(), timeout=timeout)).job_id)
+        return str((await self.stub.Enqueue(request.to_proto(), timeout=timeout, metadata=self.metadata)).job_id)
 
     async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[Event]:
-        call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout)
+        call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
         try:
             async for event in call:
                 yield event
@@ -222,10 +252,10 @@ class AsyncClient:
             call.cancel()
 
     async def cancel(self, job_id: str, timeout: float | None = None) -> None:
-        await self.stub.Cancel(pb.CancelRequest(job_id=job_id), timeout=timeout)
+        await self.stub.Cancel(pb.CancelRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
 
     async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     async def tokenize(self, prompt: str | Chat, timeout: float | None = None) -> list[int]:
-        return list((await self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout)).token_ids)
+        return list((await self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout, metadata=self.metadata)).token_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,11 +25,25 @@ class ServiceConfig:
     torch_threads: int = 0  # 0 = one per core
     omp_wait_policy: str = "active"  # active (dedicated machine) or passive (CPU shared with others)
     metrics_port: int = 0  # 0 = no metrics endpoint
+    metrics_host: str | None = None  # default: the same address as the gRPC port
+    reflection: bool = True  # gRPC server reflection (grpcurl and ghz without .proto files)
     tls_cert: str | None = None
     tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM CA bundle: require client certificates signed by it (mTLS)
+    auth_tokens_file: str | None = None  # lines "<tenant> <token>": bearer tokens required
     max_message_bytes: int = 4 * 1024 * 1024
+    max_prompt_chars: int = 1 << 20  # text or chat contents, checked before tokenizing
+    max_streams: int = 1024  # Generate + Stream calls open at once; RESOURCE_EXHAUSTED past it
+    max_pending_calls: int = 1024  # calls waiting for the engine's answer (bounds the pipe's outbox)
+    keepalive_seconds: float = 30.0  # HTTP/2 pings to idle clients; dead peers are dropped
+    max_connection_age_seconds: float = 0.0  # 0 = unlimited; else connections are recycled (balancers)
     stream_grace_seconds: float = 30.0  # an enqueued job not streamed by then is cancelled
     shutdown_grace_seconds: float = 30.0  # SIGTERM: running jobs get this long to finish
+    watchdog_seconds: float = 3.0  # no engine heartbeat this long: health NOT_SERVING
+    hang_seconds: float = 30.0  # no heartbeat, or no engine loop pass, this long: kill and restart
+    engine_call_timeout_seconds: float = 30.0  # an engine request unanswered this long fails UNAVAILABLE
+    restart_backoff_seconds: float = 0.5  # first wait before restarting a failed engine (then doubling)
+    max_restart_failures: int = 5  # engines dying before they served a minute, in a row: give up, exit 1
     warmup: bool = True
     speculate: str = "none"  # none, ngram or draft_model
     num_draft_tokens: int = 4
@@ -54,6 +69,15 @@ class ServiceConfig:
         return ServiceConfig(**json.loads(text))
 
 
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"DYNGEN_{name.upper()}", default)
 
@@ -61,7 +85,7 @@ def _env(name: str, default: str | None) -> str | None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServiceConfig()
 
-    def opt(name: str, kind: type, default: object, help_: str) -> None:
+    def opt(name: str, kind: Callable[[str], object], default: object, help_: str) -> None:
         env = _env(name, None)
         value = kind(env) if env is not None else default
         parser.add_argument(
@@ -86,11 +110,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "OpenMP waiting: active (own machine) or passive (shared CPU)",
     )
     opt("metrics_port", int, d.metrics_port, "Prometheus metrics HTTP port (0 = off)")
+    opt("metrics_host", str, d.metrics_host, "address of the metrics endpoint (default: --host)")
+    opt("reflection", _flag, d.reflection, "serve gRPC reflection: true or false")
     opt("tls_cert", str, d.tls_cert, "PEM certificate chain (with --tls-key: serve TLS)")
     opt("tls_key", str, d.tls_key, "PEM private key")
+    opt("tls_client_ca", str, d.tls_client_ca, "PEM CA bundle: require client certificates (mTLS)")
+    opt("auth_tokens_file", str, d.auth_tokens_file, 'bearer tokens, one "<tenant> <token>" per line')
     opt("max_message_bytes", int, d.max_message_bytes, "largest gRPC message, both directions")
+    opt("max_prompt_chars", int, d.max_prompt_chars, "longest text or chat prompt, in characters")
+    opt("max_streams", int, d.max_streams, "Generate/Stream calls open at once")
+    opt("max_pending_calls", int, d.max_pending_calls, "engine calls waiting for an answer at once")
+    opt("keepalive_seconds", float, d.keepalive_seconds, "HTTP/2 keepalive ping interval")
+    opt("max_connection_age_seconds", float, d.max_connection_age_seconds, "recycle connections (0 = never)")
     opt("stream_grace_seconds", float, d.stream_grace_seconds, "cancel an enqueued job not streamed by then")
     opt("shutdown_grace_seconds", float, d.shutdown_grace_seconds, "SIGTERM: time running jobs get to finish")
+    opt("watchdog_seconds", float, d.watchdog_seconds, "engine silent this long: NOT_SERVING")
+    opt("hang_seconds", float, d.hang_seconds, "engine silent or its loop stuck this long: restart it")
+    opt("engine_call_timeout_seconds", float, d.engine_call_timeout_seconds, "engine answer timeout")
+    opt("restart_backoff_seconds", float, d.restart_backoff_seconds, "first engine restart delay")
+    opt("max_restart_failures", int, d.max_restart_failures, "failed engine starts in a row before exit 1")
     opt("speculate", str, d.speculate, "speculative decoding: none, ngram or draft_model")
     opt("num_draft_tokens", int, d.num_draft_tokens, "draft tokens verified per step")
     opt("max_ngram", int, d.max_ngram, "longest suffix the n-gram drafter matches")

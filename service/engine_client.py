@@ -1,10 +1,18 @@
 """EngineClient: the front end's side of the engine process.
 
 A reader thread drains the engine's pipe all the time and hands each message to the
-asyncio loop, which puts job events into per-job queues; so a slow or vanished consumer
+asyncio loop, which puts job events into per-job buffers; so a slow or vanished consumer
 never blocks the engine. Commands go out through a writer thread for the same reason.
-When the process dies, every open job and pending request fails with EngineDownError and a
-new process is started.
+
+Job ids are minted here and a job's channel exists before its SUBMIT leaves, so no event
+can arrive for a job nobody listens to, and a caller that goes away before the engine
+answered still gets its job cancelled (the CANCEL follows the SUBMIT down the same pipe).
+
+Watchdog: the engine sends a heartbeat from a thread of its own. No heartbeat for
+`watchdog_seconds` (the process is stopped, or wedged holding the GIL) turns health
+NOT_SERVING; no heartbeat for `hang_seconds`, or a loop that has not gone round for that
+long, gets the process killed. A dead engine fails its jobs with EngineDownError and is
+restarted after a backoff (RestartPolicy); a crash loop ends in `failed`.
 """
 
 from __future__ import annotations
@@ -13,25 +21,40 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 import structlog
 
+from engine.jobs import new_job_id
 from service.config import ServiceConfig
 from service.engine_process import run as engine_main
-from service.ipc import Accepted, EngineStats, Message, Rejection, Tag, unpack_frames
+from service.event_buffer import EngineDownError, EventBuffer
+from service.ipc import (
+    Accepted,
+    EngineStats,
+    Heartbeat,
+    Message,
+    Ready,
+    Rejection,
+    Submit,
+    Tag,
+    unpack_frames,
+)
+from service.prompts import PromptTokenizer
 from service.proto.dyngen.v1 import generator_pb2 as pb
+from service.restart_policy import RestartPolicy, RestartTracker
 
 log = structlog.get_logger("dyngen.engine_client")
 
-
-class EngineDownError(Exception):
-    """The engine process is not running (starting, restarting, or stopped)."""
+WATCH_INTERVAL = 0.25
 
 
 class EngineRejectedError(Exception):
@@ -40,7 +63,13 @@ class EngineRejectedError(Exception):
         self.rejection = rejection
 
 
-JobItem = pb.GenerateEvent | EngineDownError
+class EngineBusyError(Exception):
+    """Too many calls to the engine are waiting for an answer; try again later."""
+
+
+def short_id(job_id: str) -> str:
+    """What logs show of a job id: enough to follow one job, too little to name it to the server."""
+    return job_id[:8]
 
 
 @dataclass
@@ -48,11 +77,14 @@ class JobChannel:
     """Where one job's events wait for its (single) stream."""
 
     job_id: str
-    prompt_tokens: int
+    owner: str  # the tenant that created it ("" without authentication)
     submitted_at: float
-    events: asyncio.Queue[JobItem] = field(default_factory=asyncio.Queue)
+    prompt_tokens: int = 0
+    events: EventBuffer = field(default_factory=EventBuffer)
+    accepted: bool = False
     streamed: bool = False
     finished: bool = False
+    cancel_sent: bool = False
     grace_timer: asyncio.TimerHandle | None = None
 
 
@@ -68,6 +100,11 @@ class _Process:
     events: Connection
     outbox: queue.SimpleQueue[bytes | None]
     generation: int
+    started_at: float
+    last_heartbeat: float  # monotonic; written by the reader thread
+    loop_age: float = 0.0
+    ready_at: float | None = None
+    killed: bool = False
 
 
 class EngineClient:
@@ -76,18 +113,32 @@ class EngineClient:
         self.loop = loop
         self.jobs: dict[str, JobChannel] = {}
         self.model_name = ""
+        self.context_length = 0
+        self.prompts: PromptTokenizer | None = None
         self.ready = False
+        self.failed = False  # gave up restarting (crash loop)
         self.stats: EngineStats | None = None
         self.on_state: list[StateListener] = []
         self.on_event: list[EventListener] = []
         self.on_stats: list[StatsListener] = []
         self.on_forget: list[Callable[[str], None]] = []  # a job's id left the table
+        self.on_restart: list[Callable[[], None]] = []
+        self.on_failed: list[Callable[[], None]] = []
         self._pending: dict[int, asyncio.Future[Message]] = {}
         self._numbers = itertools.count(1)
         self._proc: _Process | None = None
         self._generation = 0
         self._stopping = False
         self._first_ready: asyncio.Future[None] = loop.create_future()
+        self._restarts = RestartTracker(
+            RestartPolicy(
+                backoff_seconds=config.restart_backoff_seconds,
+                max_failures=config.max_restart_failures,
+            )
+        )
+        self._runtime_dir = Path(tempfile.mkdtemp(prefix="dyngen-"))
+        self._watchdog: asyncio.Task[None] | None = None
+        self._stalled = False
         self.restarts = 0
 
     # -- process lifetime ----------------------------------------------------------------------
@@ -99,18 +150,22 @@ class EngineClient:
         evt_recv, evt_send = ctx.Pipe(duplex=False)
         process = ctx.Process(
             target=engine_main,
-            args=(self.config.to_json(), cmd_recv, evt_send),
+            args=(self.config.to_json(), cmd_recv, evt_send, str(self._runtime_dir)),
             name="dyngen-engine",
             daemon=True,
         )
         process.start()
         cmd_recv.close()
         evt_send.close()
-        proc = _Process(process, cmd_send, evt_recv, queue.SimpleQueue(), self._generation)
+        now = time.monotonic()
+        proc = _Process(process, cmd_send, evt_recv, queue.SimpleQueue(), self._generation, now, now)
         self._proc = proc
+        self._stalled = False
         threading.Thread(target=self._reader, args=(proc,), name="engine-reader", daemon=True).start()
         threading.Thread(target=self._writer, args=(proc,), name="engine-writer", daemon=True).start()
-        log.info("engine_starting", pid=process.pid)
+        if self._watchdog is None:
+            self._watchdog = self.loop.create_task(self._watch())
+        log.info("engine_starting", pid=process.pid, generation=self._generation)
 
     async def wait_ready(self) -> None:
         await self._first_ready
@@ -121,21 +176,31 @@ class EngineClient:
 
     def stop(self) -> None:
         self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         proc = self._proc
-        if proc is None:
-            return
-        proc.outbox.put(Message(Tag.QUIT, 0, b"").encode())
-        proc.outbox.put(None)
-        proc.process.join(10)
-        if proc.process.is_alive():
-            proc.process.kill()
-            proc.process.join(5)
+        if proc is not None:
+            proc.outbox.put(Message(Tag.QUIT, 0, b"").encode())
+            proc.outbox.put(None)
+            proc.process.join(10)
+            if proc.process.is_alive():
+                proc.process.kill()
+                proc.process.join(5)
+        if self.prompts is not None:
+            self.prompts.close()
+        shutil.rmtree(self._runtime_dir, ignore_errors=True)
 
     def _reader(self, proc: _Process) -> None:
         try:
             while True:
                 data = proc.events.recv_bytes()
-                self.loop.call_soon_threadsafe(self._dispatch, Message.decode(data))
+                msg = Message.decode(data)
+                if msg.tag is Tag.HEARTBEAT:
+                    # Read by the watchdog; plain attribute writes, no loop wake-up per beat.
+                    proc.loop_age = Heartbeat.from_bytes(msg.payload).loop_age
+                    proc.last_heartbeat = time.monotonic()
+                    continue
+                self.loop.call_soon_threadsafe(self._dispatch, msg)
         except (EOFError, OSError):
             pass
         proc.process.join(5)
@@ -149,6 +214,34 @@ class EngineClient:
             except OSError:
                 return
 
+    async def _watch(self) -> None:
+        c = self.config
+        while not self._stopping:
+            await asyncio.sleep(WATCH_INTERVAL)
+            proc = self._proc
+            if proc is None or proc.killed or proc.generation != self._generation:
+                continue
+            silent = time.monotonic() - proc.last_heartbeat
+            hung_loop = proc.ready_at is not None and proc.loop_age > c.hang_seconds
+            if silent > c.hang_seconds or hung_loop:
+                log.error(
+                    "engine_hung",
+                    pid=proc.process.pid,
+                    silent_seconds=round(silent, 2),
+                    loop_age_seconds=round(proc.loop_age, 2),
+                )
+                proc.killed = True
+                proc.process.kill()  # the reader sees EOF; _engine_gone restarts it
+            elif silent > c.watchdog_seconds and not self._stalled:
+                self._stalled = True
+                log.warning("engine_unresponsive", pid=proc.process.pid, silent_seconds=round(silent, 2))
+                self._set_ready(False)
+            elif silent <= c.watchdog_seconds and self._stalled:
+                self._stalled = False
+                log.info("engine_responsive", pid=proc.process.pid)
+                if proc.ready_at is not None:
+                    self._set_ready(True)
+
     def _engine_gone(self, proc: _Process) -> None:
         if proc.generation != self._generation:
             return
@@ -158,7 +251,7 @@ class EngineClient:
             return
         log.warning("engine_down", exit_code=proc.process.exitcode, open_jobs=len(self.jobs))
         for job in list(self.jobs.values()):
-            job.events.put_nowait(EngineDownError("the engine process stopped"))
+            job.events.put(EngineDownError("the engine process stopped"))
             self._forget(job)
         for fut in self._pending.values():
             if not fut.done():
@@ -171,8 +264,23 @@ class EngineClient:
                 EngineDownError(f"the engine failed to start (exit code {proc.process.exitcode})")
             )
             return
+        served = None if proc.ready_at is None else time.monotonic() - proc.ready_at
+        delay = self._restarts.after_exit(served)
+        if delay is None:
+            log.error("engine_crash_loop", failures=self._restarts.failures - 1)
+            self.failed = True
+            for failed_listener in self.on_failed:
+                failed_listener()
+            return
         self.restarts += 1
-        self.start()
+        for restart_listener in self.on_restart:
+            restart_listener()
+        log.info("engine_restart_scheduled", delay_seconds=delay, failures=self._restarts.failures)
+        self.loop.call_later(delay, self._restart)
+
+    def _restart(self) -> None:
+        if not self._stopping:
+            self.start()
 
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready
@@ -191,15 +299,33 @@ class EngineClient:
                 for stats_listener in self.on_stats:
                     stats_listener(self.stats)
             case Tag.READY:
-                self.model_name = msg.payload.decode()
-                log.info("engine_ready", model=self.model_name, pid=self.pid)
-                self._set_ready(True)
-                if not self._first_ready.done():
-                    self._first_ready.set_result(None)
+                self.loop.create_task(self._engine_ready(Ready.from_bytes(msg.payload)))
             case _:
                 fut = self._pending.pop(msg.request, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+
+    async def _engine_ready(self, ready: Ready) -> None:
+        proc = self._proc
+        if self.prompts is None:
+            try:
+                self.prompts = await self.loop.run_in_executor(
+                    None, PromptTokenizer.load, Path(ready.tokenizer_dir)
+                )
+            except Exception as exc:
+                log.error("tokenizer_failed", error=str(exc))
+                if proc is not None:
+                    proc.process.kill()
+                return
+        if proc is None or proc is not self._proc:
+            return
+        proc.ready_at = time.monotonic()
+        self.model_name = ready.model
+        self.context_length = ready.context_length
+        log.info("engine_ready", model=self.model_name, pid=self.pid)
+        self._set_ready(not self._stalled)
+        if not self._first_ready.done():
+            self._first_ready.set_result(None)
 
     def _job_event(self, event: pb.GenerateEvent) -> None:
         job = self.jobs.get(event.job_id)
@@ -207,7 +333,7 @@ class EngineClient:
             return  # its stream is gone and the job was cancelled: nobody to tell
         for listener in self.on_event:
             listener(job, event)
-        job.events.put_nowait(event)
+        job.events.put(event)
         if event.HasField("finished"):
             job.finished = True
             if job.streamed:
@@ -215,28 +341,57 @@ class EngineClient:
 
     # -- requests ------------------------------------------------------------------------------
 
+    def _send(self, tag: Tag, request: int, payload: bytes) -> None:
+        if self._proc is None:
+            raise EngineDownError("the engine is not running")
+        self._proc.outbox.put(Message(tag, request, payload).encode())
+
     async def _call(self, tag: Tag, payload: bytes) -> Message:
+        """Send a request and wait for its answer (at most engine_call_timeout_seconds)."""
         if not self.ready or self._proc is None:
             raise EngineDownError("the engine is not running")
+        # Bounds what waits in the outbox: every pending call is one message there at most.
+        if len(self._pending) >= self.config.max_pending_calls:
+            raise EngineBusyError(f"{len(self._pending)} calls are waiting for the engine; try again later")
         number = next(self._numbers)
         fut: asyncio.Future[Message] = self.loop.create_future()
         self._pending[number] = fut
-        self._proc.outbox.put(Message(tag, number, payload).encode())
+        self._send(tag, number, payload)
         try:
-            reply = await fut
+            reply = await asyncio.wait_for(fut, self.config.engine_call_timeout_seconds)
+        except TimeoutError:
+            raise EngineDownError(
+                f"the engine did not answer within {self.config.engine_call_timeout_seconds} s"
+            ) from None
         finally:
             self._pending.pop(number, None)
         if reply.tag is Tag.REJECTED:
             raise EngineRejectedError(Rejection.from_bytes(reply.payload))
         return reply
 
-    async def submit(self, request: pb.GenerateRequest, streamed: bool) -> JobChannel:
-        """Queue a job; raises EngineRejectedError or EngineDownError. Unstreamed jobs get a grace timer."""
-        reply = await self._call(Tag.SUBMIT, request.SerializeToString())
-        accepted = Accepted.from_bytes(reply.payload)
-        job = JobChannel(accepted.job_id, accepted.prompt_tokens, time.perf_counter(), streamed=streamed)
+    async def submit(self, request: pb.GenerateRequest, owner: str, streamed: bool) -> JobChannel:
+        """Queue a job whose prompt is already token ids.
+
+        Raises EngineRejectedError, EngineBusyError or EngineDownError. The channel is
+        registered before the engine hears of the job; whatever way this call ends without
+        the job accepted (refused, caller gone, deadline), nothing is left behind.
+        """
+        job = JobChannel(new_job_id(), owner, time.perf_counter(), streamed=streamed)
         self.jobs[job.job_id] = job
-        if not streamed:
+        try:
+            reply = await self._call(Tag.SUBMIT, Submit(job.job_id, request.SerializeToString()).to_bytes())
+        except EngineRejectedError:
+            self._forget(job)  # refused: the engine holds nothing
+            raise
+        except BaseException:
+            # Cancelled or timed out while waiting: the engine may have queued it; the CANCEL
+            # travels behind the SUBMIT, so it finds the job (or nothing, harmlessly).
+            self.cancel(job)
+            self._forget(job)
+            raise
+        job.accepted = True
+        job.prompt_tokens = Accepted.from_bytes(reply.payload).prompt_tokens
+        if not streamed and not job.finished:
             job.grace_timer = self.loop.call_later(self.config.stream_grace_seconds, self._grace_expired, job)
         return job
 
@@ -244,27 +399,36 @@ class EngineClient:
         job.grace_timer = None
         if job.streamed:
             return
-        log.info("job_not_streamed", job_id=job.job_id, grace_seconds=self.config.stream_grace_seconds)
-        self.cancel(job.job_id)
+        log.info("job_not_streamed", job=short_id(job.job_id), grace_seconds=self.config.stream_grace_seconds)
+        self.cancel(job)
         self._forget(job)
 
-    def attach(self, job_id: str) -> JobChannel | None:
-        """Claim a job's stream; None if unknown. Raises ValueError if already streamed."""
+    def lookup(self, job_id: str, owner: str) -> JobChannel | None:
+        """The job, if it exists and belongs to `owner`; another tenant's job is as good as unknown."""
         job = self.jobs.get(job_id)
+        if job is None or job.owner != owner or not job.accepted:
+            return None
+        return job
+
+    def attach(self, job_id: str, owner: str) -> JobChannel | None:
+        """Claim a job's stream; None if unknown. Raises ValueError if already streamed."""
+        job = self.lookup(job_id, owner)
         if job is None:
             return None
         if job.streamed:
-            raise ValueError(f"job {job_id} is already being streamed")
+            raise ValueError("this job is already being streamed")
         job.streamed = True
         if job.grace_timer is not None:
             job.grace_timer.cancel()
             job.grace_timer = None
+        if job.finished:  # finished before anyone streamed it: its events wait in the buffer
+            self._forget(job)
         return job
 
     def release(self, job: JobChannel) -> None:
         """The stream ended (finished, cancelled, disconnected): cancel the job if still running."""
         if not job.finished and job.job_id in self.jobs:
-            self.cancel(job.job_id)
+            self.cancel(job)
         self._forget(job)
 
     def _forget(self, job: JobChannel) -> None:
@@ -275,17 +439,19 @@ class EngineClient:
             for listener in self.on_forget:
                 listener(job.job_id)
 
-    def cancel(self, job_id: str) -> None:
-        if self._proc is not None:
-            self._proc.outbox.put(Message(Tag.CANCEL, 0, job_id.encode("ascii")).encode())
+    def cancel(self, job: JobChannel) -> None:
+        """Ask the engine to stop the job (once: a job's cancels never pile up in the outbox)."""
+        if job.cancel_sent or job.finished or self._proc is None:
+            return
+        job.cancel_sent = True
+        self._proc.outbox.put(Message(Tag.CANCEL, 0, job.job_id.encode("ascii")).encode())
+
+    def cancel_all(self) -> None:
+        for job in list(self.jobs.values()):
+            self.cancel(job)
 
     async def info(self) -> pb.ModelInfo:
         return pb.ModelInfo.FromString((await self._call(Tag.INFO, b"")).payload)
-
-    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        return pb.TokenizeResponse.FromString(
-            (await self._call(Tag.TOKENIZE, request.SerializeToString())).payload
-        )
 
     def kill_engine(self) -> None:
         """For tests and operators: end the engine process abruptly (it is restarted)."""

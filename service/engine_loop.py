@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
-from engine.errors import DyngenError, JobNotFoundError, PromptTooLongError, QueueFullError
+from engine.errors import (
+    DyngenError,
+    ErrorKind,
+    InvalidRequestError,
+    JobNotFoundError,
+    PromptTooLongError,
+    QueueFullError,
+)
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import (
     JobEvent,
@@ -20,12 +29,14 @@ from engine.jobs import (
     TokensGenerated,
 )
 from engine.model.loader import WeightDtype, load_model
-from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
 from service.config import ServiceConfig
-from service.ipc import Accepted, EngineStats, ErrorCode, Message, Rejection, Tag, pack_frames
+from service.engine_process import PipeSender
+from service.ipc import Accepted, EngineStats, ErrorCode, Message, Ready, Rejection, Submit, Tag, pack_frames
 from service.proto.dyngen.v1 import generator_pb2 as pb
 from service.speculation_flags import speculation_options
+
+log = logging.getLogger("dyngen.engine")
 
 STATS_INTERVAL = 0.5
 IDLE_POLL = 0.25
@@ -36,13 +47,23 @@ STOP_REASONS = {
     StopReason.STOP_STRING: pb.STOP_REASON_STOP_STRING,
     StopReason.MAX_NEW_TOKENS: pb.STOP_REASON_MAX_NEW_TOKENS,
     StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
+    StopReason.ERROR: pb.STOP_REASON_ERROR,
+}
+
+# The status a failed job's stream ends with (google.rpc.Code numbers, as grpc.StatusCode has them).
+ERROR_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: 3,
+    ErrorKind.NOT_FOUND: 5,
+    ErrorKind.RESOURCE_EXHAUSTED: 8,
+    ErrorKind.UNSUPPORTED: 12,
+    ErrorKind.INTERNAL: 13,
 }
 
 
 class EngineLoop:
-    def __init__(self, config: ServiceConfig, events: Connection) -> None:
+    def __init__(self, config: ServiceConfig, out: PipeSender, runtime_dir: str) -> None:
         self.config = config
-        self.out = events
+        self.out = out
         loaded = load_model(config.model_path, WeightDtype(config.dtype), progress=False)
         self.loaded = loaded
         speculation = speculation_options(
@@ -72,18 +93,24 @@ class EngineLoop:
         )
         if config.warmup:
             self.generator.warmup()
+        # The front end tokenizes (so a huge prompt never stalls decoding here): it loads the
+        # model's tokenizer from this folder, far faster than parsing the model file again.
+        tokenizer_dir = Path(runtime_dir) / "tokenizer"
+        loaded.tokenizer.save(tokenizer_dir)
         self._last_stats = 0.0
-        self._send(Tag.READY, 0, loaded.path.name.encode())
+        ready = Ready(loaded.path.name, str(tokenizer_dir), self.generator.max_seq_len)
+        self._send(Tag.READY, 0, ready.to_bytes())
 
     def close(self) -> None:
         self.generator.close()
 
     def _send(self, tag: Tag, request: int, payload: bytes) -> None:
-        self.out.send_bytes(Message(tag, request, payload).encode())
+        self.out.send(tag, request, payload)
 
     def serve(self, commands: Connection) -> None:
         gen = self.generator
         while True:
+            self.out.loop_pass = time.monotonic()
             # Never wait for commands while jobs are running; sleep on the pipe only when idle.
             if commands.poll(0 if gen.has_work() else IDLE_POLL):
                 while True:
@@ -92,6 +119,9 @@ class EngineLoop:
                     if not commands.poll(0):
                         break
             if gen.has_work():
+                # A fault of one job is contained by the generator (that job finishes with
+                # StopReason.ERROR); anything escaping it is a bug in the engine itself, and the
+                # process ends so the front end restarts it rather than serve from broken state.
                 events = gen.iterate()
                 if events:
                     frames = [event_to_proto(e).SerializeToString() for e in events]
@@ -119,23 +149,11 @@ class EngineLoop:
             case Tag.SUBMIT:
                 self._submit(msg)
             case Tag.CANCEL:
-                # A job that finished meanwhile is fine: its JobFinished is already on its way.
+                # A job that finished (or was refused) meanwhile is fine: nothing left to stop.
                 with contextlib.suppress(JobNotFoundError):
                     self.generator.cancel(JobId(msg.payload.decode("ascii")))
             case Tag.INFO:
                 self._send(Tag.INFO_REPLY, msg.request, self._info().SerializeToString())
-            case Tag.TOKENIZE:
-                try:
-                    req = pb.TokenizeRequest.FromString(msg.payload)
-                    ids = self._tokenize(req)
-                except DyngenError as exc:
-                    self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, str(exc))
-                else:
-                    self._send(
-                        Tag.TOKENIZE_REPLY,
-                        msg.request,
-                        pb.TokenizeResponse(token_ids=ids).SerializeToString(),
-                    )
             case Tag.QUIT:
                 return False
             case _:
@@ -147,8 +165,9 @@ class EngineLoop:
 
     def _submit(self, msg: Message) -> None:
         try:
-            spec = self._spec(pb.GenerateRequest.FromString(msg.payload))
-            job_id = self.generator.enqueue(spec)
+            submit = Submit.from_bytes(msg.payload)
+            spec = self._spec(pb.GenerateRequest.FromString(submit.request))
+            job_id = self.generator.enqueue(spec, JobId(submit.job_id))
         except QueueFullError as exc:
             self._reject(msg.request, ErrorCode.QUEUE_FULL, str(exc))
         except PromptTooLongError as exc:
@@ -156,23 +175,10 @@ class EngineLoop:
         except DyngenError as exc:
             self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # a malformed request must never take the engine down
+            log.exception("submit failed")
             self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, f"bad request: {type(exc).__name__}")
         else:
             self._send(Tag.ACCEPTED, msg.request, Accepted(job_id, len(spec.prompt_ids)).to_bytes())
-
-    def _tokenize(self, req: pb.TokenizeRequest | pb.GenerateRequest) -> list[int]:
-        tok = self.loaded.tokenizer
-        match req.WhichOneof("prompt"):
-            case "text":
-                return tok.encode(req.text)
-            case "chat":
-                if not req.chat.messages:
-                    raise InvalidPromptError("chat.messages must hold at least one message")
-                return tok.encode_chat([ChatMessage(m.role, m.content) for m in req.chat.messages])
-            case "token_ids" if isinstance(req, pb.GenerateRequest):
-                return list(req.token_ids.ids)
-            case _:
-                raise InvalidPromptError("prompt: set one of text, chat or token_ids")
 
     def _spec(self, req: pb.GenerateRequest) -> JobSpec:
         s = req.sampling
@@ -190,8 +196,10 @@ class EngineLoop:
             banned_token_ids=frozenset(s.banned_token_ids),
             seed=s.seed if s.HasField("seed") else None,
         )
+        if req.WhichOneof("prompt") != "token_ids":
+            raise InvalidRequestError("the engine takes prompts as token ids (the front end tokenizes)")
         return JobSpec(
-            prompt_ids=tuple(self._tokenize(req)),
+            prompt_ids=tuple(req.token_ids.ids),
             max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else 256,
             min_new_tokens=req.min_new_tokens,
             stop_token_ids=frozenset(req.stop_token_ids),
@@ -201,6 +209,7 @@ class EngineLoop:
             return_logprobs=req.return_logprobs,
             top_logprobs=req.top_logprobs,
             identifier=req.identifier or None,
+            cache_salt=req.cache_salt,
             sampling=sampling,
         )
 
@@ -224,10 +233,6 @@ class EngineLoop:
             pages_cached=s.pages_cached,
             pages_used=s.pages_used,
         )
-
-
-class InvalidPromptError(DyngenError):
-    """The request's prompt oneof is empty or its chat holds no message."""
 
 
 def event_to_proto(event: JobEvent) -> pb.GenerateEvent:
@@ -266,4 +271,7 @@ def event_to_proto(event: JobEvent) -> pb.GenerateEvent:
             f.text = event.text
             f.accepted_draft_tokens = event.accepted_draft_tokens
             f.rejected_draft_tokens = event.rejected_draft_tokens
+            if event.error is not None:
+                f.error = event.error.message
+                f.error_code = ERROR_STATUS[event.error.kind]
     return out

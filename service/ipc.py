@@ -14,22 +14,24 @@ from dataclasses import dataclass
 
 _HEADER = struct.Struct(">cQ")
 
+HEARTBEAT_INTERVAL = 0.25  # seconds between the engine's heartbeats
+JOB_ID_LENGTH = 32  # hex characters of a job id (128 random bits)
+
 
 class Tag(enum.Enum):
     # front end -> engine
-    SUBMIT = b"S"  # payload: GenerateRequest bytes; answered by ACCEPTED or REJECTED
+    SUBMIT = b"S"  # payload: Submit (job id minted by the front end + tokenized request)
     CANCEL = b"C"  # payload: job id (ascii); no answer (the job's JobFinished follows)
     INFO = b"I"  # no payload; answered by INFO_REPLY
-    TOKENIZE = b"T"  # payload: TokenizeRequest bytes; answered by TOKENIZE_REPLY or REJECTED
     QUIT = b"Q"
     # engine -> front end
-    READY = b"R"  # payload: JSON {"model": ...}; the model is loaded and warmed up
+    READY = b"R"  # payload: JSON Ready; the model is loaded and warmed up
     ACCEPTED = b"A"  # payload: JSON {"job_id": ..., "prompt_tokens": ...}
     REJECTED = b"X"  # payload: JSON {"code": ErrorCode value, "message": ...}
     EVENTS = b"E"  # payload: one iteration's GenerateEvents, each as 4-byte length + bytes
     INFO_REPLY = b"N"  # payload: ModelInfo bytes
-    TOKENIZE_REPLY = b"K"  # payload: TokenizeResponse bytes
     STATS = b"M"  # payload: JSON EngineStats
+    HEARTBEAT = b"H"  # payload: JSON Heartbeat, from a thread of its own every HEARTBEAT_INTERVAL
 
 
 class ErrorCode(enum.Enum):
@@ -87,6 +89,55 @@ class Rejection:
     def from_bytes(data: bytes) -> Rejection:
         obj = json.loads(data)
         return Rejection(ErrorCode(obj["code"]), str(obj["message"]))
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A job for the engine: the id the front end minted and the request, its prompt as token ids."""
+
+    job_id: str
+    request: bytes  # GenerateRequest bytes with the `token_ids` prompt (tokenized in the front end)
+
+    def to_bytes(self) -> bytes:
+        job = self.job_id.encode("ascii")
+        if len(job) != JOB_ID_LENGTH:
+            raise ValueError(f"job id must be {JOB_ID_LENGTH} characters")
+        return job + self.request
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Submit:
+        return Submit(data[:JOB_ID_LENGTH].decode("ascii"), data[JOB_ID_LENGTH:])
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The engine is loaded and warmed up; the front end tokenizes with the tokenizer saved here."""
+
+    model: str
+    tokenizer_dir: str
+    context_length: int
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Ready:
+        obj = json.loads(data)
+        return Ready(str(obj["model"]), str(obj["tokenizer_dir"]), int(obj["context_length"]))
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent by a thread of the engine's own: the process runs; `loop_age` says whether its loop does."""
+
+    loop_age: float  # seconds since the engine loop last went round (0 before it starts)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"loop_age": self.loop_age}).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> Heartbeat:
+        return Heartbeat(float(json.loads(data)["loop_age"]))
 
 
 @dataclass(frozen=True)

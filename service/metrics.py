@@ -24,6 +24,9 @@ class Metrics:
         )
         self.tokens_per_second = Gauge("dyngen_tokens_per_second", "tokens forwarded per second", registry=r)
         self.engine_up = Gauge("dyngen_engine_up", "1 when the engine process is serving", registry=r)
+        self.engine_restarts = Counter(
+            "dyngen_engine_restarts", "engine processes restarted after a crash or hang", registry=r
+        )
         self.generated = Counter("dyngen_generated_tokens", "tokens streamed to callers", registry=r)
         self.jobs = Counter("dyngen_jobs_finished", "finished jobs by stop reason", ["reason"], registry=r)
         self.ttft = Histogram(

@@ -16,35 +16,75 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from service.auth import AuthConfigError, Authenticator, TokenInterceptor
 from service.config import ServiceConfig
 from service.engine_client import EngineClient
+from service.limits import Limits
 from service.logs import configure_logging
 from service.metrics import Metrics
-from service.proto.dyngen.v1 import generator_pb2 as pb
-from service.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
-from service.servicer import GeneratorService
+from service.servicer import SERVICE_NAME, GeneratorService, generic_handler
 
 log = structlog.get_logger("dyngen.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise SystemExit(f"dyngen: error: cannot read {path}: {exc.strerror}") from exc
 
 
 def _credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
     if not config.tls_cert and not config.tls_key:
+        if config.tls_client_ca:
+            raise SystemExit("dyngen: error: --tls-client-ca needs --tls-cert and --tls-key")
         return None
     if not (config.tls_cert and config.tls_key):
         raise SystemExit("dyngen: error: --tls-cert and --tls-key go together")
-    with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
-        return grpc.ssl_server_credentials([(k.read(), c.read())])
+    pair = [(_read(config.tls_key), _read(config.tls_cert))]
+    if config.tls_client_ca:
+        return grpc.ssl_server_credentials(
+            pair, root_certificates=_read(config.tls_client_ca), require_client_auth=True
+        )
+    return grpc.ssl_server_credentials(pair)
+
+
+def _options(config: ServiceConfig) -> list[tuple[str, int]]:
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_concurrent_streams", config.max_streams),
+        ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        # Clients may ping this often without being cut off for it.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+    if config.max_connection_age_seconds > 0:
+        options += [
+            ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
+            # Streams open when a connection ages out may finish within the drain grace.
+            ("grpc.max_connection_age_grace_ms", int(config.shutdown_grace_seconds * 1000)),
+        ]
+    return options
 
 
 async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the exit status. `bound` receives the gRPC port."""
     loop = asyncio.get_running_loop()
+    try:
+        auth = Authenticator.load(config.auth_tokens_file, mtls=bool(config.tls_client_ca))
+    except AuthConfigError as exc:
+        raise SystemExit(f"dyngen: error: {exc}") from exc
+    creds = _credentials(config)
     engine = EngineClient(config, loop)
     metrics = Metrics()
     health_servicer = health.aio.HealthServicer()
     tasks: set[asyncio.Task[None]] = set()
+    service = GeneratorService(
+        engine, auth, Limits(max_prompt_chars=config.max_prompt_chars), config.max_streams
+    )
 
     def set_health(up: bool) -> None:
         metrics.engine_state(up)
@@ -58,38 +98,50 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
-    service = GeneratorService(engine)
+    stop = asyncio.Event()
     engine.on_state.append(set_health)
     engine.on_event.append(metrics.on_event)
     engine.on_stats.append(metrics.on_stats)
     engine.on_forget.append(metrics.forget)
+    engine.on_restart.append(metrics.engine_restarts.inc)
+    engine.on_failed.append(stop.set)
 
-    options = [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-    ]
-    server = grpc.aio.server(options=options)
-    pb_grpc.add_GeneratorServicer_to_server(service, server)
+    interceptors = [TokenInterceptor(auth)] if auth.tokens else []
+    server = grpc.aio.server(options=_options(config), interceptors=interceptors)
+    server.add_generic_rpc_handlers((generic_handler(service),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
-    )
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
     address = f"{config.host}:{config.port}"
-    creds = _credentials(config)
     port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.metrics_port:
-        metrics.serve(config.host, config.metrics_port)
+        metrics.serve(config.metrics_host or config.host, config.metrics_port)
 
-    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
     engine.start()
     await server.start()
-    log.info("listening", address=f"{config.host}:{port}", metrics_port=config.metrics_port or None)
+    log.info(
+        "listening",
+        address=f"{config.host}:{port}",
+        tls=creds is not None,
+        mtls=bool(config.tls_client_ca),
+        auth_tokens=len(auth.tokens),
+        reflection=config.reflection,
+        metrics=f"{config.metrics_host or config.host}:{config.metrics_port}"
+        if config.metrics_port
+        else None,
+    )
     if bound is not None:
         bound.set_result(port)
     ready = loop.create_task(engine.wait_ready())
@@ -98,8 +150,13 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
     if ready.done() and ready.exception() is not None:
         log.error("engine_failed_to_start", error=str(ready.exception()))
         await server.stop(0)
+        engine.stop()
         return 1
     await stopped
+    if engine.failed:  # crash loop: a supervisor should see this server fail, not a silent husk
+        await server.stop(0)
+        engine.stop()
+        return 1
 
     # Drain: admit nothing new, let running jobs finish within the grace period, cancel the rest.
     service.draining = True
@@ -109,12 +166,15 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
     deadline = time.monotonic() + config.shutdown_grace_seconds
     while engine.jobs and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    for job_id in list(engine.jobs):
-        engine.cancel(job_id)
-    await asyncio.sleep(0.2)  # lets the cancelled jobs' final events reach their streams
+    cancelled = len(engine.jobs)
+    engine.cancel_all()
+    # The cancelled jobs' JobFinished events still reach their readers before the server stops.
+    settle = time.monotonic() + 5.0
+    while (engine.jobs or service.open_streams) and engine.ready and time.monotonic() < settle:
+        await asyncio.sleep(0.02)
     await server.stop(1.0)
     engine.stop()
-    log.info("stopped", cancelled=len(engine.jobs))
+    log.info("stopped", cancelled=cancelled)
     return 0
 
 

@@ -1,29 +1,46 @@
-"""The dyngen.v1.Generator RPCs: validation at the door, then the engine client.
+"""The dyngen.v1.Generator RPCs: parse, authenticate, limit, tokenize, then the engine client.
 
-Status codes: a bad argument, or a prompt too long for the context or the cache, is
-INVALID_ARGUMENT (the message names the field and the limit; retrying the same request
-can never succeed, so not OUT_OF_RANGE); a full queue is RESOURCE_EXHAUSTED; an unknown
-job is NOT_FOUND; a second stream of one job is FAILED_PRECONDITION; a stopped engine or
-a draining server is UNAVAILABLE. Messages are written for callers; never a traceback.
+Status codes: a malformed message (bad wire bytes, invalid UTF-8), a broken limit, a bad
+argument, or a prompt too long for the context or the cache is INVALID_ARGUMENT (the
+message names the field and the limit; retrying the same request can never succeed, so
+not OUT_OF_RANGE); a full queue, too many open streams or too many waiting calls is
+RESOURCE_EXHAUSTED; an unknown job, or another tenant's, is NOT_FOUND; a second stream of
+one job is FAILED_PRECONDITION; a stopped engine or a draining server is UNAVAILABLE; a
+job that failed inside the engine ends its stream with the status the engine chose
+(INTERNAL, or INVALID_ARGUMENT for input it could not handle); no credentials with
+authentication on is UNAUTHENTICATED. Messages are written for callers; never a traceback.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import NoReturn, TypeVar
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError, Message
 
-from service.engine_client import EngineClient, EngineDownError, EngineRejectedError, JobChannel
+from service.auth import Authenticator, cache_salt
+from service.engine_client import (
+    EngineBusyError,
+    EngineClient,
+    EngineRejectedError,
+    JobChannel,
+    short_id,
+)
+from service.event_buffer import EngineDownError
 from service.ipc import ErrorCode
+from service.limits import Limits, RequestError, check_job_id, check_request, check_tokenize_request
 from service.proto.dyngen.v1 import generator_pb2 as pb
-from service.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("dyngen.service")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+Msg = TypeVar("Msg", bound=Message)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 
 _CODES = {
     ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -31,27 +48,103 @@ _CODES = {
     ErrorCode.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
+_BY_NUMBER = {int(code.value[0]): code for code in grpc.StatusCode}
 
 
-class GeneratorService(pb_grpc.GeneratorServicer):
-    def __init__(self, engine: EngineClient) -> None:
+@dataclass(frozen=True)
+class Malformed:
+    """A request whose bytes did not parse (bad wire format, invalid UTF-8 in a string)."""
+
+    message: str
+
+
+def lenient(cls: type[Msg]) -> Callable[[bytes], Msg | Malformed]:
+    """A request deserializer that never raises: the handler answers INVALID_ARGUMENT itself
+    (a raising deserializer would make gRPC answer with a vague INTERNAL)."""
+
+    def parse(data: bytes) -> Msg | Malformed:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            return Malformed(f"malformed {cls.DESCRIPTOR.name}: {exc}"[:300])
+
+    return parse
+
+
+class GeneratorService:
+    def __init__(self, engine: EngineClient, auth: Authenticator, limits: Limits, max_streams: int) -> None:
         self.engine = engine
+        self.auth = auth
+        self.limits = limits
+        self.max_streams = max_streams
+        self.open_streams = 0
         self.draining = False
+
+    # -- shared steps --------------------------------------------------------------------------
+
+    @staticmethod
+    async def _fail(
+        context: grpc.aio.ServicerContext[Req, Resp], code: grpc.StatusCode, text: str
+    ) -> NoReturn:
+        await context.abort(code, text)
+        raise AssertionError("abort returned")  # abort always raises
+
+    async def _parsed(self, request: Msg | Malformed, context: grpc.aio.ServicerContext[Req, Resp]) -> Msg:
+        if isinstance(request, Malformed):
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return request
+
+    async def _tenant(self, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
+        tenant = self.auth.tenant(context.invocation_metadata(), context.auth_context())
+        if tenant is None:
+            await self._fail(context, grpc.StatusCode.UNAUTHENTICATED, "no valid credentials for this call")
+        return tenant
+
+    async def _job_id(self, job_id: str, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
+        try:
+            check_job_id(job_id)
+        except RequestError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return job_id
+
+    async def _open_stream(self, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
+        if self.open_streams >= self.max_streams:
+            await self._fail(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.open_streams} streams are open, the server's limit; try again later",
+            )
+        self.open_streams += 1
 
     async def _submit(
         self,
         request: pb.GenerateRequest,
+        tenant: str,
         context: grpc.aio.ServicerContext[Req, Resp],
         streamed: bool,
     ) -> JobChannel:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        prompts = self.engine.prompts
+        if not self.engine.ready or prompts is None:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the engine is not running")
         try:
-            return await self.engine.submit(request, streamed)
+            check_request(request, self.limits)
+            ids = await prompts.token_ids_async(request)
+        except RequestError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        engine_request = pb.GenerateRequest()
+        engine_request.CopyFrom(request)
+        engine_request.token_ids.ids[:] = ids  # sets the oneof: the engine never tokenizes
+        engine_request.cache_salt = cache_salt(tenant, request.cache_salt)
+        try:
+            return await self.engine.submit(engine_request, tenant, streamed)
         except EngineRejectedError as exc:
-            await context.abort(_CODES[exc.rejection.code], exc.rejection.message)
+            await self._fail(context, _CODES[exc.rejection.code], exc.rejection.message)
+        except EngineBusyError as exc:
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDownError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def _events(
         self, job: JobChannel, context: grpc.aio.ServicerContext[Req, Resp]
@@ -62,13 +155,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             while True:
                 item = await job.events.get()
                 if isinstance(item, EngineDownError):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
-                yield item
+                    await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(item))
                 if item.HasField("finished"):
                     f = item.finished
                     log.info(
                         "job_finished",
-                        job_id=job.job_id,
+                        job=short_id(job.job_id),
                         stop_reason=pb.StopReason.Name(f.stop_reason),
                         prompt_tokens=f.prompt_tokens,
                         cached_tokens=f.cached_tokens,
@@ -77,72 +169,148 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                         prefill_s=round(f.timings.prefill_seconds, 4),
                         decode_s=round(f.timings.decode_seconds, 4),
                     )
+                    if f.stop_reason == pb.STOP_REASON_ERROR:
+                        code = _BY_NUMBER.get(f.error_code, grpc.StatusCode.INTERNAL)
+                        await self._fail(context, code, f.error or "the job failed in the engine")
+                    yield item
                     return
+                yield item
         finally:
             if not job.finished:
-                log.info("job_cancelled_by_caller", job_id=job.job_id)
+                log.info("job_cancelled_by_caller", job=short_id(job.job_id))
             self.engine.release(job)
+
+    # -- the RPCs ------------------------------------------------------------------------------
 
     async def Enqueue(
         self,
-        request: pb.GenerateRequest,
+        request: pb.GenerateRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.EnqueueResponse],
     ) -> pb.EnqueueResponse:
-        job = await self._submit(request, context, streamed=False)
+        req = await self._parsed(request, context)
+        tenant = await self._tenant(context)
+        job = await self._submit(req, tenant, context, streamed=False)
         return pb.EnqueueResponse(job_id=job.job_id, prompt_tokens=job.prompt_tokens)
 
     async def Stream(
-        self, request: pb.StreamRequest, context: grpc.aio.ServicerContext[pb.StreamRequest, pb.GenerateEvent]
+        self,
+        request: pb.StreamRequest | Malformed,
+        context: grpc.aio.ServicerContext[pb.StreamRequest, pb.GenerateEvent],
     ) -> AsyncIterator[pb.GenerateEvent]:
+        req = await self._parsed(request, context)
+        job_id = await self._job_id(req.job_id, context)
+        tenant = await self._tenant(context)
         try:
-            job = self.engine.attach(request.job_id)
+            job = self.engine.attach(job_id, tenant)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if job is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no job {request.job_id!r} (unknown, or already ended)"
-            )
-        async for event in self._events(job, context):
-            yield event
+            await self._fail(context, grpc.StatusCode.NOT_FOUND, "no such job (unknown, or already ended)")
+        await self._open_stream(context)
+        try:
+            async for event in self._events(job, context):
+                yield event
+        finally:
+            self.open_streams -= 1
 
     async def Generate(
         self,
-        request: pb.GenerateRequest,
+        request: pb.GenerateRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateEvent],
     ) -> AsyncIterator[pb.GenerateEvent]:
-        job = await self._submit(request, context, streamed=True)
-        async for event in self._events(job, context):
-            yield event
+        req = await self._parsed(request, context)
+        tenant = await self._tenant(context)
+        await self._open_stream(context)
+        try:
+            job = await self._submit(req, tenant, context, streamed=True)
+            async for event in self._events(job, context):
+                yield event
+        finally:
+            self.open_streams -= 1
 
     async def Cancel(
         self,
-        request: pb.CancelRequest,
+        request: pb.CancelRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.CancelRequest, pb.CancelResponse],
     ) -> pb.CancelResponse:
-        job = self.engine.jobs.get(request.job_id)
+        req = await self._parsed(request, context)
+        job_id = await self._job_id(req.job_id, context)
+        tenant = await self._tenant(context)
+        job = self.engine.lookup(job_id, tenant)
         if job is None or job.finished:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no running job {request.job_id!r}")
-        self.engine.cancel(request.job_id)
+            await self._fail(context, grpc.StatusCode.NOT_FOUND, "no running job with that id")
+        self.engine.cancel(job)
         return pb.CancelResponse()
 
     async def GetModelInfo(
         self,
-        request: pb.GetModelInfoRequest,
+        request: pb.GetModelInfoRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
+        await self._parsed(request, context)
+        await self._tenant(context)
         try:
             return await self.engine.info()
+        except EngineBusyError as exc:
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineDownError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def Tokenize(
         self,
-        request: pb.TokenizeRequest,
+        request: pb.TokenizeRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.TokenizeRequest, pb.TokenizeResponse],
     ) -> pb.TokenizeResponse:
+        req = await self._parsed(request, context)
+        await self._tenant(context)
+        prompts = self.engine.prompts
+        if prompts is None:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the engine is not running")
         try:
-            return await self.engine.tokenize(request)
-        except EngineRejectedError as exc:
-            await context.abort(_CODES[exc.rejection.code], exc.rejection.message)
-        except EngineDownError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            check_tokenize_request(req, self.limits)
+            ids = await prompts.token_ids_async(req)
+        except RequestError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=ids)
+
+
+def _serialize(message: object) -> bytes:
+    assert isinstance(message, Message)
+    return message.SerializeToString()
+
+
+def generic_handler(service: GeneratorService) -> grpc.GenericRpcHandler:
+    """The Generator service's handlers, with request parsing that never raises."""
+    handlers: dict[str, grpc.RpcMethodHandler[object, object]] = {
+        "Enqueue": grpc.unary_unary_rpc_method_handler(
+            service.Enqueue,
+            lenient(pb.GenerateRequest),
+            _serialize,
+        ),
+        "Stream": grpc.unary_stream_rpc_method_handler(
+            service.Stream,
+            lenient(pb.StreamRequest),
+            _serialize,
+        ),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            service.Cancel,
+            lenient(pb.CancelRequest),
+            _serialize,
+        ),
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate,
+            lenient(pb.GenerateRequest),
+            _serialize,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo,
+            lenient(pb.GetModelInfoRequest),
+            _serialize,
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            service.Tokenize,
+            lenient(pb.TokenizeRequest),
+            _serialize,
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

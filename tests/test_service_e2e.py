@@ -25,6 +25,8 @@ from tests.service_harness import ServerProcess, start_server
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LONG = Request(Chat.user("Tell me a very long story."), max_new_tokens=2000, ignore_eos=True)
+# Longer than any drain grace here can hold, even at 100+ tok/s.
+ENDLESS = Request(Chat.user("Tell me a very long story."), max_new_tokens=7000, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +224,7 @@ def test_queue_full_then_sigterm_drains() -> None:
         "--max-queue",
         "1",
         "--shutdown-grace-seconds",
-        "15",
+        "45",
         "--cache-tokens",
         "8192",
     )
@@ -254,9 +256,10 @@ def test_queue_full_then_sigterm_drains() -> None:
                 except grpc.RpcError as exc:
                     errors.append(exc.code())
 
-        # Short enough to finish well inside the 15 s grace; LONG (2000 tokens) cannot.
+        # Short enough to finish well inside the 45 s grace even on a loaded machine; ENDLESS
+        # (7000 tokens) cannot.
         short = Request(Chat.user("Count from one to twenty."), max_new_tokens=12, ignore_eos=True)
-        threads = [threading.Thread(target=run, args=a) for a in (("short", short), ("long", LONG))]
+        threads = [threading.Thread(target=run, args=a) for a in (("short", short), ("long", ENDLESS))]
         # One at a time: with --max-queue 1, two enqueues landing before the engine admits the
         # first would make the second RESOURCE_EXHAUSTED.
         threads[0].start()
@@ -264,9 +267,9 @@ def test_queue_full_then_sigterm_drains() -> None:
         threads[1].start()
         assert started["long"].wait(60), errors
         s.process.terminate()
+        assert s.process.wait(120) == 0
         for t in threads:
             t.join(30)
-        assert s.process.wait(30) == 0
         short_end = results["short"][-1]
         assert short_end.finished.stop_reason == pb.STOP_REASON_MAX_NEW_TOKENS
         long_end = results["long"][-1]

@@ -67,6 +67,11 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    def save(self, folder: Path) -> None:
+        """Write tokenizer.json, its config and the chat template: a folder this class loads in ~1 s,
+        where a GGUF file is parsed whole again (~20 s on 2 cores)."""
+        self._tok.save_pretrained(str(folder))
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self._eos

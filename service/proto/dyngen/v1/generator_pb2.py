@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'service/proto/dyngen/v1/generator.proto\x12\tdyngen.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dyngen.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\xba\x03\n\x10SamplingSettings\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x14\n\x07typical\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12(\n\nlogit_bias\x18\t \x03(\x0b\x32\x14.dyngen.v1.LogitBias\x12\x18\n\x10\x62\x61nned_token_ids\x18\n \x03(\r\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\n\n\x08_typicalB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seed\"\x97\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.dyngen.v1.ChatPromptH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.dyngen.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.dyngen.v1.SamplingSettings\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0cstop_strings\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x15\x64\x65\x63ode_special_tokens\x18\n \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x12\n\nidentifier\x18\r \x01(\tB\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"8\n\x0f\x45nqueueResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\x1f\n\rStreamRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x1f\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\":\n\nJobStarted\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"<\n\x0fPrefillProgress\x12\x13\n\x0b\x64one_tokens\x18\x01 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.dyngen.v1.TopLogprob\"W\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.dyngen.v1.TokenLogprob\"R\n\x07Timings\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\"\xbe\x02\n\x0bJobFinished\x12*\n\x0bstop_reason\x18\x01 \x01(\x0e\x32\x15.dyngen.v1.StopReason\x12\x17\n\nstop_token\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bstop_string\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x12\n\nnew_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.dyngen.v1.Timings\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\t \x01(\r\x12\x1d\n\x15rejected_draft_tokens\x18\n \x01(\rB\r\n\x0b_stop_tokenB\x0e\n\x0c_stop_string\"\xe8\x01\n\rGenerateEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nidentifier\x18\x02 \x01(\t\x12(\n\x07started\x18\x03 \x01(\x0b\x32\x15.dyngen.v1.JobStartedH\x00\x12-\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.dyngen.v1.PrefillProgressH\x00\x12%\n\x05\x64\x65lta\x18\x05 \x01(\x0b\x32\x14.dyngen.v1.TextDeltaH\x00\x12*\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x16.dyngen.v1.JobFinishedH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13GetModelInfoRequest\"\xac\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x07 \x01(\r\x12\x16\n\x0emax_chunk_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0bqueued_jobs\x18\n \x01(\r\x12\x14\n\x0crunning_jobs\x18\x0b \x01(\r\x12\x12\n\npages_free\x18\x0c \x01(\r\x12\x14\n\x0cpages_cached\x18\r \x01(\r\x12\x12\n\npages_used\x18\x0e \x01(\r\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.dyngen.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r*\xb2\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTOP_REASON_EOS\x10\x01\x12\x1a\n\x16STOP_REASON_STOP_TOKEN\x10\x02\x12\x1b\n\x17STOP_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1aSTOP_REASON_MAX_NEW_TOKENS\x10\x04\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x05\x32\x9c\x03\n\tGenerator\x12\x41\n\x07\x45nqueue\x12\x1a.dyngen.v1.GenerateRequest\x1a\x1a.dyngen.v1.EnqueueResponse\x12>\n\x06Stream\x12\x18.dyngen.v1.StreamRequest\x1a\x18.dyngen.v1.GenerateEvent0\x01\x12=\n\x06\x43\x61ncel\x12\x18.dyngen.v1.CancelRequest\x1a\x19.dyngen.v1.CancelResponse\x12\x42\n\x08Generate\x12\x1a.dyngen.v1.GenerateRequest\x1a\x18.dyngen.v1.GenerateEvent0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.dyngen.v1.GetModelInfoRequest\x1a\x14.dyngen.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.dyngen.v1.TokenizeRequest\x1a\x1b.dyngen.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'service/proto/dyngen/v1/generator.proto\x12\tdyngen.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dyngen.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\xba\x03\n\x10SamplingSettings\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x14\n\x07typical\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12(\n\nlogit_bias\x18\t \x03(\x0b\x32\x14.dyngen.v1.LogitBias\x12\x18\n\x10\x62\x61nned_token_ids\x18\n \x03(\r\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\n\n\x08_typicalB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seed\"\xab\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.dyngen.v1.ChatPromptH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.dyngen.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.dyngen.v1.SamplingSettings\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0cstop_strings\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x15\x64\x65\x63ode_special_tokens\x18\n \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x12\n\nidentifier\x18\r \x01(\t\x12\x12\n\ncache_salt\x18\x0e \x01(\tB\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"8\n\x0f\x45nqueueResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\x1f\n\rStreamRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x1f\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\":\n\nJobStarted\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"<\n\x0fPrefillProgress\x12\x13\n\x0b\x64one_tokens\x18\x01 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.dyngen.v1.TopLogprob\"W\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.dyngen.v1.TokenLogprob\"R\n\x07Timings\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\"\xe1\x02\n\x0bJobFinished\x12*\n\x0bstop_reason\x18\x01 \x01(\x0e\x32\x15.dyngen.v1.StopReason\x12\x17\n\nstop_token\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bstop_string\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x12\n\nnew_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.dyngen.v1.Timings\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\t \x01(\r\x12\x1d\n\x15rejected_draft_tokens\x18\n \x01(\r\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x12\n\nerror_code\x18\x0c \x01(\rB\r\n\x0b_stop_tokenB\x0e\n\x0c_stop_string\"\xe8\x01\n\rGenerateEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nidentifier\x18\x02 \x01(\t\x12(\n\x07started\x18\x03 \x01(\x0b\x32\x15.dyngen.v1.JobStartedH\x00\x12-\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.dyngen.v1.PrefillProgressH\x00\x12%\n\x05\x64\x65lta\x18\x05 \x01(\x0b\x32\x14.dyngen.v1.TextDeltaH\x00\x12*\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x16.dyngen.v1.JobFinishedH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13GetModelInfoRequest\"\xac\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x07 \x01(\r\x12\x16\n\x0emax_chunk_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0bqueued_jobs\x18\n \x01(\r\x12\x14\n\x0crunning_jobs\x18\x0b \x01(\r\x12\x12\n\npages_free\x18\x0c \x01(\r\x12\x14\n\x0cpages_cached\x18\r \x01(\r\x12\x12\n\npages_used\x18\x0e \x01(\r\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.dyngen.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r*\xc9\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTOP_REASON_EOS\x10\x01\x12\x1a\n\x16STOP_REASON_STOP_TOKEN\x10\x02\x12\x1b\n\x17STOP_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1aSTOP_REASON_MAX_NEW_TOKENS\x10\x04\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x05\x12\x15\n\x11STOP_REASON_ERROR\x10\x06\x32\x9c\x03\n\tGenerator\x12\x41\n\x07\x45nqueue\x12\x1a.dyngen.v1.GenerateRequest\x1a\x1a.dyngen.v1.EnqueueResponse\x12>\n\x06Stream\x12\x18.dyngen.v1.StreamRequest\x1a\x18.dyngen.v1.GenerateEvent0\x01\x12=\n\x06\x43\x61ncel\x12\x18.dyngen.v1.CancelRequest\x1a\x19.dyngen.v1.CancelResponse\x12\x42\n\x08Generate\x12\x1a.dyngen.v1.GenerateRequest\x1a\x18.dyngen.v1.GenerateEvent0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.dyngen.v1.GetModelInfoRequest\x1a\x14.dyngen.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.dyngen.v1.TokenizeRequest\x1a\x1b.dyngen.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'service.proto.dyngen.v1.generator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STOPREASON']._serialized_start=2660
-  _globals['_STOPREASON']._serialized_end=2838
+  _globals['_STOPREASON']._serialized_start=2715
+  _globals['_STOPREASON']._serialized_end=2916
   _globals['_CHATMESSAGE']._serialized_start=54
   _globals['_CHATMESSAGE']._serialized_end=98
   _globals['_CHATPROMPT']._serialized_start=100
@@ -44,39 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGSETTINGS']._serialized_start=227
   _globals['_SAMPLINGSETTINGS']._serialized_end=669
   _globals['_GENERATEREQUEST']._serialized_start=672
-  _globals['_GENERATEREQUEST']._serialized_end=1079
-  _globals['_ENQUEUERESPONSE']._serialized_start=1081
-  _globals['_ENQUEUERESPONSE']._serialized_end=1137
-  _globals['_STREAMREQUEST']._serialized_start=1139
-  _globals['_STREAMREQUEST']._serialized_end=1170
-  _globals['_CANCELREQUEST']._serialized_start=1172
-  _globals['_CANCELREQUEST']._serialized_end=1203
-  _globals['_CANCELRESPONSE']._serialized_start=1205
-  _globals['_CANCELRESPONSE']._serialized_end=1221
-  _globals['_JOBSTARTED']._serialized_start=1223
-  _globals['_JOBSTARTED']._serialized_end=1281
-  _globals['_PREFILLPROGRESS']._serialized_start=1283
-  _globals['_PREFILLPROGRESS']._serialized_end=1343
-  _globals['_TOPLOGPROB']._serialized_start=1345
-  _globals['_TOPLOGPROB']._serialized_end=1392
-  _globals['_TOKENLOGPROB']._serialized_start=1394
-  _globals['_TOKENLOGPROB']._serialized_end=1479
-  _globals['_TEXTDELTA']._serialized_start=1481
-  _globals['_TEXTDELTA']._serialized_end=1568
-  _globals['_TIMINGS']._serialized_start=1570
-  _globals['_TIMINGS']._serialized_end=1652
-  _globals['_JOBFINISHED']._serialized_start=1655
-  _globals['_JOBFINISHED']._serialized_end=1973
-  _globals['_GENERATEEVENT']._serialized_start=1976
-  _globals['_GENERATEEVENT']._serialized_end=2208
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2210
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2231
-  _globals['_MODELINFO']._serialized_start=2234
-  _globals['_MODELINFO']._serialized_end=2534
-  _globals['_TOKENIZEREQUEST']._serialized_start=2536
-  _globals['_TOKENIZEREQUEST']._serialized_end=2618
-  _globals['_TOKENIZERESPONSE']._serialized_start=2620
-  _globals['_TOKENIZERESPONSE']._serialized_end=2657
-  _globals['_GENERATOR']._serialized_start=2841
-  _globals['_GENERATOR']._serialized_end=3253
+  _globals['_GENERATEREQUEST']._serialized_end=1099
+  _globals['_ENQUEUERESPONSE']._serialized_start=1101
+  _globals['_ENQUEUERESPONSE']._serialized_end=1157
+  _globals['_STREAMREQUEST']._serialized_start=1159
+  _globals['_STREAMREQUEST']._serialized_end=1190
+  _globals['_CANCELREQUEST']._serialized_start=1192
+  _globals['_CANCELREQUEST']._serialized_end=1223
+  _globals['_CANCELRESPONSE']._serialized_start=1225
+  _globals['_CANCELRESPONSE']._serialized_end=1241
+  _globals['_JOBSTARTED']._serialized_start=1243
+  _globals['_JOBSTARTED']._serialized_end=1301
+  _globals['_PREFILLPROGRESS']._serialized_start=1303
+  _globals['_PREFILLPROGRESS']._serialized_end=1363
+  _globals['_TOPLOGPROB']._serialized_start=1365
+  _globals['_TOPLOGPROB']._serialized_end=1412
+  _globals['_TOKENLOGPROB']._serialized_start=1414
+  _globals['_TOKENLOGPROB']._serialized_end=1499
+  _globals['_TEXTDELTA']._serialized_start=1501
+  _globals['_TEXTDELTA']._serialized_end=1588
+  _globals['_TIMINGS']._serialized_start=1590
+  _globals['_TIMINGS']._serialized_end=1672
+  _globals['_JOBFINISHED']._serialized_start=1675
+  _globals['_JOBFINISHED']._serialized_end=2028
+  _globals['_GENERATEEVENT']._serialized_start=2031
+  _globals['_GENERATEEVENT']._serialized_end=2263
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2265
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2286
+  _globals['_MODELINFO']._serialized_start=2289
+  _globals['_MODELINFO']._serialized_end=2589
+  _globals['_TOKENIZEREQUEST']._serialized_start=2591
+  _globals['_TOKENIZEREQUEST']._serialized_end=2673
+  _globals['_TOKENIZERESPONSE']._serialized_start=2675
+  _globals['_TOKENIZERESPONSE']._serialized_end=2712
+  _globals['_GENERATOR']._serialized_start=2919
+  _globals['_GENERATOR']._serialized_end=3331
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,10 @@ class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason
     """one of the job's stop strings"""
     STOP_REASON_MAX_NEW_TOKENS: _StopReason.ValueType  # 4
     STOP_REASON_CANCELLED: _StopReason.ValueType  # 5
+    STOP_REASON_ERROR: _StopReason.ValueType  # 6
+    """The job failed inside the engine; its stream ends with a gRPC error status (INTERNAL,
+    or INVALID_ARGUMENT for input the engine could not handle) and everyone else continues.
+    """
 
 class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper): ...
 
@@ -51,6 +55,10 @@ STOP_REASON_STOP_STRING: StopReason.ValueType  # 3
 """one of the job's stop strings"""
 STOP_REASON_MAX_NEW_TOKENS: StopReason.ValueType  # 4
 STOP_REASON_CANCELLED: StopReason.ValueType  # 5
+STOP_REASON_ERROR: StopReason.ValueType  # 6
+"""The job failed inside the engine; its stream ends with a gRPC error status (INTERNAL,
+or INVALID_ARGUMENT for input the engine could not handle) and everyone else continues.
+"""
 Global___StopReason: _TypeAlias = StopReason  # noqa: Y015
 
 @_typing.final
@@ -255,6 +263,7 @@ class GenerateRequest(_message.Message):
     RETURN_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     IDENTIFIER_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """plain completion (the tokenizer adds BOS if the model wants one)"""
     max_new_tokens: _builtins.int
@@ -267,7 +276,11 @@ class GenerateRequest(_message.Message):
     top_logprobs: _builtins.int
     """alternatives per token, with return_logprobs (at most 20)"""
     identifier: _builtins.str
-    """the caller's own tag, echoed in every event"""
+    """the caller's own tag, echoed in every event (at most 256 characters)"""
+    cache_salt: _builtins.str
+    """Prefix-cache isolation: jobs share cached prompt pages only with jobs of the same salt (and,
+    with authentication on, of the same tenant). At most 256 characters; empty = no salt.
+    """
     @_builtins.property
     def chat(self) -> Global___ChatPrompt: ...
     @_builtins.property
@@ -294,10 +307,11 @@ class GenerateRequest(_message.Message):
         return_logprobs: _builtins.bool = ...,
         top_logprobs: _builtins.int = ...,
         identifier: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
@@ -553,6 +567,8 @@ class JobFinished(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     REJECTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
     stop_token: _builtins.int
     """the token that stopped the job (not in the token ids)"""
@@ -565,6 +581,10 @@ class JobFinished(_message.Message):
     """held-back text released at the end, if any"""
     accepted_draft_tokens: _builtins.int
     rejected_draft_tokens: _builtins.int
+    error: _builtins.str
+    """with STOP_REASON_ERROR: what went wrong, for the caller"""
+    error_code: _builtins.int
+    """with STOP_REASON_ERROR: the gRPC status code (google.rpc.Code) the stream ends with"""
     @_builtins.property
     def timings(self) -> Global___Timings: ...
     def __init__(
@@ -580,10 +600,12 @@ class JobFinished(_message.Message):
         text: _builtins.str = ...,
         accepted_draft_tokens: _builtins.int = ...,
         rejected_draft_tokens: _builtins.int = ...,
+        error: _builtins.str = ...,
+        error_code: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string", "_stop_token", b"_stop_token", "stop_string", b"stop_string", "stop_token", b"stop_token", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string", "_stop_token", b"_stop_token", "accepted_draft_tokens", b"accepted_draft_tokens", "cached_tokens", b"cached_tokens", "new_tokens", b"new_tokens", "prompt_tokens", b"prompt_tokens", "rejected_draft_tokens", b"rejected_draft_tokens", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token", b"stop_token", "text", b"text", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string", "_stop_token", b"_stop_token", "accepted_draft_tokens", b"accepted_draft_tokens", "cached_tokens", b"cached_tokens", "error", b"error", "error_code", b"error_code", "new_tokens", b"new_tokens", "prompt_tokens", b"prompt_tokens", "rejected_draft_tokens", b"rejected_draft_tokens", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token", b"stop_token", "text", b"text", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stop_string: _TypeAlias = _typing.Literal["stop_string"]  # noqa: Y015
     _WhichOneofArgType__stop_string: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string"]  # noqa: Y015

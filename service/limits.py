@@ -1,0 +1,89 @@
+"""Size limits checked at the door, before anything is tokenized or sent to the engine.
+
+Each limit bounds what one request can cost the server (memory, front-end CPU, engine
+time per step); a request past one gets INVALID_ARGUMENT naming the field and the limit.
+The engine's own checks (token ids within the vocabulary, prompt + max_new_tokens within
+the context and the cache, sampling ranges) still apply after these.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from service.proto.dyngen.v1 import generator_pb2 as pb
+
+_JOB_ID = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_chars: int = 1 << 20  # text, or the chat's contents added up, before tokenizing
+    max_prompt_tokens: int = 1 << 20  # token_ids prompts (the context is the tighter bound)
+    max_chat_messages: int = 1024
+    max_role_chars: int = 64
+    max_identifier_chars: int = 256
+    max_cache_salt_chars: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_logit_bias: int = 1024
+    max_banned_token_ids: int = 4096
+
+
+class RequestError(Exception):
+    """A request breaks a limit or is malformed; the message names the field (INVALID_ARGUMENT)."""
+
+
+def _limit(count: int, most: int, what: str) -> None:
+    if count > most:
+        raise RequestError(f"{what}: {count} exceeds the limit of {most}")
+
+
+def check_job_id(job_id: str) -> None:
+    """Job ids are 32 lowercase hex characters; anything else can never name a job."""
+    if not _JOB_ID.fullmatch(job_id):
+        shown = job_id[:40] + ("..." if len(job_id) > 40 else "")
+        raise RequestError(f"job_id must be 32 lowercase hex characters, got {shown!r}")
+
+
+def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
+    """Raise RequestError for the first limit `req` breaks."""
+    _limit(len(req.identifier), limits.max_identifier_chars, "identifier length")
+    _limit(len(req.cache_salt), limits.max_cache_salt_chars, "cache_salt length")
+    _limit(len(req.stop_strings), limits.max_stop_strings, "stop_strings count")
+    for i, stop in enumerate(req.stop_strings):
+        _limit(len(stop), limits.max_stop_string_chars, f"stop_strings[{i}] length")
+    _limit(len(req.stop_token_ids), limits.max_stop_token_ids, "stop_token_ids count")
+    _limit(len(req.sampling.logit_bias), limits.max_logit_bias, "sampling.logit_bias count")
+    _limit(len(req.sampling.banned_token_ids), limits.max_banned_token_ids, "sampling.banned_token_ids count")
+    match req.WhichOneof("prompt"):
+        case "text":
+            _limit(len(req.text), limits.max_prompt_chars, "text length")
+        case "chat":
+            check_chat(req.chat, limits)
+        case "token_ids":
+            _limit(len(req.token_ids.ids), limits.max_prompt_tokens, "token_ids count")
+        case _:
+            raise RequestError("prompt: set one of text, chat or token_ids")
+
+
+def check_chat(chat: pb.ChatPrompt, limits: Limits) -> None:
+    if not chat.messages:
+        raise RequestError("chat.messages must hold at least one message")
+    _limit(len(chat.messages), limits.max_chat_messages, "chat.messages count")
+    total = 0
+    for i, m in enumerate(chat.messages):
+        _limit(len(m.role), limits.max_role_chars, f"chat.messages[{i}].role length")
+        total += len(m.content)
+    _limit(total, limits.max_prompt_chars, "chat contents length")
+
+
+def check_tokenize_request(req: pb.TokenizeRequest, limits: Limits) -> None:
+    match req.WhichOneof("prompt"):
+        case "text":
+            _limit(len(req.text), limits.max_prompt_chars, "text length")
+        case "chat":
+            check_chat(req.chat, limits)
+        case _:
+            raise RequestError("prompt: set one of text or chat")
