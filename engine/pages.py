@@ -26,7 +26,7 @@ How a generator drives it, per job:
    `len(table) * page_size` tokens are already in the cache. (Or `find_prefix` to look
    without taking anything, then `take_prefix` once the rest fits: one counted lookup.)
 2. `pool.allocate(k)` for the rest (None: queue or preempt).
-3. When page i fills: `table[i] = pool.register_full(table[i], table[i - 1] if i else None, its tokens)`.
+3. When page i fills: `table[i] = pool.register_full(table[i], table[i - 1] if i else None, its tokens, salt)`.
 4. Before writing into a page (or rolling tokens back in it) that `is_shared`: copy on
    write (allocate, copy the KV, release the old one). A rolled-back page that is not
    shared: `unregister` it, then overwrite in place.

@@ -18,7 +18,11 @@ by smaller jobs behind it at most max_skips times; then the queue waits for it.
 Shared prefixes arriving together: a job whose next prompt page is being computed right
 now by a running job waits (without losing its place) until that page is registered,
 then takes it as a prefix hit. So 32 jobs with one long system prompt compute it once,
-not 32 times.
+not 32 times. (Only jobs of the same cache salt share: the salt is part of every hash.)
+
+A queued job's page hashes are computed once and kept on the job, and a try that does
+not fit takes nothing and counts no prefix lookup: a job waiting for room costs dict
+lookups per step, and the hit-rate stats count one lookup per admission.
 """
 
 from __future__ import annotations
