@@ -185,17 +185,20 @@ class Scheduler:
         # A preempted job recomputes prompt + output, and its old full pages are likely cached.
         # Look without taking: a job that does not fit is neither charged nor counted as a lookup.
         query = len(job.tokens) - 1
+        hashes = self._full_page_hashes(job) if self.config.prefix_cache else []
+        total = job.pages_for(len(job.tokens), ps)
+        # Keep one page spare per running job so decode can continue without preempting at once.
+        room = self.pool.available() - len(self.running)
+        if total - len(hashes) > room:
+            return False  # even a hit on every full page would leave too many to allocate
         matched = (
-            self.pool.find_prefix(
-                job.tokens, query, salt=job.spec.cache_salt, hashes=self._full_page_hashes(job)
-            )
+            self.pool.find_prefix(job.tokens, query, salt=job.spec.cache_salt, hashes=hashes)
             if self.config.prefix_cache
             else []
         )
-        need = job.pages_for(len(job.tokens), ps) - len(matched)
+        need = total - len(matched)
         revived = sum(1 for p in matched if self.pool.ref_count(p) == 0)  # CACHED pages leave the LRU
-        # Keep one page spare per running job so decode can continue without preempting at once.
-        if need > self.pool.available() - revived - len(self.running):
+        if need > room - revived:
             return False
         if self.config.prefix_cache:
             self.pool.take_prefix(matched, query)

@@ -11,6 +11,7 @@ import pytest
 from engine import pages
 from engine.errors import InvalidRequestError
 from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.ids import PageId
 from engine.jobs import JobFinished, JobId, JobSpec, new_job_id
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, load_model, open_weight_source
@@ -162,6 +163,33 @@ def test_a_queued_job_is_hashed_once_and_counted_once(
     s = gen.pool.stats()
     assert (s.prefix_lookups, s.prefix_query_tokens, s.prefix_hit_tokens) == (3, 59 + 63 + 63, 56)
     assert gen.stats().prefix_hit_tokens == 56 and a_id not in gen.jobs
+
+
+def test_jobs_that_cannot_fit_even_with_every_page_cached_skip_the_lookup(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = make(tiny, num_pages=16, page_size=8)
+    lookups: list[int] = []
+    real = gen.pool.find_prefix
+
+    def find_prefix(token_ids: Sequence[int], *args: object, **kwargs: object) -> list[PageId]:
+        lookups.append(len(token_ids))
+        return real(token_ids, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gen.pool, "find_prefix", find_prefix)
+    big = gen.enqueue(JobSpec(tuple(range(3, 115)), max_new_tokens=10, ignore_eos=True))  # 14 pages, then 16
+    for _ in range(3):  # two prefill chunks, then its first decode step takes its 15th page
+        gen.iterate()
+    assert len(gen.jobs[big].pages) == 15
+    for i in range(5):
+        gen.enqueue(JobSpec(tuple(range(150 + i, 190 + i)), max_new_tokens=2))
+    lookups.clear()
+    for _ in range(5):
+        gen.iterate()
+    assert lookups == []  # 5 pages each, at most 4 of them cached: never fits in 1 free page
+    while gen.has_work():
+        gen.iterate()
+    assert gen.stats().failed_jobs == 0 and gen.pool.stats().prefix_lookups == 6
 
 
 # -- caller-minted job ids -----------------------------------------------------------------------
