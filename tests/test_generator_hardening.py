@@ -135,10 +135,7 @@ def test_a_queued_job_is_hashed_once_and_counted_once(
         calls.append(tuple(tokens))
         return real(parent, tokens)
 
-    monkeypatch.setattr(pages, "chain_hash", counting)
-    import engine.scheduler
-
-    monkeypatch.setattr(engine.scheduler, "chain_hash", counting, raising=False)
+    monkeypatch.setattr(pages, "chain_hash", counting)  # every chain hash goes through here
     gen = make(tiny, num_pages=16, page_size=8)
     a = JobSpec(tuple(range(3, 63)), max_new_tokens=20, ignore_eos=True)  # 8 pages, then up to 10
     b_prompt = tuple(range(100, 164))  # 8 pages: cannot fit beside a (one spare page per running job)
