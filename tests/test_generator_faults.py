@@ -141,6 +141,24 @@ def test_a_forward_that_fails_for_one_job_fails_only_that_job(
     assert seen[2][:8] in failures[0].getMessage() and seen[2] not in failures[0].getMessage()
 
 
+def test_a_forward_fault_mid_decode_keeps_what_the_job_streamed(
+    tiny: LoadedModel, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = tiny.model.forward
+
+    def forward(batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        # Only the longest job (25 prompt tokens + 16) ever reaches position 38.
+        if bool((batch.positions == 38).any()):
+            raise RuntimeError("injected forward fault")
+        return real(batch, cache)
+
+    monkeypatch.setattr(tiny.model, "forward", forward)
+    gen = make(tiny)
+    tokens, finished = run(gen, specs())
+    assert tokens[4] == reference[4][: 38 - 25 + 1]  # up to the token whose step failed
+    assert_failed_alone(gen, tokens, finished, {4}, reference)
+
+
 def test_a_broken_model_fails_every_job_instead_of_looping(
     tiny: LoadedModel, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
