@@ -201,7 +201,9 @@ class Client:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def tokenize(self, prompt: str | Chat, timeout: float | None = None) -> list[int]:
-        return list(self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout, metadata=self.metadata).token_ids)
+        return list(
+            self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout, metadata=self.metadata).token_ids
+        )
 
 
 class AsyncClient:
@@ -241,7 +243,9 @@ class AsyncClient:
             call.cancel()
 
     async def enqueue(self, request: Request, timeout: float | None = None) -> str:
-        return str((await self.stub.Enqueue(request.to_proto(), timeout=timeout, metadata=self.metadata)).job_id)
+        return str(
+            (await self.stub.Enqueue(request.to_proto(), timeout=timeout, metadata=self.metadata)).job_id
+        )
 
     async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[Event]:
         call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
@@ -258,4 +262,8 @@ class AsyncClient:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     async def tokenize(self, prompt: str | Chat, timeout: float | None = None) -> list[int]:
-        return list((await self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout, metadata=self.metadata)).token_ids)
+        return list(
+            (
+                await self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout, metadata=self.metadata)
+            ).token_ids
+        )

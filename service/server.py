@@ -54,7 +54,9 @@ def _options(config: ServiceConfig) -> list[tuple[str, int]]:
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_concurrent_streams", config.max_streams),
+        # Above --max-streams: past that the servicer answers RESOURCE_EXHAUSTED at once, where an
+        # HTTP/2 limit would make callers wait in silence.
+        ("grpc.max_concurrent_streams", 2 * config.max_streams + 16),
         ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
         ("grpc.keepalive_timeout_ms", 20_000),
         # Clients may ping this often without being cut off for it.

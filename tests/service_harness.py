@@ -95,7 +95,8 @@ class ServerProcess:
         return int(self.process.returncode)
 
 
-def start_server(*flags: str) -> ServerProcess:
+def launch_server(*flags: str) -> ServerProcess:
+    """`dyngen serve` on 127.0.0.1 and a free port, not waited for (TLS servers: wait on logs)."""
     port, metrics_port = free_port(), free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     process = subprocess.Popen(
@@ -110,6 +111,11 @@ def start_server(*flags: str) -> ServerProcess:
     )
     server = ServerProcess(process, port, metrics_port)
     threading.Thread(target=server._read, daemon=True).start()
+    return server
+
+
+def start_server(*flags: str) -> ServerProcess:
+    server = launch_server(*flags)
     try:
         server.wait_serving()
     except BaseException:

@@ -1,0 +1,484 @@
+"""The service's hardening: no lost event, no orphaned job, a watched engine, limits, tenants.
+
+Unit tests drive the EngineClient's message handling directly (the races are about what
+arrives in one read of the pipe); the rest start a real `dyngen serve` on 127.0.0.1 with
+the tiny random-weight model (the real one where a busy engine is the point).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
+
+from clients.client import AsyncClient, Chat, Client, Request, collect, tls_credentials
+from service.auth import AuthConfigError, Authenticator, cache_salt
+from service.config import ServiceConfig
+from service.engine_client import EngineClient, _Process
+from service.event_buffer import EventBuffer
+from service.ipc import Accepted, Message, Submit, Tag, pack_frames
+from service.limits import Limits, RequestError, check_job_id, check_request
+from service.proto.dyngen.v1 import generator_pb2 as pb
+from service.restart_policy import RestartPolicy, RestartTracker
+from tests.certs import CertAuthority
+from tests.service_harness import (
+    ServerProcess,
+    launch_server,
+    log_count,
+    start_server,
+    start_tiny_server,
+    wait_pool_idle,
+)
+from tests.tiny_service_model import write_servable_tiny_gguf
+
+pytestmark = pytest.mark.timeout(300)
+
+
+# -- the engine client's races (no process) ------------------------------------------------------
+
+
+def _fake_engine(client: EngineClient) -> queue.SimpleQueue[bytes | None]:
+    """Make `client` believe an engine runs; returns the outbox its commands go to."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe(duplex=False)
+    outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    client._proc = _Process(ctx.Process(target=print), b, a, outbox, 1, 0.0, time.monotonic())
+    client.ready = True
+    return outbox
+
+
+def _request() -> pb.GenerateRequest:
+    req = pb.GenerateRequest()
+    req.token_ids.ids.extend([1, 2, 3])
+    return req
+
+
+def _event(job_id: str, kind: str) -> bytes:
+    e = pb.GenerateEvent(job_id=job_id)
+    if kind == "delta":
+        e.delta.text = "hi"
+        e.delta.token_ids.append(7)
+    else:
+        e.finished.stop_reason = pb.STOP_REASON_EOS
+    return e.SerializeToString()
+
+
+def test_events_in_the_same_read_as_the_acceptance_reach_the_stream() -> None:
+    """A job can start and finish in the iteration that accepts it: its events come in the same
+    read of the pipe as ACCEPTED, before the submitting coroutine resumes. None may be lost."""
+
+    async def scenario() -> list[pb.GenerateEvent]:
+        client = EngineClient(ServiceConfig(), asyncio.get_running_loop())
+        try:
+            outbox = _fake_engine(client)
+            task = asyncio.get_running_loop().create_task(client.submit(_request(), "", streamed=True))
+            await asyncio.sleep(0)
+            data = outbox.get_nowait()
+            assert data is not None
+            sent = Message.decode(data)
+            job_id = Submit.from_bytes(sent.payload).job_id
+            # Both dispatched in one loop turn, as the reader thread hands them over.
+            client._dispatch(Message(Tag.ACCEPTED, sent.request, Accepted(job_id, 3).to_bytes()))
+            client._dispatch(
+                Message(Tag.EVENTS, 0, pack_frames([_event(job_id, "delta"), _event(job_id, "end")]))
+            )
+            job = await task
+            got = [await job.events.get(), await job.events.get()]
+            return [g for g in got if isinstance(g, pb.GenerateEvent)]
+        finally:
+            shutil.rmtree(client._runtime_dir, ignore_errors=True)
+
+    events = asyncio.run(scenario())
+    assert [e.WhichOneof("event") for e in events] == ["delta", "finished"]
+
+
+def test_a_caller_gone_before_acceptance_gets_its_job_cancelled() -> None:
+    async def scenario() -> tuple[list[Message], int]:
+        client = EngineClient(ServiceConfig(), asyncio.get_running_loop())
+        try:
+            outbox = _fake_engine(client)
+            task = asyncio.get_running_loop().create_task(client.submit(_request(), "", streamed=True))
+            await asyncio.sleep(0)
+            task.cancel()  # the deadline passed, or the caller hung up, before the engine answered
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            sent = []
+            while not outbox.empty():
+                data = outbox.get_nowait()
+                assert data is not None
+                sent.append(Message.decode(data))
+            return sent, len(client.jobs)
+        finally:
+            shutil.rmtree(client._runtime_dir, ignore_errors=True)
+
+    sent, open_jobs = asyncio.run(scenario())
+    assert [m.tag for m in sent] == [Tag.SUBMIT, Tag.CANCEL]
+    assert sent[1].payload.decode() == Submit.from_bytes(sent[0].payload).job_id
+    assert open_jobs == 0
+
+
+def test_a_slow_reader_gets_every_event_merged_never_dropped() -> None:
+    async def scenario() -> list[pb.GenerateEvent]:
+        buffer = EventBuffer(max_items=4)
+        started = pb.GenerateEvent(job_id="j")
+        started.started.prompt_tokens = 3
+        buffer.put(started)
+        for i in range(100):
+            e = pb.GenerateEvent(job_id="j")
+            e.delta.text = f"{i},"
+            e.delta.token_ids.append(i)
+            buffer.put(e)
+        end = pb.GenerateEvent(job_id="j")
+        end.finished.stop_reason = pb.STOP_REASON_MAX_NEW_TOKENS
+        buffer.put(end)
+        assert len(buffer) <= 6
+        out: list[pb.GenerateEvent] = []
+        while len(buffer):
+            item = await buffer.get()
+            assert isinstance(item, pb.GenerateEvent)
+            out.append(item)
+        return out
+
+    out = asyncio.run(scenario())
+    text = "".join(e.delta.text for e in out if e.HasField("delta"))
+    ids = [i for e in out if e.HasField("delta") for i in e.delta.token_ids]
+    assert text == "".join(f"{i}," for i in range(100))
+    assert ids == list(range(100))
+    assert out[0].HasField("started") and out[-1].HasField("finished")
+
+
+def test_restarts_back_off_and_give_up_on_a_crash_loop() -> None:
+    tracker = RestartTracker(RestartPolicy(backoff_seconds=0.5, max_backoff_seconds=3.0, max_failures=4))
+    assert [tracker.after_exit(None) for _ in range(4)] == [0.5, 1.0, 2.0, 3.0]
+    assert tracker.after_exit(None) is None
+    healthy = RestartTracker(RestartPolicy(backoff_seconds=0.5, max_failures=2, stable_seconds=60))
+    for _ in range(10):  # an engine that served a while before each crash never exhausts the limit
+        assert healthy.after_exit(3600.0) == 0.5
+
+
+def test_tokens_file_tenants_and_salts(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# tenant token\nalice 0123456789abcdef0123\nbob   fedcba9876543210fedc\n")
+    auth = Authenticator.load(str(tokens), mtls=False)
+    assert auth.token_tenant([("authorization", "Bearer 0123456789abcdef0123")]) == "alice"
+    assert auth.token_tenant([("authorization", "bearer fedcba9876543210fedc")]) == "bob"
+    assert auth.token_tenant([("authorization", "Bearer 0123456789abcdef012")]) is None
+    assert auth.token_tenant([]) is None
+    assert auth.tenant([], {}) is None
+    assert Authenticator().tenant([], {}) == ""
+    tokens.write_text("alice short\n")
+    with pytest.raises(AuthConfigError):
+        Authenticator.load(str(tokens), mtls=False)
+    assert cache_salt("", "") == ""
+    assert len({cache_salt("a", ""), cache_salt("b", ""), cache_salt("a", "x"), cache_salt("", "a")}) == 4
+
+
+def test_limits_name_the_field() -> None:
+    limits = Limits()
+    req = pb.GenerateRequest(text="hi", stop_strings=["s"] * 17)
+    with pytest.raises(RequestError, match="stop_strings count"):
+        check_request(req, limits)
+    req = pb.GenerateRequest(text="x" * (limits.max_prompt_chars + 1))
+    with pytest.raises(RequestError, match="text length"):
+        check_request(req, limits)
+    req = pb.GenerateRequest(text="hi")
+    req.sampling.logit_bias.extend(pb.LogitBias(token_id=1, bias=1.0) for _ in range(1025))
+    with pytest.raises(RequestError, match="logit_bias"):
+        check_request(req, limits)
+    with pytest.raises(RequestError, match="prompt"):
+        check_request(pb.GenerateRequest(), limits)
+    for bad in ("", "0" * 31, "g" * 32, "A" * 32, "0" * 33):
+        with pytest.raises(RequestError, match="job_id"):
+            check_job_id(bad)
+    check_job_id("0123456789abcdef" * 2)
+
+
+# -- a real server ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_servable_tiny_gguf(tmp_path_factory.mktemp("hardening") / "tiny.gguf")
+
+
+def engine_pid(server: ServerProcess, nth: int = -1) -> int:
+    starts = [r for r in list(server.logs) if r.get("event") == "engine_starting"]
+    pid = starts[nth]["pid"]
+    assert isinstance(pid, int)
+    return pid
+
+
+def wait_health(server: ServerProcess, status: int, timeout: float) -> float:
+    """Seconds until health reports `status` (fails after `timeout`)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            if server.health() == status:
+                return time.monotonic() - start
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"health never became {status} within {timeout} s: {server.logs[-5:]}")
+
+
+def scrape(host: str, port: int) -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
+        text: str = r.read().decode()
+        return text
+
+
+def test_stopped_engine_turns_not_serving_then_is_replaced(tiny_model: Path) -> None:
+    s = start_tiny_server(tiny_model, "--watchdog-seconds", "1", "--hang-seconds", "5")
+    try:
+        pid = engine_pid(s)
+        os.kill(pid, signal.SIGSTOP)  # hung: no heartbeat, no loop
+        assert wait_health(s, health_pb2.HealthCheckResponse.NOT_SERVING, 5) < 5
+        s.wait_serving(timeout=120)
+        assert engine_pid(s) != pid
+        assert log_count(s, "engine_hung") == 1
+        assert "dyngen_engine_restarts_total 1.0" in scrape("127.0.0.1", s.metrics_port)
+        with s.client() as c:
+            r = collect(list(c.generate(Request("hello", max_new_tokens=8, ignore_eos=True), timeout=60)))
+            assert r.finished.new_tokens == 8
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_brief_stall_recovers_without_a_restart(tiny_model: Path) -> None:
+    s = start_tiny_server(tiny_model, "--watchdog-seconds", "1", "--hang-seconds", "120")
+    try:
+        pid = engine_pid(s)
+        os.kill(pid, signal.SIGSTOP)
+        wait_health(s, health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+        os.kill(pid, signal.SIGCONT)
+        wait_health(s, health_pb2.HealthCheckResponse.SERVING, 10)
+        assert log_count(s, "engine_starting") == 1
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_model_that_cannot_load_backs_off_then_the_server_exits(tiny_model: Path, tmp_path: Path) -> None:
+    model = tmp_path / "doomed.gguf"
+    shutil.copy(tiny_model, model)
+    s = start_tiny_server(model, "--restart-backoff-seconds", "0.2", "--max-restart-failures", "3")
+    try:
+        model.unlink()
+        os.kill(engine_pid(s), signal.SIGKILL)
+        assert s.process.wait(180) == 1
+        delays = [r["delay_seconds"] for r in s.logs if r.get("event") == "engine_restart_scheduled"]
+        assert delays == [0.2, 0.4, 0.8]
+        assert log_count(s, "engine_starting") == 4
+        assert log_count(s, "engine_crash_loop") == 1
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model: Path) -> Iterator[ServerProcess]:
+    s = start_tiny_server(tiny_model, "--max-streams", "2", "--reflection", "false")
+    yield s
+    assert s.stop() == 0
+
+
+def test_a_chat_template_error_is_invalid_argument_and_the_engine_lives(tiny_server: ServerProcess) -> None:
+    pid = engine_pid(tiny_server)
+    with tiny_server.client() as c:
+        bad = Chat((("villain", "hi"),))  # the template raise_exception()s on unknown roles
+        with pytest.raises(grpc.RpcError) as info:
+            list(c.generate(Request(bad, max_new_tokens=4)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "unknown role" in str(info.value.details())
+        with pytest.raises(grpc.RpcError) as info:
+            c.tokenize(bad)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        r = collect(list(c.generate(Request(Chat.user("hi"), max_new_tokens=4, ignore_eos=True))))
+        assert r.finished.new_tokens == 4
+    assert engine_pid(tiny_server) == pid and log_count(tiny_server, "engine_starting") == 1
+
+
+def test_streams_past_the_limit_are_resource_exhausted(tiny_server: ServerProcess) -> None:
+    long = Request("once", max_new_tokens=4000, ignore_eos=True)
+    with tiny_server.client() as c:
+        calls = [c.stub.Generate(long.to_proto(), timeout=120) for _ in range(2)]
+        for call in calls:
+            next(call)  # started: both streams are open on the server
+        with pytest.raises(grpc.RpcError) as info:
+            list(c.generate(Request("x", max_new_tokens=2)))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in calls:
+            call.cancel()
+        assert wait_pool_idle(c).pages_used == 0
+        r = collect(list(c.generate(Request("x", max_new_tokens=2, ignore_eos=True))))
+        assert r.finished.new_tokens == 2
+
+
+def test_reflection_can_be_switched_off(tiny_server: ServerProcess) -> None:
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        reflect = channel.stream_stream(
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(reflect(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_metrics_listen_on_their_own_address(tiny_model: Path) -> None:
+    s = start_tiny_server(tiny_model, "--metrics-host", "127.0.0.2")
+    try:
+        assert "dyngen_engine_up 1.0" in scrape("127.0.0.2", s.metrics_port)
+        with pytest.raises(urllib.error.URLError):
+            scrape("127.0.0.1", s.metrics_port)
+    finally:
+        assert s.stop() == 0
+
+
+PAGE_SIZE = 16
+
+
+def test_tokens_own_jobs_and_salt_the_prefix_cache(tiny_model: Path, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    alice, bob = "alice-token-0123456789", "bob-token-9876543210xx"
+    tokens.write_text(f"alice {alice}\nbob {bob}\n")
+    s = start_tiny_server(tiny_model, "--auth-tokens-file", str(tokens), "--page-size", str(PAGE_SIZE))
+    prompt = "The same long system prompt, shared by everyone who sends it. " * 3
+    try:
+        assert s.health() == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+        with Client(s.target) as anonymous:
+            with pytest.raises(grpc.RpcError) as info:
+                list(anonymous.generate(Request("hi", max_new_tokens=2)))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(s.target, token="not-a-token-at-all") as stranger:
+            with pytest.raises(grpc.RpcError) as info:
+                stranger.model_info()
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(s.target, token=alice) as a, Client(s.target, token=bob) as b:
+            job = a.enqueue(Request("a private job", max_new_tokens=2000, ignore_eos=True))
+            for attempt in (lambda: list(b.stream(job, timeout=10)), lambda: b.cancel(job, timeout=10)):
+                with pytest.raises(grpc.RpcError) as info:
+                    attempt()
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            a.cancel(job)
+            ended = collect(list(a.stream(job, timeout=30)))
+            assert ended.finished.stop_reason == pb.STOP_REASON_CANCELLED
+
+            def cached(client: Client, salt: str = "") -> int:
+                req = Request(prompt, max_new_tokens=1, ignore_eos=True, cache_salt=salt)
+                return collect(list(client.generate(req, timeout=60))).finished.cached_tokens
+
+            first = cached(a)
+            assert cached(a) >= PAGE_SIZE > first  # alice's second request hits her pages
+            assert cached(b) == 0  # bob's identical prompt never sees them
+            assert cached(a, salt="other") == 0  # nor does alice's own request under another salt
+            assert cached(b) >= PAGE_SIZE  # bob now hits his own
+        full_ids = [str(r.get("job")) for r in s.logs if "job" in r]
+        assert full_ids and all(len(j) == 8 for j in full_ids)
+        assert not any(job in str(r) for r in s.logs)
+    finally:
+        assert s.stop() == 0
+
+
+def test_mtls_requires_a_client_certificate_and_names_the_tenant(tiny_model: Path, tmp_path: Path) -> None:
+    ca = CertAuthority(tmp_path)
+    server_pair = ca.issue("localhost", server=True)
+    alice, bob = ca.issue("alice"), ca.issue("bob")
+    s = launch_server(
+        "--model",
+        str(tiny_model),
+        "--cache-tokens",
+        "8192",
+        "--tls-cert",
+        str(server_pair.cert),
+        "--tls-key",
+        str(server_pair.key),
+        "--tls-client-ca",
+        str(ca.pair.cert),
+    )
+    try:
+        s.wait_log("engine_ready")
+        no_cert = tls_credentials(str(ca.pair.cert))
+        with Client(s.target, credentials=no_cert) as c:
+            with pytest.raises(grpc.RpcError) as info:
+                c.model_info(timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        as_alice = tls_credentials(str(ca.pair.cert), str(alice.cert), str(alice.key))
+        as_bob = tls_credentials(str(ca.pair.cert), str(bob.cert), str(bob.key))
+        with Client(s.target, credentials=as_alice) as a, Client(s.target, credentials=as_bob) as b:
+            deadline = time.monotonic() + 30
+            while True:  # engine_ready is logged just before health flips; calls may race it
+                try:
+                    a.model_info(timeout=10)
+                    break
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            r = collect(list(a.generate(Request("hi", max_new_tokens=3, ignore_eos=True), timeout=60)))
+            assert r.finished.new_tokens == 3
+            job = a.enqueue(Request("mine", max_new_tokens=1000, ignore_eos=True))
+            with pytest.raises(grpc.RpcError) as info:
+                b.cancel(job, timeout=10)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            a.cancel(job, timeout=10)
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.slow
+def test_deadlines_passing_before_acceptance_leave_no_job() -> None:
+    """50 Generate calls with 20 ms deadlines against a busy engine (the real model): every one
+    ends DEADLINE_EXCEEDED and none keeps running in the engine."""
+    s = start_server("--cache-tokens", "16384", "--stream-grace-seconds", "600")
+    try:
+        with s.client() as c:
+            busy = [
+                c.enqueue(Request(Chat.user(f"Tell me story {i}."), max_new_tokens=3000, ignore_eos=True))
+                for i in range(4)
+            ]
+            deadline = time.monotonic() + 60
+            while c.model_info().running_jobs < 4:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+
+            async def storm() -> list[grpc.StatusCode]:
+                async with AsyncClient(s.target) as ac:
+
+                    async def one(i: int) -> grpc.StatusCode:
+                        req = Request(Chat.user(f"Question {i}?"), max_new_tokens=500, ignore_eos=True)
+                        try:
+                            async for _ in ac.generate(req, timeout=0.02):
+                                pass
+                        except grpc.aio.AioRpcError as exc:
+                            return exc.code()
+                        return grpc.StatusCode.OK
+
+                    return await asyncio.gather(*(one(i) for i in range(50)))
+
+            codes = asyncio.run(storm())
+            assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}
+            settle = time.monotonic() + 15
+            while True:
+                info = c.model_info()
+                if (info.running_jobs, info.queued_jobs) == (4, 0) or time.monotonic() > settle:
+                    break
+                time.sleep(0.1)
+            assert (info.running_jobs, info.queued_jobs) == (4, 0)
+            for job in busy:
+                c.cancel(job)
+            assert wait_pool_idle(c).pages_used == 0
+    finally:
+        assert s.stop() == 0
