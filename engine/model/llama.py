@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,10 @@ from engine.model.quantization import LinearPlan, LinearRole, describe_linears
 from engine.model.rope import RotaryEmbedding
 from engine.model.weight_source import WeightSource
 from kernels.attention import AttentionBackend, AttentionKind, resolve_attention, select_attention
+from kernels.cpu_features import cpu_features
 from kernels.int4_groups import Int4Groups
 from kernels.linear import Linear, LinearKind, make_linear
+from kernels.linear_autotune import LinearTuner, TuneCache, TuneKey
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,11 @@ class LlamaModel:
         attention: AttentionKind = AttentionKind.AUTO,
         plan: LinearPlan | None = None,
         stored_int4: Mapping[str, Int4Groups] | None = None,
+        tune_dir: Path | None = None,
     ) -> None:
         """`plan` picks each projection's linear kind (float in `dtype` by default);
-        `stored_int4` holds the file's own 4-bit groups by tensor name, used by INT4 linears."""
+        `stored_int4` holds the file's own 4-bit groups by tensor name, used by INT4 linears;
+        `tune_dir` is where an autotuned plan caches its choices (default: the user's cache)."""
         self.config = config
         self.dtype = dtype
         self.device = device or torch.device("cpu")
@@ -80,19 +85,29 @@ class LlamaModel:
             return get(name, shape) if name in tensors else None
 
         built: list[tuple[LinearRole, Linear]] = []
+        self.tuner: LinearTuner | None = None
+        if self.plan.autotuned:
+            kinds = tuple(dict.fromkeys(k for r in LinearRole for k in self.plan.candidates(r)))
+            key = TuneKey.make(cpu_features(), f"{config.name}|{dtype}", kinds)
+            self.tuner = LinearTuner(TuneCache(key, tune_dir))
 
         def linear(
             role: LinearRole, parts: list[tuple[str, tuple[int, ...]]], bias: torch.Tensor | None = None
         ) -> Linear:
             """One linear over the row-wise concatenation of `parts` (fused QKV, gate/up)."""
-            kind = self.plan.kind(role)
+            kinds = self.plan.candidates(role)
             # Quantized kinds quantize from the float32 values, not from a bfloat16 copy.
-            as_dtype = dtype if kind is LinearKind.FLOAT else torch.float32
+            as_dtype = dtype if kinds == (LinearKind.FLOAT,) else torch.float32
             weights = [get(n, shape, as_dtype) for n, shape in parts]
             weight = weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
             groups = [stored.get(n) for n, _ in parts]
             exact = Int4Groups.cat([g for g in groups if g is not None]) if all(groups) else None
-            lin = make_linear(kind, weight, bias, stored=exact)
+
+            def make(kind: LinearKind) -> Linear:
+                w = weight.to(dtype) if kind is LinearKind.FLOAT else weight
+                return make_linear(kind, w, bias, stored=exact)
+
+            lin = self.tuner.build(kinds, make) if self.tuner is not None else make(kinds[0])
             built.append((role, lin))
             return lin
 
@@ -103,7 +118,8 @@ class LlamaModel:
         head_name = "model.embed_tokens.weight"
         if not c.tie_word_embeddings and "lm_head.weight" in tensors:
             head_name = "lm_head.weight"
-        if head_name == "model.embed_tokens.weight" and self.plan.head is LinearKind.FLOAT:
+        float_head = self.plan.candidates(LinearRole.HEAD) == (LinearKind.FLOAT,)
+        if head_name == "model.embed_tokens.weight" and float_head:
             self.lm_head: Linear = make_linear(LinearKind.FLOAT, self.embed)  # shares the table
             built.append((LinearRole.HEAD, self.lm_head))
         else:
@@ -147,6 +163,10 @@ class LlamaModel:
                 )
             )
         self._linears_description = describe_linears(built)
+        if self.tuner is not None:
+            self.tuner.finish()
+            state = f"measured {self.tuner.measured} shapes" if self.tuner.measured else "cached"
+            self._linears_description += f" (autotuned per rows 1/8/64, {state}: {self.tuner.cache.path})"
         freq_factors = tensors.get("rope_freqs")
         self.rope = RotaryEmbedding(c, dtype, freq_factors)
         self.rope.to(self.device)
@@ -163,6 +183,7 @@ class LlamaModel:
         attention: AttentionKind = AttentionKind.AUTO,
         num_layers: int | None = None,
         plan: LinearPlan | None = None,
+        tune_dir: Path | None = None,
     ) -> LlamaModel:
         """Load a model; `num_layers` keeps only the first layers (a cheap draft model of the same vocabulary).
 
@@ -186,12 +207,12 @@ class LlamaModel:
         for name, tensor in bar:
             tensors[name] = tensor
         stored: dict[str, Int4Groups] = {}
-        if plan is not None and any(plan.kind(r) is LinearKind.INT4 for r in LinearRole):
+        if plan is not None and plan.uses(LinearKind.INT4):
             for name, tensor in tensors.items():
                 groups = source.stored_int4(name) if tensor.dim() == 2 else None
                 if groups is not None:
                     stored[name] = groups
-        return LlamaModel(config, tensors, dtype, device, attention, plan, stored)
+        return LlamaModel(config, tensors, dtype, device, attention, plan, stored, tune_dir)
 
     def describe(self) -> str:
         """What runs, for logs and GetModelInfo: activations dtype and each projection's linear kind."""

@@ -37,23 +37,44 @@ class LinearRole(enum.Enum):
 
 @dataclass(frozen=True)
 class LinearPlan:
+    """A kind per projection class; or, with candidates, the kinds the load-time autotune may pick
+    among (kernels/linear_autotune.py), per weight shape and step size."""
+
     qkv: LinearKind
     o: LinearKind
     gate_up: LinearKind
     down: LinearKind
     head: LinearKind
+    body_candidates: tuple[LinearKind, ...] = ()  # QKV, O, gate/up, down
+    head_candidates: tuple[LinearKind, ...] = ()
 
     @staticmethod
     def uniform(kind: LinearKind) -> LinearPlan:
         return LinearPlan(kind, kind, kind, kind, kind)
 
+    @staticmethod
+    def tuned(body: tuple[LinearKind, ...], head: tuple[LinearKind, ...]) -> LinearPlan:
+        b, h = body[0], head[0]
+        return LinearPlan(b, b, b, b, h, body, head)
+
     def kind(self, role: LinearRole) -> LinearKind:
         kind: LinearKind = getattr(self, role.value)
         return kind
 
+    def candidates(self, role: LinearRole) -> tuple[LinearKind, ...]:
+        tuned = self.head_candidates if role is LinearRole.HEAD else self.body_candidates
+        return tuned or (self.kind(role),)
+
+    def uses(self, kind: LinearKind) -> bool:
+        return any(kind in self.candidates(r) for r in LinearRole)
+
     @property
     def quantized(self) -> bool:
-        return any(self.kind(r) is not LinearKind.FLOAT for r in LinearRole)
+        return any(k is not LinearKind.FLOAT for r in LinearRole for k in self.candidates(r))
+
+    @property
+    def autotuned(self) -> bool:
+        return any(len(self.candidates(r)) > 1 for r in LinearRole)
 
 
 def int8_kind(cpu: CpuFeatures) -> LinearKind:

@@ -1,0 +1,181 @@
+"""Pick the fastest linear kind per weight shape and step size, measured once per machine.
+
+No kind wins everywhere: on an AVX2-only CPU dynamic int8 wins a decode step and
+float32 may win a 64-row step, and on a CPU with native bfloat16 the order changes
+again. So at load each distinct weight shape is timed with every allowed kind at a
+few step sizes (rows per call: 1, 8, 64), and a `TunedLinear` dispatches each call
+to the kind that was fastest for the nearest bucket. Choices are cached as JSON,
+keyed by the CPU's features, the torch version and the model, so a second start
+measures nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_features import CpuFeatures
+from kernels.linear import Linear, LinearKind
+
+BUCKETS = (1, 8, 64)
+_CALLS = 5  # timed calls per (kind, bucket); the best one counts
+
+
+def bucket(rows: int) -> int:
+    """The bucket whose choice serves a call of `rows` rows: the smallest bucket >= rows."""
+    for b in BUCKETS:
+        if rows <= b:
+            return b
+    return BUCKETS[-1]
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(os.environ.get("DYNGEN_CACHE_DIR", str(Path(base) / "dyngen")))
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    """What the timings depend on: the CPU, the torch build, the model, the allowed kinds."""
+
+    cpu: str
+    torch_version: str
+    model: str
+    kinds: tuple[str, ...]
+
+    @staticmethod
+    def make(cpu: CpuFeatures, model: str, kinds: Sequence[LinearKind]) -> TuneKey:
+        flags = " ".join(sorted(cpu.flags))
+        return TuneKey(
+            f"{cpu.model_name}|{cpu.torch_capability}|{cpu.threads}|{flags}",
+            torch.__version__,
+            model,
+            tuple(k.value for k in kinds),
+        )
+
+    def file_name(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:16]
+        return f"linear-autotune-{digest}.json"
+
+
+Choice = dict[int, LinearKind]  # bucket -> kind
+
+
+class TuneCache:
+    """Choices per weight shape and candidate kinds, one JSON file per key."""
+
+    def __init__(self, key: TuneKey, folder: Path | None = None) -> None:
+        self.key = key
+        self.path = (folder if folder is not None else default_cache_dir()) / key.file_name()
+        self.hit = False
+        self._choices: dict[str, Choice] = {}
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("key") == key.__dict__ | {"kinds": list(key.kinds)}:
+                self._choices = {
+                    shape: {int(b): LinearKind(k) for b, k in by_bucket.items()}
+                    for shape, by_bucket in data["choices"].items()
+                }
+                self.hit = True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # absent or unreadable: measure again
+
+    @staticmethod
+    def shape_name(out_features: int, in_features: int, kinds: Sequence[LinearKind]) -> str:
+        """The entry for a weight shape tuned among `kinds` (the head may allow other kinds)."""
+        return f"{out_features}x{in_features} " + ",".join(k.value for k in kinds)
+
+    def get(self, shape: str) -> Choice | None:
+        return self._choices.get(shape)
+
+    def put(self, shape: str, choice: Choice) -> None:
+        self._choices[shape] = choice
+
+    def save(self) -> None:
+        data = {
+            "key": self.key.__dict__ | {"kinds": list(self.key.kinds)},
+            "choices": {s: {str(b): k.value for b, k in c.items()} for s, c in self._choices.items()},
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(self.path)  # atomic: a concurrent start reads the old file or the new one
+
+
+def measure(candidates: Mapping[LinearKind, Linear]) -> Choice:
+    """Time every candidate (same weight) at each bucket's row count; the fastest per bucket."""
+    first = next(iter(candidates.values()))
+    choice: Choice = {}
+    for rows in BUCKETS:
+        x = torch.randn(rows, first.in_features)
+        best: dict[LinearKind, float] = {}
+        for kind, lin in candidates.items():
+            lin(x)  # warm-up: first calls allocate and pack
+            for _ in range(_CALLS):
+                t0 = time.perf_counter()
+                lin(x)
+                best[kind] = min(best.get(kind, float("inf")), time.perf_counter() - t0)
+        choice[rows] = min(best, key=lambda k: best[k])
+    return choice
+
+
+class TunedLinear:
+    """One weight in the kinds that won some bucket; each call goes to its bucket's winner."""
+
+    def __init__(self, by_bucket: Mapping[int, Linear]) -> None:
+        self._by_bucket = dict(by_bucket)
+        first = self._by_bucket[BUCKETS[0]]
+        self.in_features = first.in_features
+        self.out_features = first.out_features
+
+    @property
+    def kind(self) -> LinearKind:
+        """The kind a decode step (one row per sequence, few sequences) runs."""
+        return self._by_bucket[BUCKETS[0]].kind
+
+    def describe(self) -> str:
+        kinds = [self._by_bucket[b].describe() for b in BUCKETS]
+        if len(set(kinds)) == 1:
+            return kinds[0]
+        return "tuned(" + " ".join(f"{b}:{k}" for b, k in zip(BUCKETS, kinds, strict=True)) + ")"
+
+    def weight_bytes(self) -> int:
+        return sum(lin.weight_bytes() for lin in {id(v): v for v in self._by_bucket.values()}.values())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        return self._by_bucket[bucket(rows)](x)
+
+
+class LinearTuner:
+    """Builds tuned linears at load: one measurement per distinct shape, the rest from the cache."""
+
+    def __init__(self, cache: TuneCache) -> None:
+        self.cache = cache
+        self.measured = 0  # shapes timed in this load (0 on a cache hit)
+
+    def build(self, kinds: Sequence[LinearKind], make: Callable[[LinearKind], Linear]) -> Linear:
+        """A linear over the weight `make` builds in any kind; one kind alone is built plainly."""
+        if len(kinds) == 1:
+            return make(kinds[0])
+        candidates = {k: make(k) for k in kinds}
+        first = candidates[kinds[0]]
+        shape = TuneCache.shape_name(first.out_features, first.in_features, kinds)
+        choice = self.cache.get(shape)
+        if choice is None or any(k not in candidates for k in choice.values()) or set(choice) != set(BUCKETS):
+            choice = measure(candidates)
+            self.cache.put(shape, choice)
+            self.measured += 1
+        return TunedLinear({b: candidates[choice[b]] for b in BUCKETS})
+
+    def finish(self) -> None:
+        """Write what was measured (nothing to write on a full cache hit)."""
+        if self.measured:
+            self.cache.save()

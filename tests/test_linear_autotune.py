@@ -1,0 +1,103 @@
+"""The load-time linear autotune: bucket dispatch, and its JSON cache's hits and misses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.linear_autotune as autotune
+from engine.batch_generate import GenerationSettings, generate_batch
+from engine.model.gguf_source import GGUFSource
+from engine.model.llama import LlamaModel
+from engine.model.quantization import LinearPlan
+from kernels.cpu_features import CpuFeatures, cpu_features
+from kernels.linear import Linear, LinearKind, make_linear
+from kernels.linear_autotune import BUCKETS, LinearTuner, TuneCache, TunedLinear, TuneKey, bucket
+from tests.tiny_gguf import QType, TinyLlamaSpec, random_llama_weights, write_tiny_gguf
+
+KINDS = (LinearKind.FLOAT, LinearKind.INT8_DYNAMIC)
+
+
+def test_buckets() -> None:
+    assert [bucket(r) for r in (1, 2, 8, 9, 64, 65, 4096)] == [1, 8, 8, 64, 64, 64, 64]
+
+
+def test_tuned_linear_calls_its_buckets_winner() -> None:
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    f, q = make_linear(LinearKind.FLOAT, weight), make_linear(LinearKind.INT8_DYNAMIC, weight)
+    tuned = TunedLinear({1: q, 8: q, 64: f})
+    assert tuned.kind is LinearKind.INT8_DYNAMIC
+    assert tuned.describe() == "tuned(1:int8_dynamic 8:int8_dynamic 64:float32)"
+    for rows, lin in ((1, q), (5, q), (9, f), (100, f)):
+        x = torch.randn(rows, 64)
+        assert torch.equal(tuned(x), lin(x))
+
+
+def _key(cpu: CpuFeatures | None = None) -> TuneKey:
+    return TuneKey.make(cpu or cpu_features(), "tiny", KINDS)
+
+
+def test_cache_miss_measures_then_hit_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.randn(48, 64)
+
+    def make(kind: LinearKind) -> Linear:
+        return make_linear(kind, weight)
+
+    first = LinearTuner(TuneCache(_key(), tmp_path))
+    assert not first.cache.hit
+    lin = first.build(KINDS, make)
+    first.build(KINDS, make)  # the same shape again: no second measurement
+    assert first.measured == 1
+    first.finish()
+    saved = json.loads(first.cache.path.read_text())
+    assert set(saved["choices"]["48x64 float,int8_dynamic"]) == {str(b) for b in BUCKETS}
+
+    def no_timing(*_: object) -> None:
+        raise AssertionError("a cache hit must not measure")
+
+    monkeypatch.setattr(autotune, "measure", no_timing)
+    second = LinearTuner(TuneCache(_key(), tmp_path))
+    assert second.cache.hit
+    again = second.build(KINDS, make)
+    assert second.measured == 0 and again.describe() == lin.describe()
+    # One kind alone is built plainly, without tuning.
+    assert second.build((LinearKind.FLOAT,), make).kind is LinearKind.FLOAT
+
+
+def test_key_covers_cpu_torch_and_model(tmp_path: Path) -> None:
+    here = cpu_features()
+    other_cpu = CpuFeatures(
+        here.model_name, here.flags | {"avx512_bf16"}, here.torch_capability, here.threads
+    )
+    names = {
+        _key().file_name(),
+        _key(other_cpu).file_name(),
+        TuneKey.make(here, "another model", KINDS).file_name(),
+        TuneKey.make(here, "tiny", KINDS[:1]).file_name(),
+    }
+    assert len(names) == 4
+    (tmp_path / _key().file_name()).write_text("not json")
+    assert not TuneCache(_key(), tmp_path).hit  # unreadable: measured again
+
+
+def test_tiny_model_autotunes_once(tmp_path: Path) -> None:
+    spec = TinyLlamaSpec()
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, random_llama_weights(spec, seed=0, tied=True), spec, QType.Q4_1)
+    source = GGUFSource(path)
+    plan = LinearPlan.tuned(
+        (LinearKind.INT8_DYNAMIC, LinearKind.INT4), (LinearKind.INT8_DYNAMIC, LinearKind.FLOAT)
+    )
+    model = LlamaModel.from_source(source, progress=False, plan=plan, tune_dir=tmp_path)
+    assert model.tuner is not None and model.tuner.measured >= 1
+    assert "autotuned" in model.describe() and "measured" in model.describe()
+    cache = model.new_cache(num_pages=4, page_size=16)
+    (result,) = generate_batch(
+        model, cache, [[5, 77, 300, 12]], GenerationSettings(max_new_tokens=4, ignore_eos=True)
+    )
+    assert len(result.token_ids) == 4
+    second = LlamaModel.from_source(source, progress=False, plan=plan, tune_dir=tmp_path)
+    assert second.tuner is not None and second.tuner.measured == 0 and "cached" in second.describe()
