@@ -13,6 +13,10 @@ a shared prefix) and one of five behaviours, all from one seeded generator per w
 - deadline:    Generate with a deadline of 20 ms to 2 s
 - cancel_rpc:  Enqueue, Stream, the Cancel RPC after k events, read to the end
 
+Calls still open 30 s after the end are cancelled (outcome cut_at_end), so a run takes its
+minutes plus at most that; a call that is not a deadline request gets 600 s before it
+counts as hung.
+
 Expected: OK; CANCELLED for calls this client cancelled or whose channel it closed;
 DEADLINE_EXCEEDED for deadline requests; RESOURCE_EXHAUSTED at admission (queue or stream
 limit full); NOT_FOUND from a Cancel that raced its job's own finish. Everything else is an
@@ -31,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import platform
 import random
 import signal
 import socket
@@ -76,6 +79,7 @@ class Outcome(Enum):
     CANCEL_RPC = "cancel_rpc"  # the Cancel RPC ended the job (finish reason CANCELLED)
     DEADLINE = "deadline"  # DEADLINE_EXCEEDED on a deadline request
     QUEUE_FULL = "queue_full"  # RESOURCE_EXHAUSTED at admission
+    CUT = "cut_at_end"  # still open `end_grace` after the end of the run: we cancelled it
     UNEXPECTED = "unexpected"
 
 
@@ -88,7 +92,8 @@ class SoakSettings:
     max_prompt_words: int = 300  # each prompt draws 1..this words (or as many random token ids)
     warmup_fraction: float = 0.25
     sample_interval: float = 1.0
-    call_timeout: float = 180.0  # any request not meant to hit a deadline; past it = a hang
+    call_timeout: float = 600.0  # any request not meant to hit a deadline; past it = a hang
+    end_grace: float = 30.0  # requests still open this long after the end are cancelled (by us)
     idle_timeout: float = 20.0  # after the run: how long the pool may take to become idle
 
 
@@ -452,10 +457,13 @@ async def soak_async(target: str, settings: SoakSettings, server_pid: int | None
                 report.engine_pids.add(engine_pid)
             report.samples.append(RssSample(time.monotonic() - t0, front, engine_rss, engine_pid))
 
+    finished = asyncio.Event()
+
     async def sampler() -> None:
-        while time.monotonic() < end:
+        while not finished.is_set():
             sample()
-            await asyncio.sleep(settings.sample_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), settings.sample_interval)
 
     async def worker(n: int) -> None:
         maker = RequestMaker(settings.seed * 1_000_003 + n, settings, info.vocab_size, preamble)
@@ -464,6 +472,10 @@ async def soak_async(target: str, settings: SoakSettings, server_pid: int | None
             plan = maker.plan()
             try:
                 verdict = await run_plan(stub, target, plan, settings.call_timeout)
+            except asyncio.CancelledError:
+                report.requests[(plan.kind, Outcome.CUT.value)] += 1
+                report.statuses["CANCELLED"] += 1
+                raise
             except Exception as exc:  # a client-side surprise is a finding too, not a crash of the run
                 verdict = Verdict(
                     Outcome.UNEXPECTED, "CLIENT", 0, f"{plan.kind}: {type(exc).__name__}: {exc}"
@@ -480,8 +492,13 @@ async def soak_async(target: str, settings: SoakSettings, server_pid: int | None
 
     sampling = asyncio.create_task(sampler())
     try:
-        await asyncio.gather(*(worker(n) for n in range(settings.streams)))
+        workers = [asyncio.create_task(worker(n)) for n in range(settings.streams)]
+        _, late = await asyncio.wait(workers, timeout=end + settings.end_grace - time.monotonic())
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
         report.seconds = time.monotonic() - t0
+        finished.set()
         await sampling
         sample()
         report.final_info = await wait_pool_idle(stubs[0], settings.idle_timeout)
@@ -513,18 +530,10 @@ def soak(target: str, settings: SoakSettings, server_pid: int | None = None) -> 
 
 
 def cpu_line() -> str:
-    """The CPU, its core count and the SIMD flags that matter to the CPU kernels."""
-    model, flags = platform.processor() or platform.machine(), set[str]()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    have = " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
-    return f"CPU: {model}, {os.cpu_count()} cores, flags: {have}"
+    """The CPU line the other benchmarks print (kernels/cpu_features.py; imports torch)."""
+    from kernels.cpu_features import cpu_features
+
+    return f"CPU: {cpu_features().summary()}"
 
 
 def _mib(n: float) -> str:
