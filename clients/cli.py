@@ -14,8 +14,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import DyngenError, InvalidRequestError
+
+if TYPE_CHECKING:
+    import grpc
 
 DEFAULT_PAGE_SIZE = 64  # engine.generator.GeneratorConfig's default (see there why)
 DEFAULT_CACHE_TOKENS = 16384
@@ -92,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run through a dyngen server instead of in-process",
     )
+    gen.add_argument("--tls", action="store_true", help="with --server: TLS (system roots unless --tls-ca)")
+    gen.add_argument(
+        "--tls-ca", default=None, help="with --server: PEM CA that signed the server (implies --tls)"
+    )
+    gen.add_argument("--tls-cert", default=None, help="with --server: client certificate (mTLS)")
+    gen.add_argument("--tls-key", default=None, help="with --server: client private key (mTLS)")
+    gen.add_argument(
+        "--token-file",
+        default=None,
+        help="with --server: file holding a bearer token (default: $DYNGEN_TOKEN, if set)",
+    )
     from service.config import add_serve_arguments
 
     serve = sub.add_parser("serve", help="serve the model over gRPC (health, reflection, metrics)")
@@ -159,7 +174,7 @@ def run_generate_remote(args: argparse.Namespace, texts: list[str]) -> int:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
     )
-    with Client(args.server) as client:
+    with Client(args.server, credentials=_channel_credentials(args), token=_token(args)) as client:
 
         def one(text: str) -> Result:
             prompt: str | Chat = Chat.user(text) if args.chat else text
@@ -196,6 +211,28 @@ def run_generate_remote(args: argparse.Namespace, texts: list[str]) -> int:
         else:
             print(r.text)
     return 0
+
+
+def _channel_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    from clients.client import tls_credentials
+
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise InvalidRequestError("--tls-cert and --tls-key go together")
+    try:
+        return tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if args.token_file is None:
+        return os.environ.get("DYNGEN_TOKEN") or None
+    try:
+        return Path(args.token_file).read_text().strip() or None
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read the token file {args.token_file}: {exc.strerror}") from exc
 
 
 def pb_stop_reason_name(value: int) -> str:

@@ -8,11 +8,14 @@ the tiny random-weight model (the real one where a busy engine is the point).
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import queue
 import shutil
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -385,6 +388,27 @@ def test_tokens_own_jobs_and_salt_the_prefix_cache(tiny_model: Path, tmp_path: P
             assert cached(b) == 0  # bob's identical prompt never sees them
             assert cached(a, salt="other") == 0  # nor does alice's own request under another salt
             assert cached(b) >= PAGE_SIZE  # bob now hits his own
+        token_file = tmp_path / "alice.token"
+        token_file.write_text(alice + "\n")
+        cli = [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "generate",
+            "hi",
+            "--server",
+            s.target,
+            "--max-new-tokens",
+            "3",
+        ]
+        ok = subprocess.run(
+            [*cli, "--token-file", str(token_file), "--json"], check=False, capture_output=True, text=True
+        )
+        assert ok.returncode == 0 and json.loads(ok.stdout)["new_tokens"] >= 1, ok.stderr
+        refused = subprocess.run(
+            cli, check=False, capture_output=True, text=True, env={**os.environ, "DYNGEN_TOKEN": ""}
+        )
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
         full_ids = [str(r.get("job")) for r in s.logs if "job" in r]
         assert full_ids and all(len(j) == 8 for j in full_ids)
         assert not any(job in str(r) for r in s.logs)
