@@ -14,11 +14,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument(
         "workload",
-        choices=["single", "sampler", "w1", "w2", "w3", "w4", "all", "soak", "quant", "quality"],
+        choices=["single", "sampler", "w1", "w2", "w3", "w4", "all", "soak", "quant", "quality", "host"],
         help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
         "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
         "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure); "
-        "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode",
+        "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode; "
+        "host: host ms vs forward ms per generator step at batch 1 and 64",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=1, help="w1: rounds, engines taking turns; each keeps its best round"
     )
+    parser.add_argument("--profile", action="store_true", help="host: cProfile of the batch-64 host work")
     soak = parser.add_argument_group("soak")
     soak.add_argument("--minutes", type=float, default=10.0, help="soak: how long to run")
     soak.add_argument("--streams", type=int, default=64, help="soak: concurrent streams")
@@ -63,6 +65,11 @@ def main() -> None:
         print(matmul_table(max(args.repeat, 3)), flush=True)
         print()
         print(quant_decode_table(args.new_tokens, args.workloads, args.repeat))
+        return
+    if args.workload == "host":
+        from benchmarks.host_cost import run as run_host
+
+        print(run_host(args.workloads, repeat=args.repeat, profile=args.profile))
         return
     if args.workload == "quality":
         from benchmarks.quality import run as run_quality
