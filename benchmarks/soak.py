@@ -26,8 +26,11 @@ whose token count matches the deltas (a lost event).
 The RSS of the front-end process and of the engine process (its spawned child) is sampled
 every second: growth is the median of the last tenth of the run over the median of the
 tenth right after warm-up (the first quarter). At the end the engine's pool must be idle
-(GetModelInfo: no running or queued job, no page in use). Exit status 1 if any unexpected
-error, RSS growth >= 5 % in either process, or a pool not idle.
+(GetModelInfo: no running or queued job, no page in use). With the RSS, the engine's job
+count (running + queued) is sampled against the calls open in this client: a job outlives
+its call only for the moment its cancel takes, so a median above 0 means orphaned jobs
+(a caller gone, its job still running). Exit status 1 if any unexpected error, RSS growth
+>= 5 % in either process, orphans, or a pool not idle.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class SoakSettings:
     call_timeout: float = 600.0  # any request not meant to hit a deadline; past it = a hang
     end_grace: float = 30.0  # requests still open this long after the end are cancelled (by us)
     idle_timeout: float = 20.0  # after the run: how long the pool may take to become idle
+    cut_is_error: bool = False  # a call still open `end_grace` after the end is unexpected (fast models)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,10 @@ class SoakReport:
     samples: list[RssSample] = field(default_factory=list)
     final_info: pb.ModelInfo | None = None
     engine_pids: set[int] = field(default_factory=set)
+    # Sampled with the RSS: jobs the engine holds (running + queued) beyond the calls open here.
+    # A job is ours only while its call is open (plus the moment its cancel takes), so a value
+    # that stays positive or grows means jobs outliving their callers (orphans).
+    excess_jobs: list[int] = field(default_factory=list)
 
     @property
     def total_requests(self) -> int:
@@ -140,11 +148,17 @@ class SoakReport:
         return float(100.0 * (statistics.median(late) / statistics.median(early) - 1.0))
 
     @property
+    def orphans(self) -> bool:
+        """More jobs in the engine than calls open here in most samples (the median)."""
+        return bool(self.excess_jobs) and statistics.median(self.excess_jobs) > 0
+
+    @property
     def passed(self) -> bool:
         growth = [self.rss_growth(w) for w in ("front_end", "engine")]
         return (
             self.unexpected_count == 0
             and self.pool_idle
+            and not self.orphans
             and all(g is None or g < MAX_RSS_GROWTH_PERCENT for g in growth)
         )
 
@@ -458,28 +472,46 @@ async def soak_async(target: str, settings: SoakSettings, server_pid: int | None
             report.samples.append(RssSample(time.monotonic() - t0, front, engine_rss, engine_pid))
 
     finished = asyncio.Event()
+    open_calls = 0
+
+    async def jobs_sample() -> None:
+        before = open_calls
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            i = await stubs[0].GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+            report.excess_jobs.append(i.running_jobs + i.queued_jobs - max(before, open_calls))
 
     async def sampler() -> None:
         while not finished.is_set():
             sample()
+            await jobs_sample()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(finished.wait(), settings.sample_interval)
 
     async def worker(n: int) -> None:
+        nonlocal open_calls
         maker = RequestMaker(settings.seed * 1_000_003 + n, settings, info.vocab_size, preamble)
         stub = stubs[n % len(stubs)]
         while time.monotonic() < end:
             plan = maker.plan()
+            open_calls += 1
             try:
                 verdict = await run_plan(stub, target, plan, settings.call_timeout)
             except asyncio.CancelledError:
                 report.requests[(plan.kind, Outcome.CUT.value)] += 1
                 report.statuses["CANCELLED"] += 1
+                if settings.cut_is_error:
+                    report.unexpected_count += 1
+                    report.unexpected.append(
+                        f"{plan.kind}: still open {settings.end_grace:.0f} s after the end "
+                        f"(request: {_short(plan.request)})"
+                    )
                 raise
             except Exception as exc:  # a client-side surprise is a finding too, not a crash of the run
                 verdict = Verdict(
                     Outcome.UNEXPECTED, "CLIENT", 0, f"{plan.kind}: {type(exc).__name__}: {exc}"
                 )
+            finally:
+                open_calls -= 1
             report.requests[(plan.kind, verdict.outcome.value)] += 1
             report.statuses[verdict.status] += 1
             report.tokens += verdict.tokens
@@ -536,6 +568,12 @@ def cpu_line() -> str:
     return f"CPU: {cpu_features().summary()}"
 
 
+def _excess(values: Sequence[int]) -> str:
+    if not values:
+        return "n/a"
+    return f"max {max(values)}, median {statistics.median(values):g}, last {values[-1]}"
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
 
@@ -587,11 +625,14 @@ def render_report(report: SoakReport, title: str, log_path: Path | None = None) 
     lines += [
         "",
         f"Engine processes seen: {len(report.engine_pids)} ({sorted(report.engine_pids)})",
+        f"Engine jobs beyond open calls (sampled; a median > 0 means orphaned jobs): "
+        f"{_excess(report.excess_jobs)} -> {'ORPHANS' if report.orphans else 'none'}",
         f"Pool at the end: {pool} -> {'idle' if report.pool_idle else 'NOT IDLE'}",
         f"Unexpected errors: {report.unexpected_count}",
         *(f"  - {u}" for u in report.unexpected),
         f"Result: {'PASS' if report.passed else 'FAIL'} "
-        f"(passes with 0 unexpected errors, RSS growth < {MAX_RSS_GROWTH_PERCENT:.0f} % in both, pool idle)",
+        f"(passes with 0 unexpected errors, RSS growth < {MAX_RSS_GROWTH_PERCENT:.0f} % in both, "
+        "no orphans, pool idle)",
         *([f"Server log: {log_path}"] if log_path else []),
     ]
     return "\n".join(lines)
