@@ -27,9 +27,10 @@ The RSS of the front-end process and of the engine process (its spawned child) i
 every second: growth is the median of the last tenth of the run over the median of the
 tenth right after warm-up (the first quarter). At the end the engine's pool must be idle
 (GetModelInfo: no running or queued job, no page in use). With the RSS, the engine's job
-count (running + queued) is sampled against the calls open in this client: a job outlives
-its call only for the moment its cancel takes, so a median above 0 means orphaned jobs
-(a caller gone, its job still running). Exit status 1 if any unexpected error, RSS growth
+count (running + queued) is sampled against the calls open in this client (plus those that
+ended in the last second, whose cancels may be on their way): a job outlives its call only
+for the moment its cancel takes, so a median above 0 means orphaned jobs (a caller gone,
+its job still running). Exit status 1 if any unexpected error, RSS growth
 >= 5 % in either process, orphans, or a pool not idle.
 """
 
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -60,6 +61,7 @@ from service.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
 
 START_TIMEOUT = 180.0
 MAX_RSS_GROWTH_PERCENT = 5.0
+CANCEL_SETTLE_SECONDS = 1.0  # a call that ended this recently may still have its job in the engine
 KINDS = ("complete", "cancel", "disconnect", "deadline", "cancel_rpc")
 KIND_WEIGHTS = (0.40, 0.20, 0.15, 0.15, 0.10)
 _COMMON_WORDS = (
@@ -220,6 +222,11 @@ class RequestMaker:
         after = self.rng.choice((0, 1, 2, self.rng.randint(0, max(1, req.max_new_tokens))))
         pause = 0.05 * self.rng.random()
         deadline = 0.02 * 100 ** self.rng.random()  # 20 ms .. 2 s, log-uniform
+        if kind == "deadline" or (kind in ("cancel", "disconnect") and after == 0):
+            # Ended around admission, where a job can lose its caller: make it long, so an
+            # orphan would run for many seconds and show in the job count, not hide in a blink.
+            req.max_new_tokens = 4 * self.settings.max_new_tokens
+            req.ignore_eos = True
         return Plan(kind, req, after, pause, deadline)
 
 
@@ -473,12 +480,16 @@ async def soak_async(target: str, settings: SoakSettings, server_pid: int | None
 
     finished = asyncio.Event()
     open_calls = 0
+    ended: deque[float] = deque()  # when recent calls ended (their cancels may still be on the way)
 
     async def jobs_sample() -> None:
-        before = open_calls
+        before, asked = open_calls, time.monotonic()
         with contextlib.suppress(grpc.aio.AioRpcError):
             i = await stubs[0].GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
-            report.excess_jobs.append(i.running_jobs + i.queued_jobs - max(before, open_calls))
+            while ended and ended[0] < asked - CANCEL_SETTLE_SECONDS:
+                ended.popleft()
+            ours = max(before, open_calls) + len(ended)
+            report.excess_jobs.append(i.running_jobs + i.queued_jobs - ours)
 
     async def sampler() -> None:
         while not finished.is_set():
@@ -512,6 +523,7 @@ async def soak_async(target: str, settings: SoakSettings, server_pid: int | None
                 )
             finally:
                 open_calls -= 1
+                ended.append(time.monotonic())
             report.requests[(plan.kind, verdict.outcome.value)] += 1
             report.statuses[verdict.status] += 1
             report.tokens += verdict.tokens

@@ -451,7 +451,8 @@ def test_fuzz_generate_requests(server: ServerProcess, client: Client) -> None:
     @example(req=pb.GenerateRequest(text="a" * (5 << 20), max_new_tokens=1), mode="generate")
     def one(req: pb.GenerateRequest, mode: str) -> None:
         ensure_serving(server)
-        check(send_generate(client, req, mode), server, starts, req)
+        before = log_count(server, "engine_starting")
+        check(send_generate(client, req, mode), server, before, req)
 
     one()
     assert_intact_and_idle(server, client, starts)
@@ -482,12 +483,13 @@ def test_fuzz_tokenize_requests(server: ServerProcess, client: Client) -> None:
     @example(req=pb.TokenizeRequest(text="a" * (3 << 20)))
     def one(req: pb.TokenizeRequest) -> None:
         ensure_serving(server)
+        before = log_count(server, "engine_starting")
         try:
             client.stub.Tokenize(req, timeout=CALL_TIMEOUT)
             replies = [Reply("Tokenize", Code.OK, "")]
         except grpc.RpcError as exc:
             replies = [_rpc_error("Tokenize", exc)]
-        check(replies, server, starts, req)
+        check(replies, server, before, req)
 
     one()
     assert_intact_and_idle(server, client, starts)
@@ -556,7 +558,8 @@ def test_fuzz_raw_bytes(server: ServerProcess, client: Client) -> None:
     @example(method="Enqueue", body=b"\x0a")  # truncated
     def one(method: str, body: bytes) -> None:
         ensure_serving(server)
-        check([raw_call(channel, method, body)], server, starts, (method, body))
+        before = log_count(server, "engine_starting")
+        check([raw_call(channel, method, body)], server, before, (method, body))
 
     try:
         one()
@@ -651,12 +654,13 @@ def test_fuzz_invalid_utf8_is_invalid_argument(server: ServerProcess, client: Cl
     @given(case=st.sampled_from(sorted(UTF8_CASES)), bad=bad_utf8)
     def one(case: str, bad: bytes) -> None:
         ensure_serving(server)
+        before = log_count(server, "engine_starting")
         method, body = UTF8_CASES[case]
         reply = raw_call(channel, method, body(bad))
         assert reply.code == Code.INVALID_ARGUMENT, (
             f"{case} with {bad!r}: {reply.code.name} {reply.details!r}"
         )
-        check([reply], server, starts, (case, bad))
+        check([reply], server, before, (case, bad))
 
     try:
         one()
@@ -682,6 +686,7 @@ def test_fuzz_stream_and_cancel_with_hostile_job_ids(server: ServerProcess, clie
     @given(job_id=job_ids, rpc=st.sampled_from(("Stream", "Cancel")))
     def one(job_id: str, rpc: str) -> None:
         ensure_serving(server)
+        before = log_count(server, "engine_starting")
         try:
             if rpc == "Stream":
                 list(client.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=CALL_TIMEOUT))
@@ -694,7 +699,7 @@ def test_fuzz_stream_and_cancel_with_hostile_job_ids(server: ServerProcess, clie
             f"{rpc}({_short(job_id, 80)}) -> {reply.code.name} {reply.details[:200]!r}"
         )
         assert len(reply.details) < 4096, f"{rpc}: a {len(reply.details)}-character message echoes the id"
-        check([reply], server, starts, job_id[:80])
+        check([reply], server, before, job_id[:80])
 
     one()
     assert_intact_and_idle(server, client, starts)
