@@ -27,7 +27,7 @@ from engine.ids import PageId
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.loader import default_model_path
-from engine.model.quantization import LinearPlan, QuantMode, int8_kind, plan_for
+from engine.model.quantization import LinearPlan, QuantMode, plan_for
 from engine.model.tokenizer import HFTokenizer
 from kernels.cpu_features import cpu_features
 from kernels.int4_groups import Int4Groups
@@ -116,7 +116,7 @@ def exactness(source: GGUFSource, tensors: dict[str, torch.Tensor], stored: dict
     )
 
 
-def run(tokens: int = 10 * 1024) -> str:
+def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
     path = default_model_path()
     source = GGUFSource(path)
     tensors = dict(source.tensors())
@@ -126,16 +126,19 @@ def run(tokens: int = 10 * 1024) -> str:
     if len(ids) < tokens:
         raise RuntimeError(f"the prose has only {len(ids)} tokens, fewer than {tokens}")
     cpu = cpu_features()
-    i4, i8w = LinearKind.INT4, LinearKind.INT8_WEIGHT
+    i4 = LinearKind.INT4
+    i8d = LinearKind.INT8_DYNAMIC
     plans: list[tuple[str, LinearPlan]] = [
         (f"--quant {m.value}", plan_for(m, cpu)) for m in (QuantMode.NONE, QuantMode.INT8, QuantMode.INT4)
     ]
     plans += [
-        ("int8 weight-only, all", LinearPlan.uniform(i8w)),
-        ("int4 body, int8 weight-only head", LinearPlan(i4, i4, i4, i4, i8w)),
+        ("dynamic int8 (fbgemm), all", LinearPlan.uniform(i8d)),
+        ("int4 body, dynamic int8 head", LinearPlan(i4, i4, i4, i4, i8d)),
         ("int4 everywhere (head re-quantized)", LinearPlan.uniform(i4)),
     ]
-    assert plans[1][1] == LinearPlan.uniform(int8_kind(cpu))
+    if auto:
+        # The autotune picks by rows per call; these windows run in its 64-row bucket.
+        plans.append(("--quant auto", plan_for(QuantMode.AUTO, cpu)))
     lines = [
         f"### Quality per linear plan: {tokens} tokens of {TEXT_SOURCE}, windows of {WINDOW}",
         "",

@@ -23,7 +23,7 @@ from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.loader import WeightDtype, default_model_path, load_model
-from engine.model.quantization import LinearPlan, QuantMode, resolve_quant
+from engine.model.quantization import LinearPlan, QuantMode
 from engine.model.tokenizer import ChatMessage
 from kernels.cpu_features import cpu_features
 from kernels.int4_groups import Int4Groups
@@ -164,7 +164,7 @@ def quant_decode_table(new_tokens: int = 128, workloads: Path | None = None, rou
                 loaded.model, cache, [prompt], GenerationSettings(max_new_tokens=n, ignore_eos=True)
             )
 
-        label = mode.value if mode is not QuantMode.AUTO else f"auto (= {resolve_quant(mode, cpu).value})"
+        label = mode.value
         runs.append((label, ours, f"load {load_s:.1f} s; {loaded.model.describe()}"))
     best: dict[str, float] = {}
     for _ in range(rounds):

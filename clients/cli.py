@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant",
         choices=["auto", "none", "int8", "int4"],
         default="none",
-        help="linear kinds: none = float in --dtype; int8; int4 = the GGUF's own Q4_0/Q4_1 blocks "
-        "(others re-quantized), int8 head; auto = picked for this CPU (see engine/model/quantization.py)",
+        help="linear kinds: none = float in --dtype; int8 = weight-only int8; int4 = the GGUF's own "
+        "Q4_0/Q4_1 blocks (others re-quantized), int8 head; auto = the fastest kinds that pass the "
+        "quality gate, timed at load per shape and cached (see engine/model/quantization.py)",
     )
     gen.add_argument(
         "--page-size", type=_positive, default=DEFAULT_PAGE_SIZE, help="KV cache page size in tokens"

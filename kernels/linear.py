@@ -5,7 +5,7 @@ leading shape; which kernel runs (and in which dtype it computes inside) is the
 layer's business. Every kind takes and returns the caller's activation dtype.
 
 Measured per decode step of SmolLM2-135M on a 2-core AVX2 CPU (torch 2.13, see
-benchmarks/single_stream.py --matmuls): no kind wins at every batch size or on every
+`python -m benchmarks quant`): no kind wins at every batch size or on every
 CPU, so the kind is chosen per layer at load (engine.model.quantization).
 """
 

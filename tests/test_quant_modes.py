@@ -1,9 +1,9 @@
 """--quant modes on tiny GGUF models: the file's 4-bit blocks kept as stored, every mode generates.
 
 The first-step logits of each mode are compared with the float path (relative error of
-the logit vector, bounds with headroom over what these models give: dynamic int8 ~5%,
-int4 on a Q4_1 file ~2% since its weights are the file's own and only bfloat16
-activations and the int8 head differ).
+the logit vector, bounds with headroom over what these models give: int8 ~3%, int4 on
+a Q4_1 file ~1% since its weights are the file's own and only bfloat16 activations
+and the int8 head differ).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.tiny_gguf import QType, TinyLlamaSpec, random_llama_weights, write_ti
 SPEC = TinyLlamaSpec()
 PROMPT = [5, 77, 300, 12, 451, 9, 260, 33, 140, 499, 17]
 NEW_TOKENS = 6
-MAX_LOGIT_ERROR = {QuantMode.NONE: 0.0, QuantMode.AUTO: 0.1, QuantMode.INT8: 0.1, QuantMode.INT4: 0.05}
+MAX_LOGIT_ERROR = {QuantMode.NONE: 0.0, QuantMode.AUTO: 0.06, QuantMode.INT8: 0.06, QuantMode.INT4: 0.03}
 
 
 def _write(folder: Path, qtype: QType, tied: bool = False) -> Path:
@@ -70,7 +70,7 @@ def test_every_mode_generates_near_the_float_path(tmp_path: Path, tied: bool) ->
     float_logits, _ = _first_logits(LlamaModel.from_source(source, progress=False))
     for mode in QuantMode:
         plan = plan_for(mode, cpu)
-        model = LlamaModel.from_source(source, progress=False, plan=plan)
+        model = LlamaModel.from_source(source, progress=False, plan=plan, tune_dir=tmp_path)
         logits, tokens = _first_logits(model)
         err = float((logits - float_logits).norm() / float_logits.norm())
         print(f"{mode.value} tied={tied}: relative logit error {err:.3g}")

@@ -1,9 +1,15 @@
 """Which linear kind runs each projection: the --quant modes and the plan they resolve to.
 
 A plan names one kind per layer class (fused QKV, O, fused gate/up, down, the head).
-INT4 keeps the file's own 4-bit blocks where it has them (GGUF Q4_0/Q4_1, exactly)
-and re-quantizes other weights by group min/max; the head stays int8 because the
-shipped file stores it in 8 bits (Q8_0) and it decides every sampled token.
+INT8 is weight-only int8. INT4 keeps the file's own 4-bit blocks where it has them
+(GGUF Q4_0/Q4_1, exactly) and re-quantizes other weights by group min/max; its head is
+weight-only int8 (the shipped file stores the head as Q8_0; re-quantized to int4 it
+costs +6% perplexity). AUTO lets the load-time autotune pick, per weight shape and
+step size, the fastest of the kinds that pass the quality gate.
+
+Dynamic int8 (fbgemm) is the fastest kind on an AVX2 CPU but no mode picks it: its one
+7-bit scale per activation tensor costs +169% perplexity on the shipped model (+7% as
+the head alone), measured by `python -m benchmarks quality`.
 """
 
 from __future__ import annotations
@@ -13,8 +19,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
-
-import torch
 
 from kernels.cpu_features import CpuFeatures
 from kernels.linear import Linear, LinearKind
@@ -77,37 +81,27 @@ class LinearPlan:
         return any(len(self.candidates(r)) > 1 for r in LinearRole)
 
 
-def int8_kind(cpu: CpuFeatures) -> LinearKind:
-    """fbgemm's dynamic int8 where it has x86 kernels (AVX2 and up), else weight-only int8.
-
-    Measured on an AVX2-only CPU it beats float32 and the weight-only kinds at 1, 8 and
-    64 rows per step (benchmarks/single_stream.py --matmuls).
-    """
-    if cpu.avx2 and "fbgemm" in torch.backends.quantized.supported_engines:
-        return LinearKind.INT8_DYNAMIC
-    return LinearKind.INT8_WEIGHT
-
-
-def resolve_quant(mode: QuantMode, cpu: CpuFeatures) -> QuantMode:
-    """The concrete mode AUTO stands for on this CPU."""
-    match mode:
-        case QuantMode.AUTO:
-            return QuantMode.NONE
-        case QuantMode.NONE | QuantMode.INT8 | QuantMode.INT4:
-            return mode
-        case _:
-            assert_never(mode)
+# What `--quant auto` may choose from: the kinds whose perplexity stays within 1% of the
+# float32 path on `python -m benchmarks quality` (shipped model, 10k tokens: int8 weight-only
+# +0.35%, int4 file blocks with an int8 weight-only head +0.17%; dynamic int8 fails).
+# Among these the load-time autotune picks the fastest per weight shape and step size.
+AUTO_BODY_KINDS = (LinearKind.FLOAT, LinearKind.INT4, LinearKind.INT8_WEIGHT)
+AUTO_HEAD_KINDS = (LinearKind.FLOAT, LinearKind.INT8_WEIGHT)
 
 
 def plan_for(mode: QuantMode, cpu: CpuFeatures) -> LinearPlan:
-    match resolve_quant(mode, cpu):
-        case QuantMode.NONE | QuantMode.AUTO:
+    match mode:
+        case QuantMode.NONE:
             return LinearPlan.uniform(LinearKind.FLOAT)
         case QuantMode.INT8:
-            return LinearPlan.uniform(int8_kind(cpu))
+            return LinearPlan.uniform(LinearKind.INT8_WEIGHT)
         case QuantMode.INT4:
             i4 = LinearKind.INT4
-            return LinearPlan(i4, i4, i4, i4, int8_kind(cpu))
+            return LinearPlan(i4, i4, i4, i4, LinearKind.INT8_WEIGHT)
+        case QuantMode.AUTO:
+            return LinearPlan.tuned(AUTO_BODY_KINDS, AUTO_HEAD_KINDS)
+        case _:
+            assert_never(mode)
 
 
 def describe_linears(linears: Sequence[tuple[LinearRole, Linear]]) -> str:
