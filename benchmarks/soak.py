@@ -143,11 +143,16 @@ class SoakReport:
             return None
         warm = self.settings.warmup_fraction * self.seconds
         window = max(0.1 * self.seconds, 2 * self.settings.sample_interval)
-        early = [getattr(s, which) for s in self.samples if warm <= s.t < warm + window]
-        late = [getattr(s, which) for s in self.samples if s.t >= self.seconds - window]
+        samples = self.present(which)
+        early = [getattr(s, which) for s in samples if warm <= s.t < warm + window]
+        late = [getattr(s, which) for s in samples if s.t >= self.seconds - window]
         if not early or not late or statistics.median(early) <= 0:
             return None
         return float(100.0 * (statistics.median(late) / statistics.median(early) - 1.0))
+
+    def present(self, which: str) -> list[RssSample]:
+        """The samples where the process existed (no engine while it restarts)."""
+        return [s for s in self.samples if getattr(s, which) > 0]
 
     @property
     def orphans(self) -> bool:
@@ -618,8 +623,9 @@ def render_report(report: SoakReport, title: str, log_path: Path | None = None) 
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for which, label in (("front_end", "front end"), ("engine", "engine")):
-        values = [getattr(x, which) for x in report.samples]
-        warm = [getattr(x, which) for x in report.samples if x.t >= s.warmup_fraction * report.seconds]
+        present = report.present(which)
+        values = [getattr(x, which) for x in present]
+        warm = [getattr(x, which) for x in present if x.t >= s.warmup_fraction * report.seconds]
         if values and warm:
             lines.append(
                 f"| {label} | {_mib(warm[0])} | {_mib(values[-1])} | {_mib(max(values))} "
