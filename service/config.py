@@ -16,6 +16,7 @@ class ServiceConfig:
     port: int = 50051
     model: str | None = None  # .gguf file or HF folder; None = the shipped model
     dtype: str = "float32"
+    quant: str = "none"  # linear kinds: none, int8, int4 or auto (engine/model/quantization.py)
     page_size: int = 64  # engine.generator.GeneratorConfig's default (see there why)
     cache_tokens: int = 32768
     max_batch_size: int = 64
@@ -78,6 +79,15 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(allowed)}, got {text!r}")
+        return text
+
+    return parse
+
+
 def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"DYNGEN_{name.upper()}", default)
 
@@ -95,7 +105,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("host", str, d.host, "address to listen on")
     opt("port", int, d.port, "gRPC port (0 = any free port)")
     opt("model", str, d.model, ".gguf file or Hugging Face folder (default: the shipped model)")
-    opt("dtype", str, d.dtype, "float32 or bfloat16")
+    opt("dtype", _choice("float32", "bfloat16"), d.dtype, "float32 or bfloat16")
+    opt(
+        "quant",
+        _choice("none", "int8", "int4", "auto"),
+        d.quant,
+        "linear kinds (auto: timed at load, cached)",
+    )
     opt("page_size", int, d.page_size, "KV cache page size in tokens")
     opt("cache_tokens", int, d.cache_tokens, "KV cache size in tokens")
     opt("max_batch_size", int, d.max_batch_size, "jobs running at once")

@@ -29,7 +29,9 @@ from engine.jobs import (
     TokensGenerated,
 )
 from engine.model.loader import WeightDtype, load_model
+from engine.model.quantization import QuantMode
 from engine.scheduler import SchedulerConfig
+from kernels.cpu_features import cpu_features
 from service.config import ServiceConfig
 from service.engine_process import PipeSender
 from service.ipc import Accepted, EngineStats, ErrorCode, Message, Ready, Rejection, Submit, Tag, pack_frames
@@ -64,7 +66,9 @@ class EngineLoop:
     def __init__(self, config: ServiceConfig, out: PipeSender, runtime_dir: str) -> None:
         self.config = config
         self.out = out
-        loaded = load_model(config.model_path, WeightDtype(config.dtype), progress=False)
+        loaded = load_model(
+            config.model_path, WeightDtype(config.dtype), progress=False, quant=QuantMode(config.quant)
+        )
         self.loaded = loaded
         speculation = speculation_options(
             config.speculate,
@@ -98,7 +102,13 @@ class EngineLoop:
         tokenizer_dir = Path(runtime_dir) / "tokenizer"
         loaded.tokenizer.save(tokenizer_dir)
         self._last_stats = 0.0
-        ready = Ready(loaded.path.name, str(tokenizer_dir), self.generator.max_seq_len)
+        ready = Ready(
+            loaded.path.name,
+            str(tokenizer_dir),
+            self.generator.max_seq_len,
+            loaded.model.describe(),
+            cpu_features().summary(),
+        )
         self._send(Tag.READY, 0, ready.to_bytes())
 
     def close(self) -> None:
@@ -232,6 +242,9 @@ class EngineLoop:
             pages_free=s.pages_free,
             pages_cached=s.pages_cached,
             pages_used=s.pages_used,
+            quant=self.config.quant,
+            linears=self.loaded.model.describe(),
+            cpu=cpu_features().summary(),
         )
 
 

@@ -116,6 +116,8 @@ class Ready:
     model: str
     tokenizer_dir: str
     context_length: int
+    linears: str  # which linear kernel runs per projection
+    cpu: str  # the CPU features the kernels were chosen for
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -123,7 +125,13 @@ class Ready:
     @staticmethod
     def from_bytes(data: bytes) -> Ready:
         obj = json.loads(data)
-        return Ready(str(obj["model"]), str(obj["tokenizer_dir"]), int(obj["context_length"]))
+        return Ready(
+            str(obj["model"]),
+            str(obj["tokenizer_dir"]),
+            int(obj["context_length"]),
+            str(obj["linears"]),
+            str(obj["cpu"]),
+        )
 
 
 @dataclass(frozen=True)

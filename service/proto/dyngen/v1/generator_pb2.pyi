@@ -691,6 +691,9 @@ class ModelInfo(_message.Message):
     PAGES_FREE_FIELD_NUMBER: _builtins.int
     PAGES_CACHED_FIELD_NUMBER: _builtins.int
     PAGES_USED_FIELD_NUMBER: _builtins.int
+    QUANT_FIELD_NUMBER: _builtins.int
+    LINEARS_FIELD_NUMBER: _builtins.int
+    CPU_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """file or folder name"""
     vocab_size: _builtins.int
@@ -708,6 +711,12 @@ class ModelInfo(_message.Message):
     pages_free: _builtins.int
     pages_cached: _builtins.int
     pages_used: _builtins.int
+    quant: _builtins.str
+    """the --quant mode the server was started with (none, int8, int4, auto)"""
+    linears: _builtins.str
+    """which linear kernel runs for each projection (what auto chose)"""
+    cpu: _builtins.str
+    """the CPU features the kernels were chosen for"""
     def __init__(
         self,
         *,
@@ -725,10 +734,13 @@ class ModelInfo(_message.Message):
         pages_free: _builtins.int = ...,
         pages_cached: _builtins.int = ...,
         pages_used: _builtins.int = ...,
+        quant: _builtins.str = ...,
+        linears: _builtins.str = ...,
+        cpu: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "dtype", b"dtype", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "queued_jobs", b"queued_jobs", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "dtype", b"dtype", "linears", b"linears", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
