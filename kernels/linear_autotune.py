@@ -11,6 +11,7 @@ measures nothing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -49,6 +50,7 @@ class TuneKey:
     torch_version: str
     model: str
     kinds: tuple[str, ...]
+    method: str = "cold-cache-1"  # how `measure` times; a change invalidates old choices
 
     @staticmethod
     def make(cpu: CpuFeatures, model: str, kinds: Sequence[LinearKind]) -> TuneKey:
@@ -109,16 +111,31 @@ class TuneCache:
         tmp.replace(self.path)  # atomic: a concurrent start reads the old file or the new one
 
 
+_EVICT_BYTES = 64 << 20  # more than the last-level caches of the CPUs we run on
+
+
+@functools.cache
+def _evictor() -> torch.Tensor:
+    return torch.empty(_EVICT_BYTES // 4, dtype=torch.float32)
+
+
 def measure(candidates: Mapping[LinearKind, Linear]) -> Choice:
-    """Time every candidate (same weight) at each bucket's row count; the fastest per bucket."""
+    """Time every candidate (same weight) at each bucket's row count; the fastest per bucket.
+
+    Each timed call starts with cold caches: in a forward the model's weights stream from
+    memory (30 layers do not fit in cache), and a weight left in cache by the previous
+    call would favour the kinds with the most bytes.
+    """
     first = next(iter(candidates.values()))
     choice: Choice = {}
     for rows in BUCKETS:
         x = torch.randn(rows, first.in_features)
         best: dict[LinearKind, float] = {}
-        for kind, lin in candidates.items():
+        for lin in candidates.values():
             lin(x)  # warm-up: first calls allocate and pack
-            for _ in range(_CALLS):
+        for _ in range(_CALLS):
+            for kind, lin in candidates.items():  # kinds take turns, so load spikes hit all alike
+                _evictor().fill_(0.0)
                 t0 = time.perf_counter()
                 lin(x)
                 best[kind] = min(best.get(kind, float("inf")), time.perf_counter() - t0)
