@@ -41,8 +41,11 @@ class ServiceConfig:
     stream_grace_seconds: float = 30.0  # an enqueued job not streamed by then is cancelled
     shutdown_grace_seconds: float = 30.0  # SIGTERM: running jobs get this long to finish
     watchdog_seconds: float = 3.0  # no engine heartbeat this long: health NOT_SERVING
-    hang_seconds: float = 30.0  # no heartbeat, or no engine loop pass, this long: kill and restart
-    engine_call_timeout_seconds: float = 30.0  # an engine request unanswered this long fails UNAVAILABLE
+    hang_seconds: float = 30.0  # no heartbeat this long: kill and restart
+    # No engine loop pass this long (heartbeats still coming): a wedged loop, killed and restarted.
+    # Long, because one iteration of a big prefill on a starved CPU measured over 30 s.
+    loop_stall_seconds: float = 300.0
+    engine_call_timeout_seconds: float = 300.0  # an engine request unanswered this long fails UNAVAILABLE
     restart_backoff_seconds: float = 0.5  # first wait before restarting a failed engine (then doubling)
     max_restart_failures: int = 5  # engines dying before they served a minute, in a row: give up, exit 1
     warmup: bool = True
@@ -141,7 +144,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("stream_grace_seconds", float, d.stream_grace_seconds, "cancel an enqueued job not streamed by then")
     opt("shutdown_grace_seconds", float, d.shutdown_grace_seconds, "SIGTERM: time running jobs get to finish")
     opt("watchdog_seconds", float, d.watchdog_seconds, "engine silent this long: NOT_SERVING")
-    opt("hang_seconds", float, d.hang_seconds, "engine silent or its loop stuck this long: restart it")
+    opt("hang_seconds", float, d.hang_seconds, "engine silent this long: restart it")
+    opt("loop_stall_seconds", float, d.loop_stall_seconds, "engine loop stuck this long: restart it")
     opt("engine_call_timeout_seconds", float, d.engine_call_timeout_seconds, "engine answer timeout")
     opt("restart_backoff_seconds", float, d.restart_backoff_seconds, "first engine restart delay")
     opt("max_restart_failures", int, d.max_restart_failures, "failed engine starts in a row before exit 1")

@@ -10,8 +10,8 @@ answered still gets its job cancelled (the CANCEL follows the SUBMIT down the sa
 
 Watchdog: the engine sends a heartbeat from a thread of its own. No heartbeat for
 `watchdog_seconds` (the process is stopped, or wedged holding the GIL) turns health
-NOT_SERVING; no heartbeat for `hang_seconds`, or a loop that has not gone round for that
-long, gets the process killed. A dead engine fails its jobs with EngineDownError and is
+NOT_SERVING; no heartbeat for `hang_seconds`, or a loop that has not gone round for
+`loop_stall_seconds` (much longer: a slow iteration is not a hang), gets the process killed. A dead engine fails its jobs with EngineDownError and is
 restarted after a backoff (RestartPolicy); a crash loop ends in `failed`.
 """
 
@@ -222,7 +222,7 @@ class EngineClient:
             if proc is None or proc.killed or proc.generation != self._generation:
                 continue
             silent = time.monotonic() - proc.last_heartbeat
-            hung_loop = proc.ready_at is not None and proc.loop_age > c.hang_seconds
+            hung_loop = proc.ready_at is not None and proc.loop_age > c.loop_stall_seconds
             if silent > c.hang_seconds or hung_loop:
                 log.error(
                     "engine_hung",
