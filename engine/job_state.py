@@ -7,6 +7,7 @@ never on shared settings objects, so nothing leaks from one job to another.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from engine.ids import PageId
 from engine.jobs import JobId, JobSpec, JobStage
@@ -14,7 +15,9 @@ from engine.sampler import SamplerState
 from engine.text_stream import TextStream
 
 
-@dataclass
+# eq=False: a job is itself, compared by identity. The generated __eq__ compared every field,
+# and the scheduler's list membership tests made that O(jobs^2) field comparisons per step.
+@dataclass(eq=False)
 class JobState:
     job_id: JobId
     spec: JobSpec
@@ -42,8 +45,8 @@ class JobState:
     scheduled_at: float | None = None
     first_token_at: float | None = None
 
-    @property
-    def prompt_len(self) -> int:
+    @cached_property
+    def prompt_len(self) -> int:  # read several times per job per step; the spec is frozen
         return len(self.spec.prompt_ids)
 
     @property

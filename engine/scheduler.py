@@ -105,7 +105,7 @@ class Scheduler:
         # 1. Decode steps, oldest first: each may need one more page; preempt the newest when dry.
         #    A speculating job asks for room for its drafts too (verified in the same step).
         for job in sorted((j for j in self.running if j.decoding), key=lambda j: j.order):
-            if budget < 1 or job not in self.running:
+            if budget < 1 or job.stage is JobStage.QUEUED:  # preempted for an older job's page
                 continue
             take = min(1 + job.draft_budget, budget)
             if not self._ensure_pages(job, job.computed + take, ps, on_preempt):
