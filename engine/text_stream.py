@@ -5,7 +5,8 @@ Two stages, each O(recent tokens + longest stop string) per token, never O(outpu
 1. Detokenizing. Decoding only the newest token loses context (SentencePiece's leading
    space, word-level joins), and re-decoding the whole output each step is O(n^2). So,
    as vLLM and TGI do, decode a small window (a few already-emitted context tokens plus
-   the unread ones) and emit what its text adds past what was emitted. A byte-level BPE
+   the unread ones) and emit what its text adds past what was emitted. The context is
+   only cut back every few tokens, so most tokens cost one decode call, not two. A byte-level BPE
    token can end inside a multi-byte character, which decodes to a trailing U+FFFD; the
    trailing U+FFFD run is held until a later token completes the character.
 2. Stop strings. An Aho-Corasick automaton over the stop strings reads the text a
@@ -28,6 +29,10 @@ _REPLACEMENT = "\ufffd"
 # tokens). A valid character spans at most 4 tokens, so past this many unread tokens the
 # output is garbage bytes or a run of special tokens, and the context is moved on anyway.
 _MAX_UNREAD = 16
+
+# Context grows by each token whose text is complete and is cut back (to the tokens read since
+# the last cut, one more decode) once it reaches this: ~1.1 decode calls per token, not 2.
+_MAX_CONTEXT = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +112,11 @@ class _Detokenizer:
         out = text[self._emitted : stable]
         self._emitted = max(self._emitted, stable)
         if complete and len(text) > self._prefix_len:
-            self._rebase(len(self._window), len(text))
+            if self._read >= _MAX_CONTEXT:
+                self._rebase(len(self._window), len(text))
+            else:
+                # The whole window becomes context: its text is `text`, so no second decode.
+                self._read, self._prefix_len = len(self._window), len(text)
         elif len(self._window) - self._read > _MAX_UNREAD:
             out += self._force(text, complete)
         return out

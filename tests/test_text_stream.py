@@ -137,38 +137,37 @@ def test_random_token_sequences_match_full_decode(real: HFTokenizer, data: st.Da
         assert all(FFFD not in d.text for d in deltas)
 
 
+class Counting:
+    """Delegates to the real tokenizer, recording how many ids each decode sees."""
+
+    def __init__(self, inner: HFTokenizer) -> None:
+        self.inner = inner
+        self.sizes: list[int] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.inner.eos_token_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.inner.encode(text, add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        self.sizes.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        return self.inner.render_chat(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        return self.inner.encode_chat(messages, add_generation_prompt)
+
+
 @pytest.mark.slow
 def test_decode_window_stays_small(real: HFTokenizer) -> None:
-    class Counting:
-        """Delegates to the real tokenizer, recording how many ids each decode sees."""
-
-        def __init__(self, inner: HFTokenizer) -> None:
-            self.inner = inner
-            self.sizes: list[int] = []
-
-        @property
-        def vocab_size(self) -> int:
-            return self.inner.vocab_size
-
-        @property
-        def eos_token_ids(self) -> frozenset[int]:
-            return self.inner.eos_token_ids
-
-        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            return self.inner.encode(text, add_special_tokens)
-
-        def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-            self.sizes.append(len(ids))
-            return self.inner.decode(ids, skip_special_tokens)
-
-        def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-            return self.inner.render_chat(messages, add_generation_prompt)
-
-        def encode_chat(
-            self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
-        ) -> list[int]:
-            return self.inner.encode_chat(messages, add_generation_prompt)
-
     continuation = split_byte_ids(real)[1]
     block = [*enc(real, UNICODE_TEXT + " "), *[continuation] * 50, *[2] * 50]
     ids = block * 40  # ~4,600 tokens
@@ -177,6 +176,17 @@ def test_decode_window_stays_small(real: HFTokenizer) -> None:
     assert joined(deltas) + tail == real.decode(ids, skip_special_tokens=True)
     assert max(counting.sizes) <= 40  # a bounded window, not the whole output
     assert len(counting.sizes) <= 3 * len(ids)
+
+
+@pytest.mark.slow
+def test_plain_text_costs_about_one_decode_per_token(real: HFTokenizer) -> None:
+    # Context is cut back only every few tokens: ~1.1 decode calls per token, not 2.
+    ids = enc(real, (UNICODE_TEXT + " The quick brown fox jumps over the lazy dog. ") * 20)
+    counting = Counting(real)
+    deltas, tail = run(counting, ids, skip=True)
+    assert joined(deltas) + tail == real.decode(ids, skip_special_tokens=True)
+    assert len(counting.sizes) <= 1.25 * len(ids) + 1
+    assert max(counting.sizes) <= 40
 
 
 # --- stop strings ---------------------------------------------------------------------------------
