@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.forward_batch import SequenceInput
 from engine.ids import PageId
 from engine.jobs import StopReason
 from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
+from engine.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ def _run_wave(
             gen = torch.Generator().manual_seed((settings.seed or 0) + n)
         running.append(_Running(i, list(prompts[i]), list(table), gen))
     active = list(running)
+    runner = ModelRunner(model, cache)
     started = time.perf_counter()
     while active:
         budget = settings.max_chunk_tokens
@@ -174,15 +176,12 @@ def _run_wave(
                 last = r.computed + take == len(r.prompt)
                 step.append((r, SequenceInput(chunk, r.computed, r.pages, want_logits=last)))
                 budget -= take
-        batch = ForwardBatch.build([s for _, s in step], cache.page_size, model.device)
-        logits = model.forward(batch, cache)
-        row = 0
-        for r, s in step:
+        result = runner.run([s for _, s in step])
+        for i, (r, s) in enumerate(step):
             r.computed = s.end_pos
             if not s.want_logits:
                 continue
-            token_logits = logits[row]
-            row += 1
+            token_logits = result.logits[result.first_rows[i]]
             if keep_logits:
                 r.logits.append(token_logits.clone())
             token = _sample(token_logits, settings.temperature, r.generator)

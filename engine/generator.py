@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import DyngenError, ErrorKind, InvalidRequestError, JobNotFoundError, PromptTooLongError
-from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.forward_batch import SequenceInput
 from engine.job_state import JobState
 from engine.jobs import (
     JobError,
@@ -47,6 +47,7 @@ from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.model.tokenizer import Tokenizer
 from engine.pages import PagePool
+from engine.runner import ModelRunner
 from engine.sampler import (
     DEFAULT_MIN_SAMPLING_THREADS,
     Sampler,
@@ -160,6 +161,7 @@ class DynamicGenerator:
             c.max_seq_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
         self.cache: PagedKVCache = model.new_cache(c.num_pages, c.page_size)
+        self.runner = ModelRunner(model, self.cache)
         self.pool = PagePool(c.num_pages, c.page_size)
         self.scheduler = Scheduler(c.scheduler, self.pool)
         self.sampler = Sampler(
@@ -168,7 +170,6 @@ class DynamicGenerator:
         self.jobs: dict[JobId, JobState] = {}
         self._eos = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
         self._orders = 0
-        self._forwarded = 0
         self._iterations = 0
         self._pending_events: list[JobEvent] = []
         self._accepted_drafts = 0
@@ -247,7 +248,7 @@ class DynamicGenerator:
             pages_free=p.free,
             pages_cached=p.cached,
             pages_used=p.referenced,
-            forwarded_tokens=self._forwarded,
+            forwarded_tokens=self.runner.forwarded_tokens,
             iterations=self._iterations,
             prefix_hit_tokens=p.prefix_hit_tokens,
             prefix_query_tokens=p.prefix_query_tokens,
@@ -346,16 +347,11 @@ class DynamicGenerator:
         return outputs
 
     def _run_model(self, staged: list[tuple[ScheduledChunk, SequenceInput]]) -> list[_StepOutput]:
-        batch = ForwardBatch.build([seq for _, seq in staged], self.pool.page_size, self.model.device)
-        logits = self.model.forward(batch, self.cache)
-        self._forwarded += batch.num_tokens
-        outputs = []
-        row = 0
-        for c, seq in staged:
-            outputs.append(_StepOutput(c, seq, logits, row))
-            if seq.want_logits:
-                row += seq.logit_positions
-        return outputs
+        result = self.runner.run([seq for _, seq in staged])
+        return [
+            _StepOutput(c, seq, result.logits, row)
+            for (c, seq), row in zip(staged, result.first_rows, strict=True)
+        ]
 
     def _sample(self, sampled: list[_StepOutput], events: list[JobEvent]) -> None:
         """Sample the next token of every job whose chunk reached its last token, then take it."""

@@ -26,11 +26,12 @@ from typing import Protocol
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.forward_batch import SequenceInput
 from engine.ids import PageId
 from engine.jobs import JobId
 from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
+from engine.runner import ModelRunner
 
 
 class DrafterKind(enum.Enum):
@@ -160,30 +161,27 @@ class DraftModelDrafter:
             )
         self.model = model
         self.cache: PagedKVCache = model.new_cache(num_pages, page_size)
+        self.runner = ModelRunner(model, self.cache)
         self._computed: dict[JobId, int] = {}
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         if not requests:
             return []
-        ps = self.cache.page_size
         # Catch up on every accepted token but the last; the last one starts the proposal steps.
         inputs = []
         for r in requests:
             done = min(self._computed.get(r.job_id, 0), len(r.tokens) - 1)
             inputs.append(SequenceInput(r.tokens[done:], done, r.pages))
-        logits = self.model.forward(ForwardBatch.build(inputs, ps, self.model.device), self.cache)
+        logits = self.runner.run(inputs).logits
         proposals: list[list[int]] = [[int(t)] for t in logits.argmax(dim=-1).tolist()]
         positions = [len(r.tokens) for r in requests]
         for step in range(1, max(r.max_tokens for r in requests)):
             live = [i for i, r in enumerate(requests) if step < r.max_tokens]
             if not live:
                 break
-            batch = ForwardBatch.build(
-                [SequenceInput([proposals[i][-1]], positions[i] + step - 1, requests[i].pages) for i in live],
-                ps,
-                self.model.device,
-            )
-            step_logits = self.model.forward(batch, self.cache)
+            step_logits = self.runner.run(
+                [SequenceInput([proposals[i][-1]], positions[i] + step - 1, requests[i].pages) for i in live]
+            ).logits
             for row, i in enumerate(live):
                 proposals[i].append(int(step_logits[row].argmax()))
         for r in requests:

@@ -13,7 +13,7 @@ from typing import Protocol, assert_never
 
 import torch
 
-from engine.forward_batch import ForwardBatch
+from kernels.batch import AttentionBatch
 
 
 class AttentionKind(enum.Enum):
@@ -36,7 +36,7 @@ class PreparedAttention(Protocol):
 
 class AttentionBackend(Protocol):
     def prepare(
-        self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+        self, batch: AttentionBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
     ) -> PreparedAttention: ...
 
 

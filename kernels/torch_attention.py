@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.forward_batch import ForwardBatch
+from kernels.batch import AttentionBatch
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class _Group:
 
 
 def _build_group(
-    batch: ForwardBatch,
+    batch: AttentionBatch,
     members: list[int],
     starts: list[int],
     kv_heads: int,
@@ -51,7 +51,7 @@ def _build_group(
     dtype: torch.dtype,
 ) -> _Group:
     """`starts[i]`: the flattened batch row of sequence i's first query."""
-    device = batch.input_ids.device
+    device = batch.device
     page_size = batch.page_size
     q_max = max(batch.query_lens[i] for i in members)
     p_max = max(-(-batch.seq_lens[i] // page_size) for i in members)
@@ -98,7 +98,7 @@ def _build_group(
 
 
 class _PreparedTorchAttention:
-    def __init__(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+    def __init__(self, batch: AttentionBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
         self._kv_heads = num_kv_heads
         page_size = batch.page_size
         slots = batch.slot_mapping
@@ -171,6 +171,6 @@ class TorchPagedAttention:
     """The AttentionBackend for CPU tensors (and the reference for the Triton path)."""
 
     def prepare(
-        self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+        self, batch: AttentionBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
     ) -> _PreparedTorchAttention:
         return _PreparedTorchAttention(batch, num_heads, num_kv_heads, dtype)

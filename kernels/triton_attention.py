@@ -24,7 +24,7 @@ import torch
 import triton
 from triton.runtime import JITFunction
 
-from engine.forward_batch import ForwardBatch
+from kernels.batch import AttentionBatch
 from kernels.triton_attention_kernels import (
     decode_partial_kernel,
     decode_reduce_kernel,
@@ -86,7 +86,7 @@ class PagedMeta:
     max_multi_query: int
 
     @staticmethod
-    def build(batch: ForwardBatch, device: torch.device) -> PagedMeta:
+    def build(batch: AttentionBatch, device: torch.device) -> PagedMeta:
         starts = [0]
         for n in batch.query_lens[:-1]:
             starts.append(starts[-1] + n)
@@ -210,7 +210,7 @@ def paged_attention(
 
 
 class _PreparedTritonAttention:
-    def __init__(self, batch: ForwardBatch, tiles: Tiles) -> None:
+    def __init__(self, batch: AttentionBatch, tiles: Tiles) -> None:
         self._slots = batch.slot_mapping
         self._meta = PagedMeta.build(batch, batch.slot_mapping.device)
         self._tiles = tiles
@@ -232,6 +232,6 @@ class TritonPagedAttention:
         self.tiles = tiles or (INTERPRETER_TILES if interpreted() else GPU_TILES)
 
     def prepare(
-        self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+        self, batch: AttentionBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
     ) -> _PreparedTritonAttention:
         return _PreparedTritonAttention(batch, self.tiles)
