@@ -8,6 +8,7 @@ the server and runs the same W1 prompts through the in-process generator in this
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -60,16 +61,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-async def _wait_serving(target: str, process: subprocess.Popen[bytes]) -> None:
+async def wait_serving(target: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:
     from grpc_health.v1 import health_pb2
 
-    deadline = time.monotonic() + START_TIMEOUT
+    deadline = time.monotonic() + timeout
     async with grpc.aio.insecure_channel(target) as channel:
         check = channel.unary_unary(
             "/grpc.health.v1.Health/Check",
@@ -77,18 +78,16 @@ async def _wait_serving(target: str, process: subprocess.Popen[bytes]) -> None:
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
         while time.monotonic() < deadline:
-            if process.poll() is not None:
+            if process is not None and process.poll() is not None:
                 raise SystemExit(f"dyngen serve exited with {process.returncode}")
-            try:
+            with contextlib.suppress(grpc.aio.AioRpcError):
                 reply: health_pb2.HealthCheckResponse = await check(
                     health_pb2.HealthCheckRequest(), timeout=2
                 )
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.aio.AioRpcError:
-                pass
             await asyncio.sleep(0.2)
-    raise SystemExit(f"dyngen serve not SERVING within {START_TIMEOUT} s")
+    raise SystemExit(f"{target} not SERVING within {timeout:.0f} s")
 
 
 async def _one(client: AsyncClient, request: Request) -> StreamTiming:
@@ -127,7 +126,7 @@ async def drive(target: str, requests: list[Request], concurrency: int) -> LoadR
 
 
 def run_service(dtype: WeightDtype, requests: list[Request], concurrency: int) -> LoadResult:
-    port = _free_port()
+    port = free_port()
     target = f"127.0.0.1:{port}"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     process = subprocess.Popen(
@@ -139,7 +138,7 @@ def run_service(dtype: WeightDtype, requests: list[Request], concurrency: int) -
         stderr=subprocess.DEVNULL,
     )
     try:
-        asyncio.run(_wait_serving(target, process))
+        asyncio.run(wait_serving(target, process, START_TIMEOUT))
         return asyncio.run(drive(target, requests, concurrency))
     finally:
         process.send_signal(signal.SIGTERM)

@@ -41,7 +41,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,10 +55,10 @@ from pathlib import Path
 import grpc
 import psutil  # type: ignore[import-untyped, unused-ignore]
 
+from benchmarks.service_load import START_TIMEOUT, free_port, wait_serving
 from service.proto.dyngen.v1 import generator_pb2 as pb
 from service.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
 
-START_TIMEOUT = 180.0
 MAX_RSS_GROWTH_PERCENT = 5.0
 CANCEL_SETTLE_SECONDS = 1.0  # a call that ended this recently may still have its job in the engine
 KINDS = ("complete", "cancel", "disconnect", "deadline", "cancel_rpc")
@@ -659,35 +658,6 @@ def render_report(report: SoakReport, title: str, log_path: Path | None = None) 
 # -- the server -----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def wait_serving(target: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    from grpc_health.v1 import health_pb2
-
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(target) as channel:
-        check = channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
-        )
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise SystemExit(f"dyngen serve exited with {process.returncode}")
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                reply: health_pb2.HealthCheckResponse = await check(
-                    health_pb2.HealthCheckRequest(), timeout=2
-                )
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            await asyncio.sleep(0.2)
-    raise SystemExit(f"{target} not SERVING within {timeout:.0f} s")
-
-
 def run(
     minutes: float,
     streams: int = 64,
@@ -702,7 +672,7 @@ def run(
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     if target is None:
-        port = _free_port()
+        port = free_port()
         target = f"127.0.0.1:{port}"
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         command = [sys.executable, "-m", "clients.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
