@@ -22,7 +22,9 @@ from typing import TypeVar
 
 import grpc
 
-OPEN_SERVICES = ("/grpc.health.v1.Health/",)
+# Health stays open for probes; the Generator's handlers resolve the tenant themselves (and refuse
+# without one), so the interceptor guards the rest (reflection) and no call is checked twice.
+UNGUARDED = ("/grpc.health.v1.Health/", "/dyngen.v1.Generator/")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -101,7 +103,8 @@ def cache_salt(tenant: str, salt: str) -> str:
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without a valid bearer token (UNAUTHENTICATED) before any handler runs."""
+    """Refuses calls to services that do not authenticate by themselves (reflection) without a valid
+    bearer token: UNAUTHENTICATED before their handler runs."""
 
     def __init__(self, auth: Authenticator) -> None:
         self.auth = auth
@@ -111,13 +114,12 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Req, Resp] | None:
-        method = handler_call_details.method
-        if any(method.startswith(p) for p in OPEN_SERVICES):
-            return await continuation(handler_call_details)
-        if self.auth.token_tenant(handler_call_details.invocation_metadata) is not None:
-            return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        return None if handler is None else _denied(handler)
+        if handler is None or handler_call_details.method.startswith(UNGUARDED):
+            return handler
+        if self.auth.token_tenant(handler_call_details.invocation_metadata) is not None:
+            return handler
+        return _denied(handler)
 
 
 _DENIED = "missing or invalid bearer token (send 'authorization: Bearer <token>')"
@@ -126,17 +128,14 @@ _DENIED = "missing or invalid bearer token (send 'authorization: Bearer <token>'
 def _denied(handler: grpc.RpcMethodHandler[Req, Resp]) -> grpc.RpcMethodHandler[Req, Resp]:
     """A handler of the same shape as `handler` that only refuses."""
 
-    async def unary(request: object, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-
-    async def streaming(request: object, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
+    async def deny(request: object, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
 
     des, ser = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, des, ser)
+        return grpc.stream_stream_rpc_method_handler(deny, des, ser)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, des, ser)
+        return grpc.stream_unary_rpc_method_handler(deny, des, ser)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, des, ser)
-    return grpc.unary_unary_rpc_method_handler(unary, des, ser)
+        return grpc.unary_stream_rpc_method_handler(deny, des, ser)
+    return grpc.unary_unary_rpc_method_handler(deny, des, ser)

@@ -116,6 +116,22 @@ class GeneratorService:
             )
         self.open_streams += 1
 
+    async def _token_ids(
+        self, request: pb.GenerateRequest | pb.TokenizeRequest, context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> list[int]:
+        """The prompt's ids, after its limits: INVALID_ARGUMENT for a broken limit or a refused chat."""
+        prompts = self.engine.prompts
+        if prompts is None:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the engine is not running")
+        try:
+            if isinstance(request, pb.GenerateRequest):
+                check_request(request, self.limits)
+            else:
+                check_tokenize_request(request, self.limits)
+            return await prompts.token_ids_async(request)
+        except RequestError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
     async def _submit(
         self,
         request: pb.GenerateRequest,
@@ -125,14 +141,9 @@ class GeneratorService:
     ) -> JobChannel:
         if self.draining:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        prompts = self.engine.prompts
-        if not self.engine.ready or prompts is None:
+        if not self.engine.ready:
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the engine is not running")
-        try:
-            check_request(request, self.limits)
-            ids = await prompts.token_ids_async(request)
-        except RequestError as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        ids = await self._token_ids(request, context)
         engine_request = pb.GenerateRequest()
         engine_request.CopyFrom(request)
         engine_request.token_ids.ids[:] = ids  # sets the oneof: the engine never tokenizes
@@ -263,15 +274,7 @@ class GeneratorService:
     ) -> pb.TokenizeResponse:
         req = await self._parsed(request, context)
         await self._tenant(context)
-        prompts = self.engine.prompts
-        if prompts is None:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the engine is not running")
-        try:
-            check_tokenize_request(req, self.limits)
-            ids = await prompts.token_ids_async(req)
-        except RequestError as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.TokenizeResponse(token_ids=ids)
+        return pb.TokenizeResponse(token_ids=await self._token_ids(req, context))
 
 
 def _serialize(message: object) -> bytes:

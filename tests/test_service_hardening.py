@@ -365,6 +365,15 @@ def test_tokens_own_jobs_and_salt_the_prefix_cache(tiny_model: Path, tmp_path: P
             with pytest.raises(grpc.RpcError) as info:
                 list(anonymous.generate(Request("hi", max_new_tokens=2)))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(s.target) as channel:  # reflection is guarded too
+            reflect = channel.stream_stream(
+                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                list(reflect(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with Client(s.target, token="not-a-token-at-all") as stranger:
             with pytest.raises(grpc.RpcError) as info:
                 stranger.model_info()
