@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -28,7 +27,6 @@ from typing import TypeVar
 import grpc
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
-from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -89,21 +87,8 @@ def client(server: ServerProcess) -> Iterator[Client]:
         yield c
 
 
-def ensure_serving(server: ServerProcess, timeout: float = 90.0) -> None:
-    """Wait out an engine restart an earlier (failing) example caused, so blame stays put."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if server.health() == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"server not SERVING within {timeout} s: {server.logs[-5:]}")
-
-
 def assert_intact_and_idle(server: ServerProcess, client: Client, starts: int) -> None:
-    ensure_serving(server)
+    server.wait_serving(90.0)  # wait out a restart an earlier failing example caused
     info = wait_pool_idle(client, timeout=10)
     assert is_idle(info), f"pool not idle after the fuzz: {info}"
     assert log_count(server, "engine_starting") == starts, "the engine was restarted during the fuzz"
@@ -450,7 +435,7 @@ def test_fuzz_generate_requests(server: ServerProcess, client: Client) -> None:
     @example(req=pb.GenerateRequest(text="a" * (3 << 20), max_new_tokens=1), mode="generate")
     @example(req=pb.GenerateRequest(text="a" * (5 << 20), max_new_tokens=1), mode="generate")
     def one(req: pb.GenerateRequest, mode: str) -> None:
-        ensure_serving(server)
+        server.wait_serving(90.0)
         before = log_count(server, "engine_starting")
         check(send_generate(client, req, mode), server, before, req)
 
@@ -482,7 +467,7 @@ def test_fuzz_tokenize_requests(server: ServerProcess, client: Client) -> None:
     @example(req=pb.TokenizeRequest())
     @example(req=pb.TokenizeRequest(text="a" * (3 << 20)))
     def one(req: pb.TokenizeRequest) -> None:
-        ensure_serving(server)
+        server.wait_serving(90.0)
         before = log_count(server, "engine_starting")
         try:
             client.stub.Tokenize(req, timeout=CALL_TIMEOUT)
@@ -557,7 +542,7 @@ def test_fuzz_raw_bytes(server: ServerProcess, client: Client) -> None:
     @example(method="Generate", body=b"\x0a\x05\xff\xfe\xfd\xfc\xfb")  # text = 5 bytes of invalid UTF-8
     @example(method="Enqueue", body=b"\x0a")  # truncated
     def one(method: str, body: bytes) -> None:
-        ensure_serving(server)
+        server.wait_serving(90.0)
         before = log_count(server, "engine_starting")
         check([raw_call(channel, method, body)], server, before, (method, body))
 
@@ -653,7 +638,7 @@ def test_fuzz_invalid_utf8_is_invalid_argument(server: ServerProcess, client: Cl
     @fuzz_settings(max_examples=3 * len(UTF8_CASES))
     @given(case=st.sampled_from(sorted(UTF8_CASES)), bad=bad_utf8)
     def one(case: str, bad: bytes) -> None:
-        ensure_serving(server)
+        server.wait_serving(90.0)
         before = log_count(server, "engine_starting")
         method, body = UTF8_CASES[case]
         reply = raw_call(channel, method, body(bad))
@@ -685,7 +670,7 @@ def test_fuzz_stream_and_cancel_with_hostile_job_ids(server: ServerProcess, clie
     @fuzz_settings(max_examples=60)
     @given(job_id=job_ids, rpc=st.sampled_from(("Stream", "Cancel")))
     def one(job_id: str, rpc: str) -> None:
-        ensure_serving(server)
+        server.wait_serving(90.0)
         before = log_count(server, "engine_starting")
         try:
             if rpc == "Stream":
