@@ -25,6 +25,9 @@ class LinearKind(enum.Enum):
     INT8_WEIGHT = "int8_weight"  # int8 weights, per-row scales; bfloat16 activations inside
     INT8_DYNAMIC = "int8_dynamic"  # fbgemm: int8 weights and per-call int8 activations
     INT4 = "int4"  # 4-bit groups of 32 (GGUF Q4_0/Q4_1 kept as stored); bfloat16 inside
+    # Native kernels (kernels/block_linear.py): weight blocks x int8 activation blocks of 32.
+    INT4_Q8 = "int4_q8"  # the INT4 groups, integer dot products
+    INT8_Q8 = "int8_q8"  # int8 weight blocks of 32 (GGUF Q8_0's scheme)
 
 
 class Linear(Protocol):
@@ -83,5 +86,17 @@ def make_linear(
             if stored is not None:
                 return Int4Linear(stored, bias, from_file=True)
             return Int4Linear(Int4Groups.quantize(weight), bias)
+        case LinearKind.INT4_Q8 | LinearKind.INT8_Q8:
+            from kernels.block_linear import Int4BlockLinear, Int8BlockLinear
+            from kernels.native_library import native_library, native_unavailable_reason
+
+            lib = native_library()
+            if lib is None:
+                raise RuntimeError(f"{kind.value} needs the native kernels: {native_unavailable_reason()}")
+            if kind is LinearKind.INT8_Q8:
+                return Int8BlockLinear(lib, weight, bias)
+            if stored is not None:
+                return Int4BlockLinear(lib, stored, bias, from_file=True)
+            return Int4BlockLinear(lib, Int4Groups.quantize(weight), bias)
         case _:
             assert_never(kind)

@@ -1,0 +1,527 @@
+/* dyngen's native CPU kernels: block-quantized matmuls and the small per-layer ops.
+ *
+ * Built at first use by kernels/native_library.py with -O3 -march=native -fopenmp and
+ * called through ctypes with raw pointers; every array is contiguous and float32 unless
+ * named otherwise. OpenMP here is the same runtime as torch's (the soname is already
+ * loaded by torch when this library loads), so the two share one thread pool.
+ *
+ * Matmuls work on blocks of 32 values along the input dimension:
+ *   weights   block_q4: w = d * q + m, q in 0..15 (GGUF Q4_1; Q4_0 is m = -8 d)
+ *             block_q8: w = d * q, q in -127..127 (GGUF Q8_0)
+ *   inputs    quantized per call, per row and block: x ~= s * q, q in -127..127, with
+ *             s * sum(q) kept for the q4 offset term.
+ * So a block's dot product is integer (u8 x s8 or s8 x s8 products summed in 32 bits)
+ * scaled once by d * s: the arithmetic of llama.cpp's Q4_1 x Q8_1 path, which reads a
+ * quarter of float32's weight bytes and runs 32 multiply-adds per instruction.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DG_AVX2 1
+#endif
+
+#define QK 32
+
+typedef struct {
+    float d;
+    float m;
+    uint8_t qs[16]; /* byte j: value j in the low nibble, value j + 16 in the high nibble */
+} block_q4;
+
+typedef struct {
+    float d;
+    int8_t qs[QK];
+} block_q8;
+
+int dg_block_q4_size(void) { return (int)sizeof(block_q4); }
+int dg_block_q8_size(void) { return (int)sizeof(block_q8); }
+
+int dg_simd(void) {
+#if defined(DG_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 3; /* AVX2 code with 256-bit VNNI dot products */
+#elif defined(DG_AVX2) && defined(__AVXVNNI__)
+    return 2;
+#elif defined(DG_AVX2)
+    return 1;
+#else
+    return 0; /* portable scalar code */
+#endif
+}
+
+/* ---- activation quantization ---------------------------------------------------- */
+
+/* x [rows, k] -> q [rows, k] int8, s and ssum [rows, k / 32]. Rounds half to even. */
+void dg_quantize_q8(const float *x, int64_t rows, int64_t k, int8_t *q, float *s, float *ssum) {
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static) if (rows * k >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * k + b * QK;
+            int8_t *qb = q + r * k + b * QK;
+#if defined(DG_AVX2)
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+            __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const float d = amax / 127.0f;
+            const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, id), rnd));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, id), rnd));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, id), rnd));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, id), rnd));
+            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            /* packs work within 128-bit lanes; the permute restores element order */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)qb, p);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+            const int isum = _mm_cvtsi128_si32(s4);
+#else
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float d = amax / 127.0f;
+            const float id = d > 0.0f ? 1.0f / d : 0.0f;
+            int isum = 0;
+            for (int i = 0; i < QK; i++) {
+                const int v = (int)nearbyintf(xb[i] * id);
+                qb[i] = (int8_t)v;
+                isum += v;
+            }
+#endif
+            s[r * nb + b] = d;
+            ssum[r * nb + b] = d * (float)isum;
+        }
+    }
+}
+
+/* ---- block dot products ----------------------------------------------------------- */
+
+#if defined(DG_AVX2)
+static inline __m256i dg_dot_u8s8(__m256i u, __m256i v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
+#else
+    /* u8 x s8 pairs summed in 16 bits: at most 2 * 15 * 127 (q4) or 2 * 127 * 127 (q8), no saturation */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i dg_unpack_q4(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+
+static inline float dg_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* A tile is R rows of x against one weight row; R is a compile-time constant in each
+ * instance, so the accumulators stay in registers. One row (a decode step) splits its
+ * blocks over two accumulator chains to hide the multiply-add latency. */
+#define RT 4
+
+#if defined(DG_AVX2)
+#define DG_Q4_TILE(R)                                                                                  \
+    static inline void dg_q4_tile_##R(const block_q4 *wr, int64_t nb, int64_t k, const int8_t *qx,      \
+                                      const float *sx, const float *ssum, float *y, int64_t n) {       \
+        __m256 acc[R], acc2[R];                                                                        \
+        float off[R], off2[R];                                                                         \
+        for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps(), off[r] = off2[r] = 0.0f; \
+        int64_t b = 0;                                                                                 \
+        if (R == 1) {                                                                                  \
+            for (; b + 1 < nb; b += 2) {                                                               \
+                const __m256i w0 = dg_unpack_q4(wr[b].qs), w1 = dg_unpack_q4(wr[b + 1].qs);            \
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(qx + b * QK));                 \
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(qx + b * QK + QK));            \
+                acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(wr[b].d * sx[b]),                              \
+                                         _mm256_cvtepi32_ps(dg_dot_u8s8(w0, x0)), acc[0]);             \
+                acc2[0] = _mm256_fmadd_ps(_mm256_set1_ps(wr[b + 1].d * sx[b + 1]),                     \
+                                          _mm256_cvtepi32_ps(dg_dot_u8s8(w1, x1)), acc2[0]);           \
+                off[0] += wr[b].m * ssum[b];                                                           \
+                off2[0] += wr[b + 1].m * ssum[b + 1];                                                  \
+            }                                                                                          \
+        }                                                                                              \
+        for (; b < nb; b++) {                                                                          \
+            const __m256i wq = dg_unpack_q4(wr[b].qs);                                                 \
+            const float d = wr[b].d, mo = wr[b].m;                                                     \
+            for (int r = 0; r < R; r++) {                                                              \
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + r * k + b * QK));         \
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * sx[r * nb + b]),                           \
+                                         _mm256_cvtepi32_ps(dg_dot_u8s8(wq, xq)), acc[r]);             \
+                off[r] += mo * ssum[r * nb + b];                                                       \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) y[r * n] = dg_hsum(_mm256_add_ps(acc[r], acc2[r])) + off[r] + off2[r]; \
+    }
+
+#define DG_Q8_TILE(R)                                                                                  \
+    static inline void dg_q8_tile_##R(const block_q8 *wr, int64_t nb, int64_t k, const int8_t *qx,      \
+                                      const float *sx, float *y, int64_t n) {                          \
+        __m256 acc[R], acc2[R];                                                                        \
+        for (int r = 0; r < R; r++) acc[r] = acc2[r] = _mm256_setzero_ps();                           \
+        int64_t b = 0;                                                                                 \
+        if (R == 1) {                                                                                  \
+            for (; b + 1 < nb; b += 2) {                                                               \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)wr[b].qs);                      \
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)wr[b + 1].qs);                  \
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(qx + b * QK));                 \
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(qx + b * QK + QK));            \
+                acc[0] = _mm256_fmadd_ps(                                                              \
+                    _mm256_set1_ps(wr[b].d * sx[b]),                                                   \
+                    _mm256_cvtepi32_ps(dg_dot_u8s8(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0))), \
+                    acc[0]);                                                                           \
+                acc2[0] = _mm256_fmadd_ps(                                                             \
+                    _mm256_set1_ps(wr[b + 1].d * sx[b + 1]),                                           \
+                    _mm256_cvtepi32_ps(dg_dot_u8s8(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1))), \
+                    acc2[0]);                                                                          \
+            }                                                                                          \
+        }                                                                                              \
+        for (; b < nb; b++) {                                                                          \
+            const __m256i wq = _mm256_loadu_si256((const __m256i *)wr[b].qs);                          \
+            const __m256i wa = _mm256_sign_epi8(wq, wq); /* |w|; x takes w's sign instead */           \
+            const float d = wr[b].d;                                                                   \
+            for (int r = 0; r < R; r++) {                                                              \
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + r * k + b * QK));         \
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * sx[r * nb + b]),                           \
+                                         _mm256_cvtepi32_ps(dg_dot_u8s8(wa, _mm256_sign_epi8(xq, wq))), \
+                                         acc[r]);                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) y[r * n] = dg_hsum(_mm256_add_ps(acc[r], acc2[r]));               \
+    }
+#else
+#define DG_Q4_TILE(R)                                                                                  \
+    static inline void dg_q4_tile_##R(const block_q4 *wr, int64_t nb, int64_t k, const int8_t *qx,      \
+                                      const float *sx, const float *ssum, float *y, int64_t n) {       \
+        for (int r = 0; r < R; r++) {                                                                  \
+            float acc = 0.0f;                                                                          \
+            for (int64_t b = 0; b < nb; b++) {                                                         \
+                const int8_t *xb = qx + r * k + b * QK;                                                \
+                int isum = 0;                                                                          \
+                for (int i = 0; i < 16; i++)                                                           \
+                    isum += (wr[b].qs[i] & 0x0F) * xb[i] + (wr[b].qs[i] >> 4) * xb[i + 16];            \
+                acc += wr[b].d * sx[r * nb + b] * (float)isum + wr[b].m * ssum[r * nb + b];            \
+            }                                                                                          \
+            y[r * n] = acc;                                                                            \
+        }                                                                                              \
+    }
+
+#define DG_Q8_TILE(R)                                                                                  \
+    static inline void dg_q8_tile_##R(const block_q8 *wr, int64_t nb, int64_t k, const int8_t *qx,      \
+                                      const float *sx, float *y, int64_t n) {                          \
+        for (int r = 0; r < R; r++) {                                                                  \
+            float acc = 0.0f;                                                                          \
+            for (int64_t b = 0; b < nb; b++) {                                                         \
+                const int8_t *xb = qx + r * k + b * QK;                                                \
+                int isum = 0;                                                                          \
+                for (int i = 0; i < QK; i++) isum += wr[b].qs[i] * xb[i];                              \
+                acc += wr[b].d * sx[r * nb + b] * (float)isum;                                         \
+            }                                                                                          \
+            y[r * n] = acc;                                                                            \
+        }                                                                                              \
+    }
+#endif
+
+DG_Q4_TILE(1)
+DG_Q4_TILE(2)
+DG_Q4_TILE(3)
+DG_Q4_TILE(4)
+DG_Q8_TILE(1)
+DG_Q8_TILE(2)
+DG_Q8_TILE(3)
+DG_Q8_TILE(4)
+
+/* y [m, n] = x [m, k] . w [n, k]^T with w in q4 blocks [n, k / 32] and x quantized by dg_quantize_q8. */
+void dg_matmul_q4(const block_q4 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
+                  const float *ssum, int64_t m, float *y) {
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const block_q4 *wr = w + j * nb;
+        int64_t r = 0;
+        for (; r + RT <= m; r += RT) dg_q4_tile_4(wr, nb, k, qx + r * k, sx + r * nb, ssum + r * nb, y + r * n + j, n);
+        switch (m - r) {
+            case 3: dg_q4_tile_3(wr, nb, k, qx + r * k, sx + r * nb, ssum + r * nb, y + r * n + j, n); break;
+            case 2: dg_q4_tile_2(wr, nb, k, qx + r * k, sx + r * nb, ssum + r * nb, y + r * n + j, n); break;
+            case 1: dg_q4_tile_1(wr, nb, k, qx + r * k, sx + r * nb, ssum + r * nb, y + r * n + j, n); break;
+            default: break;
+        }
+    }
+}
+
+/* y [m, n] = x [m, k] . w [n, k]^T with w in q8 blocks [n, k / 32]. */
+void dg_matmul_q8(const block_q8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx, int64_t m,
+                  float *y) {
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const block_q8 *wr = w + j * nb;
+        int64_t r = 0;
+        for (; r + RT <= m; r += RT) dg_q8_tile_4(wr, nb, k, qx + r * k, sx + r * nb, y + r * n + j, n);
+        switch (m - r) {
+            case 3: dg_q8_tile_3(wr, nb, k, qx + r * k, sx + r * nb, y + r * n + j, n); break;
+            case 2: dg_q8_tile_2(wr, nb, k, qx + r * k, sx + r * nb, y + r * n + j, n); break;
+            case 1: dg_q8_tile_1(wr, nb, k, qx + r * k, sx + r * nb, y + r * n + j, n); break;
+            default: break;
+        }
+    }
+}
+
+/* ---- the small per-layer ops (float32), for steps of few tokens ------------------------- */
+
+#if defined(DG_AVX2)
+/* exp(x) for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
+ * (relative error ~2e-7 over the float range; inputs below -87.3 give 0, as expf nearly does). */
+static inline __m256 dg_exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^n through the exponent bits; n in [-126, 127] after the clamp, so this never wraps */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+/* x += delta (when delta is not NULL), then out = w * (x / rms(x)), per row of `dim`. */
+void dg_add_rms_norm(float *x, const float *delta, const float *w, float *out, int64_t rows, int64_t dim,
+                     float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * dim;
+        float *o = out + r * dim;
+        int64_t i = 0;
+        float ss = 0.0f;
+#if defined(DG_AVX2)
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= dim; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            if (delta) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(delta + r * dim + i));
+                _mm256_storeu_ps(xr + i, v);
+            }
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        ss = dg_hsum(acc);
+#endif
+        for (; i < dim; i++) {
+            if (delta) xr[i] += delta[r * dim + i];
+            ss += xr[i] * xr[i];
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        i = 0;
+#if defined(DG_AVX2)
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), vinv)));
+#endif
+        for (; i < dim; i++) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* Rotate `heads` heads of each row of x in place (row r starts at x + r * row_stride), halves
+ * layout: pair i is (i, i + D/2). cos and sin_signed are [positions, D] tables (sin with its first
+ * half negated), looked up at positions[r]. */
+void dg_rotary(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
+               const float *cos_table, const float *sin_signed, const int64_t *positions) {
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos_table + positions[r] * head_dim;
+        const float *s = sin_signed + positions[r] * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + r * row_stride + h * head_dim;
+            int64_t i = 0;
+#if defined(DG_AVX2)
+            for (; i + 8 <= half; i += 8) {
+                const __m256 a = _mm256_loadu_ps(v + i), b = _mm256_loadu_ps(v + half + i);
+                _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + i)),
+                                                      _mm256_mul_ps(b, _mm256_loadu_ps(s + i))));
+                _mm256_storeu_ps(v + half + i, _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + i)),
+                                                             _mm256_mul_ps(a, _mm256_loadu_ps(s + half + i))));
+            }
+#endif
+            for (; i < half; i++) {
+                const float a = v[i], b = v[half + i];
+                v[i] = a * c[i] + b * s[i];
+                v[half + i] = b * c[half + i] + a * s[half + i];
+            }
+        }
+    }
+}
+
+/* out [rows, inter] = silu(gu[:, :inter]) * gu[:, inter:] */
+void dg_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
+#pragma omp parallel for schedule(static) if (rows * inter >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter;
+        const float *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+#if defined(DG_AVX2)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = dg_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* ---- decode attention over the paged cache --------------------------------------------- */
+
+/* A float16 value (its bits) as float32. */
+static inline float dg_half(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float f;
+    if (exp == 0) {
+        f = ldexpf((float)man, -24); /* zero or subnormal */
+    } else if (exp == 31) {
+        f = man ? NAN : INFINITY;
+    } else {
+        f = ldexpf((float)(man | 0x400), (int)exp - 25);
+    }
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits |= sign;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float dg_scale_at(const void *scales, int64_t i, int half) {
+    return half ? dg_half(((const uint16_t *)scales)[i]) : ((const float *)scales)[i];
+}
+
+/* One query token per sequence. q [B, H, D] (row b at q + b * q_stride); the caches are
+ * [pages, KVH, page_size, D], float32 or, with scales, int8 with one scale per (page, head,
+ * slot), float32 or float16 (scale_half); page_tables [B, max_pages]; out [B, H * D]. Query heads h share
+ * K/V head h / (H / KVH). Work is split over (sequence, K/V head). */
+void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         const void *k_scale, const void *v_scale, int scale_half, const int64_t *page_tables,
+                         int64_t max_pages, const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
+                         int64_t D, int64_t page_size, float scale, float *out) {
+    const int64_t per_kv = H / KVH;
+    const int quant = k_scale != NULL;
+#pragma omp parallel for schedule(dynamic, 1) if (B * KVH > 1)
+    for (int64_t task = 0; task < B * KVH; task++) {
+        const int64_t b = task / KVH, kh = task % KVH;
+        const int64_t len = seq_lens[b];
+        const int64_t *table = page_tables + b * max_pages;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(len * per_kv + D));
+        float *vrow = scores + len * per_kv; /* one dequantized value row */
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t slot = (table[t / page_size] * KVH + kh) * page_size + t % page_size;
+            for (int64_t g = 0; g < per_kv; g++) {
+                const float *qh = q + b * q_stride + (kh * per_kv + g) * D;
+                float dot = 0.0f;
+                int64_t i = 0;
+                if (quant) {
+                    const int8_t *kr = (const int8_t *)k_cache + slot * D;
+#if defined(DG_AVX2)
+                    __m256 acc = _mm256_setzero_ps();
+                    for (; i + 8 <= D; i += 8) {
+                        const __m256 kv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(kr + i))));
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), kv, acc);
+                    }
+                    dot = dg_hsum(acc);
+#endif
+                    for (; i < D; i++) dot += qh[i] * (float)kr[i];
+                    dot *= dg_scale_at(k_scale, slot, scale_half);
+                } else {
+                    const float *kr = (const float *)k_cache + slot * D;
+#if defined(DG_AVX2)
+                    __m256 acc = _mm256_setzero_ps();
+                    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kr + i), acc);
+                    dot = dg_hsum(acc);
+#endif
+                    for (; i < D; i++) dot += qh[i] * kr[i];
+                }
+                scores[g * len + t] = dot * scale;
+            }
+        }
+        for (int64_t g = 0; g < per_kv; g++) {
+            float *sg = scores + g * len;
+            float mx = -INFINITY;
+            for (int64_t t = 0; t < len; t++) mx = fmaxf(mx, sg[t]);
+            float sum = 0.0f;
+            int64_t t = 0;
+#if defined(DG_AVX2)
+            __m256 vs = _mm256_setzero_ps();
+            const __m256 vmx = _mm256_set1_ps(mx);
+            for (; t + 8 <= len; t += 8) {
+                const __m256 e = dg_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vmx));
+                _mm256_storeu_ps(sg + t, e);
+                vs = _mm256_add_ps(vs, e);
+            }
+            sum = dg_hsum(vs);
+#endif
+            for (; t < len; t++) {
+                sg[t] = expf(sg[t] - mx);
+                sum += sg[t];
+            }
+            const float inv = 1.0f / sum;
+            for (t = 0; t < len; t++) sg[t] *= inv;
+        }
+        for (int64_t g = 0; g < per_kv; g++) {
+            float *o = out + b * H * D + (kh * per_kv + g) * D;
+            for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+        }
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t slot = (table[t / page_size] * KVH + kh) * page_size + t % page_size;
+            const float *vr;
+            if (quant) {
+                const int8_t *vq = (const int8_t *)v_cache + slot * D;
+                const float vsc = dg_scale_at(v_scale, slot, scale_half);
+                for (int64_t i = 0; i < D; i++) vrow[i] = (float)vq[i] * vsc;
+                vr = vrow;
+            } else {
+                vr = (const float *)v_cache + slot * D;
+            }
+            for (int64_t g = 0; g < per_kv; g++) {
+                float *o = out + b * H * D + (kh * per_kv + g) * D;
+                const float p = scores[g * len + t];
+                int64_t i = 0;
+#if defined(DG_AVX2)
+                const __m256 vp = _mm256_set1_ps(p);
+                for (; i + 8 <= D; i += 8)
+                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(o + i)));
+#endif
+                for (; i < D; i++) o[i] += p * vr[i];
+            }
+        }
+        free(scores);
+    }
+}

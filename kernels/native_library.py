@@ -1,0 +1,295 @@
+"""dyngen's native CPU kernels (kernels/csrc/cpu_kernels.c), built once per machine, called by ctypes.
+
+torch has no CPU matmul over 4-bit weight blocks with 8-bit activation blocks (its int4
+kernel computes in bfloat16, which AVX2-only CPUs emulate), and eager torch spends more
+time dispatching a layer's small ops than computing them at one token per step. These
+kernels are plain C with AVX2 intrinsics (VNNI dot products where the CPU has them, a
+scalar path elsewhere), compiled with `-march=native` for the CPU at hand and cached by
+source, compiler and CPU flags, so a second start loads the shared object directly.
+
+No compiler, or a failed build, leaves the library unavailable (`native_library()` is
+None, the reason in `native_unavailable_reason()`); the quantized linears that need it
+are then not offered, and the model keeps the torch kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_features import cpu_features
+from kernels.linear_autotune import default_cache_dir
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+BLOCK = 32
+SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+avx_vnni", 3: "avx2+avx512_vnni"}
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(compiler: str, march: str, target: Path) -> None:
+    """Compile into `target` atomically: concurrent first starts each build, one file wins."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run(
+            [compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", str(out), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise NativeBuildError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        out.replace(target)
+
+
+def library_path(compiler: str, march: str) -> Path:
+    """Where the build for this source, compiler, target and CPU lives."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    cpu = cpu_features()
+    key = "\n".join(
+        [SOURCE.read_text(), " ".join(FLAGS), march, version, cpu.model_name, " ".join(sorted(cpu.flags))]
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return default_cache_dir() / "native" / f"cpu_kernels-{digest}.so"
+
+
+def _f32(t: torch.Tensor) -> int:
+    assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    return int(t.data_ptr())
+
+
+def _ptr(t: torch.Tensor) -> int:
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return int(t.data_ptr())
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations quantized per row and block of 32: x ~= s * q, with s * sum(q) per block."""
+
+    q: torch.Tensor  # int8 [rows, k]
+    s: torch.Tensor  # float32 [rows, k / 32]
+    ssum: torch.Tensor  # float32 [rows, k / 32]
+
+    @property
+    def rows(self) -> int:
+        return int(self.q.shape[0])
+
+
+class NativeLibrary:
+    """Typed wrappers over the shared object; arguments are checked, then passed as pointers."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        lib.dg_quantize_q8.argtypes = [_P, _I, _I, _P, _P, _P]
+        lib.dg_quantize_q8.restype = None
+        lib.dg_matmul_q4.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P]
+        lib.dg_matmul_q4.restype = None
+        lib.dg_matmul_q8.argtypes = [_P, _I, _I, _P, _P, _I, _P]
+        lib.dg_matmul_q8.restype = None
+        lib.dg_add_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, _F]
+        lib.dg_add_rms_norm.restype = None
+        lib.dg_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P]
+        lib.dg_rotary.restype = None
+        lib.dg_silu_mul.argtypes = [_P, _I, _I, _P]
+        lib.dg_silu_mul.restype = None
+        lib.dg_decode_attention.argtypes = [
+            _P,
+            _I,
+            _P,
+            _P,
+            _P,
+            _P,
+            ctypes.c_int,
+            _P,
+            _I,
+            _P,
+            _I,
+            _I,
+            _I,
+            _I,
+            _I,
+            _F,
+            _P,
+        ]
+        lib.dg_decode_attention.restype = None
+        self._lib = lib
+        self.block_q4_bytes = int(lib.dg_block_q4_size())
+        self.block_q8_bytes = int(lib.dg_block_q8_size())
+        self.simd = SIMD_NAMES.get(int(lib.dg_simd()), "unknown")
+
+    def quantize_rows(self, x: torch.Tensor) -> QuantizedRows:
+        """x float32 [rows, k], k a multiple of 32."""
+        rows, k = (int(d) for d in x.shape)
+        if k % BLOCK:
+            raise ValueError(f"quantize_rows: k must be a multiple of {BLOCK}, got {k}")
+        q = torch.empty((rows, k), dtype=torch.int8)
+        s = torch.empty((rows, k // BLOCK), dtype=torch.float32)
+        ssum = torch.empty_like(s)
+        self._lib.dg_quantize_q8(_f32(x), rows, k, _ptr(q), _f32(s), _f32(ssum))
+        return QuantizedRows(q, s, ssum)
+
+    def matmul_q4(self, blocks: torch.Tensor, n: int, k: int, x: QuantizedRows) -> torch.Tensor:
+        """[rows, n] float32 from q4 blocks (uint8 [n, k / 32, block_q4_bytes])."""
+        assert tuple(blocks.shape) == (n, k // BLOCK, self.block_q4_bytes) and x.q.shape[1] == k
+        y = torch.empty((x.rows, n), dtype=torch.float32)
+        self._lib.dg_matmul_q4(_ptr(blocks), n, k, _ptr(x.q), _f32(x.s), _f32(x.ssum), x.rows, _f32(y))
+        return y
+
+    def matmul_q8(self, blocks: torch.Tensor, n: int, k: int, x: QuantizedRows) -> torch.Tensor:
+        """[rows, n] float32 from q8 blocks (uint8 [n, k / 32, block_q8_bytes])."""
+        assert tuple(blocks.shape) == (n, k // BLOCK, self.block_q8_bytes) and x.q.shape[1] == k
+        y = torch.empty((x.rows, n), dtype=torch.float32)
+        self._lib.dg_matmul_q8(_ptr(blocks), n, k, _ptr(x.q), _f32(x.s), x.rows, _f32(y))
+        return y
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """x += delta in place (when given); returns RMSNorm(x) * weight. x [rows, dim] float32."""
+        rows, dim = (int(d) for d in x.shape)
+        assert weight.shape == (dim,) and (delta is None or delta.shape == x.shape)
+        out = torch.empty_like(x)
+        self._lib.dg_add_rms_norm(
+            _f32(x), None if delta is None else _f32(delta), _f32(weight), _f32(out), rows, dim, eps
+        )
+        return out
+
+    def rotary_(
+        self,
+        x: torch.Tensor,
+        heads: int,
+        head_dim: int,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """Rotate the first `heads` heads of each row of x [rows, >= heads * head_dim] in place
+        (halves layout); cos and sin_signed are [positions, head_dim] tables."""
+        rows, width = (int(d) for d in x.shape)
+        assert x.stride(1) == 1 and width >= heads * head_dim and positions.dtype == torch.int64
+        assert cos.shape[1] == head_dim and positions.shape == (rows,)
+        self._lib.dg_rotary(
+            int(x.data_ptr()),
+            rows,
+            x.stride(0),
+            heads,
+            head_dim,
+            _f32(cos),
+            _f32(sin_signed),
+            _ptr(positions),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [rows, 2 * inter] float32 -> [rows, inter]."""
+        rows, width = (int(d) for d in gate_up.shape)
+        out = torch.empty((rows, width // 2), dtype=torch.float32)
+        self._lib.dg_silu_mul(_f32(gate_up), rows, width // 2, _f32(out))
+        return out
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        page_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query per sequence: q [B, H, D] float32 against a layer's paged cache
+        [pages, KVH, page_size, D] (float32, or int8 with [pages, KVH, page_size] float32/float16
+        scales) -> [B, H * D]."""
+        b, heads, dim = (int(d) for d in q.shape)
+        _, kv_heads, page_size, _ = (int(d) for d in k_cache.shape)
+        assert q.stride(2) == 1 and q.stride(1) == dim and page_tables.dtype == seq_lens.dtype == torch.int64
+        quant = k_scale is not None and v_scale is not None
+        if quant:
+            assert (
+                k_cache.dtype == v_cache.dtype == torch.int8 and k_scale is not None and v_scale is not None
+            )
+            assert k_scale.dtype == v_scale.dtype and k_scale.dtype in (torch.float32, torch.float16)
+        else:
+            assert k_cache.dtype == v_cache.dtype == torch.float32
+        out = torch.empty((b, heads * dim), dtype=torch.float32)
+        self._lib.dg_decode_attention(
+            int(q.data_ptr()),
+            q.stride(0),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            _ptr(k_scale) if quant and k_scale is not None else None,
+            _ptr(v_scale) if quant and v_scale is not None else None,
+            int(quant and k_scale is not None and k_scale.dtype == torch.float16),
+            _ptr(page_tables),
+            int(page_tables.shape[1]),
+            _ptr(seq_lens),
+            b,
+            heads,
+            kv_heads,
+            dim,
+            page_size,
+            scale,
+            _f32(out),
+        )
+        return out
+
+
+_failure: list[str] = []
+
+
+def build_library(march: str = "native") -> NativeLibrary:
+    """Build (or find the build of) the library for `-march=march`; raises NativeBuildError."""
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeBuildError("no C compiler (cc, gcc or clang) on PATH")
+    try:
+        path = library_path(compiler, march)
+        if not path.exists():
+            _build(compiler, march, path)
+        return NativeLibrary(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeBuildError(str(e)) from e
+
+
+@functools.cache
+def native_library() -> NativeLibrary | None:
+    """The library for this machine's CPU, built on first use; None where it cannot be built."""
+    if os.environ.get("DYNGEN_NATIVE", "1") == "0":
+        _failure.append("disabled by DYNGEN_NATIVE=0")
+        return None
+    try:
+        return build_library()
+    except NativeBuildError as e:
+        _failure.append(str(e))
+        return None
+
+
+def native_unavailable_reason() -> str | None:
+    return _failure[-1] if native_library() is None and _failure else None

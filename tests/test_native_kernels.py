@@ -1,0 +1,198 @@
+"""The native CPU kernels (kernels/csrc/cpu_kernels.c) against torch references.
+
+Every test runs on two builds: `-march=native` (AVX2 intrinsics, VNNI where present) and
+`-march=x86-64` (the portable scalar code), so both paths are checked on any x86 host.
+
+Tolerances: integer block dot products are exact, so a matmul must equal the float32
+product of the dequantized weights and the dequantized activations up to float32
+summation error (relative 1e-5 of the output's scale); against the unquantized
+activations the error is bounded by sum |w| * s / 2 per output (each activation moves
+by at most half its block's step s).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.config import ModelConfig
+from engine.model.rope import RotaryEmbedding
+from kernels.block_linear import Int4BlockLinear, Int8BlockLinear, quantize_q8_blocks
+from kernels.int4_groups import Int4Groups
+from kernels.native_library import NativeBuildError, NativeLibrary, QuantizedRows, build_library
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64"])
+def lib(request: pytest.FixtureRequest) -> NativeLibrary:
+    try:
+        return build_library(str(request.param))
+    except NativeBuildError as e:
+        pytest.skip(f"no native build: {e}")
+
+
+def _dequant_rows(x: QuantizedRows) -> torch.Tensor:
+    rows, k = x.q.shape
+    return (x.q.view(rows, -1, 32).float() * x.s[..., None]).view(rows, k)
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
+    tol = rel * float(ref.abs().max()) + 1e-6
+    assert float((y - ref).abs().max()) <= tol
+
+
+def test_activation_quantization_matches_the_reference(lib: NativeLibrary) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 96) * torch.tensor([1e-3, 1.0, 50.0]).repeat_interleave(32)
+    x[2, 32:64] = 0.0  # an all-zero block: scale 0, values 0
+    got = lib.quantize_rows(x)
+    d = x.view(5, 3, 32).abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(x.view(5, 3, 32) * inv[..., None]).to(torch.int8)
+    assert torch.equal(got.q, q.view(5, 96))
+    assert torch.equal(got.s, d)
+    assert torch.allclose(got.ssum, d * q.sum(-1).float())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64])
+def test_q4_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int) -> None:
+    torch.manual_seed(rows)
+    n, k = 72, 160
+    groups = Int4Groups.quantize(torch.randn(n, k))
+    x = torch.randn(rows, k)
+    qx = lib.quantize_rows(x)
+    from kernels.block_linear import pack_q4
+
+    y = lib.matmul_q4(pack_q4(groups, lib), n, k, qx)
+    w = groups.dequantize()
+    _close(y, _dequant_rows(qx) @ w.T)
+    # Against the float activations: within half a step per activation.
+    bound = (w.abs() @ (qx.s.repeat_interleave(32, dim=1) / 2).T).T
+    assert bool(((y - x @ w.T).abs() <= bound * 1.001 + 1e-5).all())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_q8_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int) -> None:
+    torch.manual_seed(rows)
+    n, k = 40, 96
+    weight = torch.randn(n, k)
+    q, d = quantize_q8_blocks(weight)
+    from kernels.block_linear import pack_q8
+
+    x = torch.randn(rows, k)
+    qx = lib.quantize_rows(x)
+    y = lib.matmul_q8(pack_q8(q, d, lib), n, k, qx)
+    w = (q.view(n, -1, 32).float() * d[..., None]).view(n, k)
+    _close(y, _dequant_rows(qx) @ w.T)
+    assert float((w - weight).abs().max()) <= float(d.max()) / 2 + 1e-6
+
+
+def test_q4_linear_runs_the_files_blocks_exactly(lib: NativeLibrary) -> None:
+    """Packed Q4_1-style groups keep every value: unpacking the bytes gives the groups back."""
+    torch.manual_seed(1)
+    groups = Int4Groups.quantize(torch.randn(16, 64))
+    lin = Int4BlockLinear(lib, groups, from_file=True)
+    blocks = lin._blocks
+    scale = blocks[..., 0:4].contiguous().view(torch.float32)[..., 0]
+    offset = blocks[..., 4:8].contiguous().view(torch.float32)[..., 0]
+    nib = blocks[..., 8:]
+    q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(16, 64)
+    assert (
+        torch.equal(q, groups.q) and torch.equal(scale, groups.scale) and torch.equal(offset, groups.offset)
+    )
+    # One-hot rows quantize exactly (s * 127 = 1), so the product returns weight columns.
+    eye = torch.eye(64)
+    _close(lin(eye).T, groups.dequantize())
+    assert lin.describe() == "int4_q8[file]"
+
+
+def test_block_linears_keep_shape_dtype_and_bias(lib: NativeLibrary) -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(24, 64)
+    bias = torch.randn(24)
+    x = torch.randn(2, 3, 64)
+    for lin in (Int8BlockLinear(lib, weight, bias), Int4BlockLinear(lib, Int4Groups.quantize(weight), bias)):
+        y = lin(x)
+        assert y.shape == (2, 3, 24) and y.dtype == torch.float32
+        ref = F.linear(x, weight, bias)
+        assert float((y - ref).abs().max()) < 0.15 * float(ref.abs().max())
+        assert lin(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_add_rms_norm(lib: NativeLibrary) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(3, 100)
+    delta = torch.randn(3, 100)
+    w = torch.randn(100)
+    expected_x = x + delta
+    ref = w * (expected_x * torch.rsqrt(expected_x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    out = lib.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.allclose(x, expected_x, atol=0, rtol=0)
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lib.add_rms_norm(x, None, w, 1e-5), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_matches_the_rotary_embedding(lib: NativeLibrary) -> None:
+    torch.manual_seed(4)
+    config = ModelConfig(
+        vocab_size=10,
+        hidden_size=192,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=48,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    rope = RotaryEmbedding(config, torch.float32)
+    qkv = torch.randn(5, (4 + 2 + 2) * 48)
+    positions = torch.tensor([0, 7, 3, 63, 12])
+    qk = qkv[:, : 6 * 48].view(5, 6, 48)
+    cos, sin = rope.tables(positions)
+    ref = rope.apply(qk, cos, sin)
+    v_before = qkv[:, 6 * 48 :].clone()
+    lib.rotary_(qkv, 6, 48, rope.cos, rope.sin_signed, positions)
+    assert torch.allclose(qkv[:, : 6 * 48].view(5, 6, 48), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 6 * 48 :], v_before)
+
+
+def test_silu_mul(lib: NativeLibrary) -> None:
+    torch.manual_seed(5)
+    gu = torch.randn(3, 2 * 90) * 10
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])
+    gate, up = gu.chunk(2, dim=-1)
+    assert torch.allclose(lib.silu_mul(gu), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("quant", [None, torch.float32, torch.float16])
+def test_decode_attention_matches_the_torch_path(lib: NativeLibrary, quant: torch.dtype | None) -> None:
+    torch.manual_seed(6)
+    pages, kvh, page_size, dim, heads = 9, 2, 4, 32, 6
+    seq_lens = (5, 1, 12)
+    k = torch.randn(pages, kvh, page_size, dim)
+    v = torch.randn(pages, kvh, page_size, dim)
+    k_scale = v_scale = None
+    kq, vq = k, v
+    if quant is not None:
+        k_scale = (k.abs().amax(-1) / 127).to(quant)
+        v_scale = (v.abs().amax(-1) / 127).to(quant)
+        kq = torch.round(k / k_scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
+        vq = torch.round(v / v_scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
+        k = kq.float() * k_scale.float()[..., None]  # the reference sees the dequantized cache
+        v = vq.float() * v_scale.float()[..., None]
+    tables = torch.tensor([[3, 5, 0], [7, 0, 0], [1, 2, 8]])
+    q = torch.randn(3, heads, dim)
+    ref = torch.empty(3, heads * dim)
+    for i, n in enumerate(seq_lens):  # plain attention over each sequence's keys, gathered slot by slot
+        pos = torch.arange(n)
+        pages_of = tables[i, pos // page_size]
+        keys = k[pages_of, :, pos % page_size]  # [n, kvh, dim]
+        vals = v[pages_of, :, pos % page_size]
+        kv_of_head = torch.arange(heads) // (heads // kvh)
+        s = torch.einsum("hd,nhd->hn", q[i], keys[:, kv_of_head]) * dim**-0.5
+        ref[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), vals[:, kv_of_head]).reshape(-1)
+    got = lib.decode_attention(q, kq, vq, k_scale, v_scale, tables, torch.tensor(seq_lens), dim**-0.5)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
