@@ -2,7 +2,8 @@
 
 A backend is asked once per forward to prepare for a batch (page tables, lengths and
 masks are the same for every layer), and the prepared object is then called once per
-layer with that layer's queries and cache. New K/V are written into their page slots
+layer with that layer's queries and cache view (kernels.kv_layer.KVLayer: K/V, and their
+scales when the cache is int8). New K/V are written into their page slots
 before attention, so a prefill chunk attends to itself as well as to earlier pages.
 """
 
@@ -14,6 +15,7 @@ from typing import Protocol, assert_never
 import torch
 
 from kernels.batch import AttentionBatch
+from kernels.kv_layer import KVLayer
 
 
 class AttentionKind(enum.Enum):
@@ -23,14 +25,13 @@ class AttentionKind(enum.Enum):
 
 
 class PreparedAttention(Protocol):
-    def write_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Store this step's k, v ([T, kv_heads, head_dim]) into the layer's cache slots."""
+    def write_kv(self, cache: KVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's k, v ([T, kv_heads, head_dim]) into the layer's cache slots
+        (quantized there, with their scales, when the cache is int8)."""
         ...
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q [T, heads, head_dim] against the paged cache -> [T, heads * head_dim]."""
+    def attend(self, q: torch.Tensor, cache: KVLayer) -> torch.Tensor:
+        """q [T, heads, head_dim] against the paged cache -> [T, heads * head_dim] in q's dtype."""
         ...
 
 

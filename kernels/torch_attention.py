@@ -16,6 +16,12 @@ block, ready for a batched matmul with no further copy. Sequences then go in two
 
 Grouped-query heads are folded into the query axis (the heads sharing a K/V head
 become extra query rows with the same mask), so no K/V head is copied per query head.
+
+An int8 cache (kernels.kv_layer) is quantized in write_kv and read as whole int8 blocks
+with their per-token scales (one more small index_select each). Decode converts the
+blocks to the queries' dtype (exact) and applies the scales to the scores and the
+probabilities (per key, not per element); longer queries dequantize the gathered blocks
+in one vectorised op (int8 x scale in float32, then the queries' dtype) for SDPA.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.batch import AttentionBatch
+from kernels.kv_layer import KVLayer, dequantize_kv, quantize_kv
 
 
 @dataclass(frozen=True)
@@ -122,41 +129,68 @@ class _PreparedTorchAttention:
         # When the whole batch is one decode group in order, outputs need no scatter.
         self._in_order = len(self._groups) == 1 and self._groups[0].queries == 1
 
-    def write_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        head_dim = k_cache.shape[-1]
-        k_cache.view(-1, head_dim).index_copy_(0, self._write_rows, k.reshape(-1, head_dim))
-        v_cache.view(-1, head_dim).index_copy_(0, self._write_rows, v.reshape(-1, head_dim))
+    def write_kv(self, cache: KVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        head_dim = cache.k.shape[-1]
+        rows = self._write_rows
+        if cache.k_scale is None or cache.v_scale is None:
+            cache.k.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
+            cache.v.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
+            return
+        for x, store, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+            q, scale = quantize_kv(x.reshape(-1, head_dim))
+            store.view(-1, head_dim).index_copy_(0, rows, q)
+            scales.view(-1).index_copy_(0, rows, scale)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: KVLayer) -> torch.Tensor:
         tokens, heads, head_dim = q.shape
         if self._in_order:
-            return self._attend_group(self._groups[0], q, k_cache, v_cache)
+            return self._attend_group(self._groups[0], q, cache)
         out = torch.empty((tokens, heads * head_dim), dtype=q.dtype, device=q.device)
         for group in self._groups:
-            out[group.out_rows] = self._attend_group(group, q, k_cache, v_cache)
+            out[group.out_rows] = self._attend_group(group, q, cache)
         return out
 
-    def _attend_group(
-        self, g: _Group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
+    @staticmethod
+    def _gather(g: _Group, store: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        """The group's whole page blocks of K or V as stored -> [B, kv, P * page_size, D] (one index_select)."""
+        page_size, head_dim = store.shape[2], store.shape[3]
+        return store.view(-1, page_size * head_dim).index_select(0, g.blocks).view(shape)
+
+    def _attend_group(self, g: _Group, q: torch.Tensor, cache: KVLayer) -> torch.Tensor:
         _, heads, head_dim = q.shape
         kv_heads = self._kv_heads
         per_kv = heads // kv_heads
-        page_size = k_cache.shape[2]
+        page_size = cache.page_size
         b, nq = g.batch, g.queries
         num_pages = g.blocks.shape[0] // (b * kv_heads)
         scale = head_dim**-0.5
         # [num_pages * kv, page_size * D] rows -> [B, kv, P * page_size, D], each (sequence, head) contiguous.
         shape = (b, kv_heads, num_pages * page_size, head_dim)
-        k = k_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(shape)[:, :, : g.keys]
-        v = v_cache.view(-1, page_size * head_dim).index_select(0, g.blocks).view(shape)[:, :, : g.keys]
+        k = self._gather(g, cache.k, shape)[:, :, : g.keys]
+        v = self._gather(g, cache.v, shape)[:, :, : g.keys]
+        ks = vs = None
+        if cache.k_scale is not None and cache.v_scale is not None:
+            # Each key's scale, gathered with its block: [B, kv, keys] float32.
+            ks, vs = (
+                sc.view(-1, page_size).index_select(0, g.blocks).view(b, kv_heads, -1)[:, :, : g.keys].float()
+                for sc in (cache.k_scale, cache.v_scale)
+            )
         if nq == 1:
             qg = (q if self._in_order else q[g.rows]).reshape(b, kv_heads, per_kv, head_dim)
-            s = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(g.mask)  # [B, kv, per_kv, keys]
-            p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-            return torch.matmul(p, v).reshape(b, heads * head_dim)
+            if ks is None or vs is None:
+                s = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(g.mask)  # [B, kv, per_kv, keys]
+                p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+                return torch.matmul(p, v).reshape(b, heads * head_dim)
+            # int8: the blocks are only converted (exact in any float dtype); a key's scale goes on its
+            # scores and a value's on its probabilities: [B, kv, per_kv, keys] products instead of
+            # [B, kv, keys, D] (measured ~15% less decode attention time in float32, ~30% in bfloat16).
+            s = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)).to(torch.float32)
+            s = s.mul_(ks.mul_(scale)[:, :, None]).add_(g.mask)
+            p = torch.softmax(s, dim=-1).mul_(vs[:, :, None]).to(q.dtype)
+            return torch.matmul(p, v.to(q.dtype)).reshape(b, heads * head_dim)
+        if ks is not None and vs is not None:
+            # SDPA takes K/V as they are: dequantize the gathered blocks (exact products in float32).
+            k, v = dequantize_kv(k, ks, q.dtype), dequantize_kv(v, vs, q.dtype)
         # [B, Q, kv, per_kv, D] -> [B, kv, per_kv * Q, D]
         qg = q[g.rows].view(b, nq, kv_heads, per_kv, head_dim)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, per_kv * nq, head_dim)

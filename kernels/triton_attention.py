@@ -9,7 +9,9 @@ the kernels read K/V through the page tables in place.
 The caches are the PagedKVCache layout per layer, [num_pages, kv_heads, page_size,
 head_dim] (head-major pages, head_dim contiguous); slot s of head h is
 [s // page_size, h, s % page_size]. The kernels take the page, head and
-offset-in-page strides, so any such view with a contiguous head_dim works.
+offset-in-page strides, so any such view with a contiguous head_dim works. An int8
+cache (kernels.kv_layer.KVLayer with scales) is quantized by its own write kernel and
+dequantized inside the attention kernels (QUANT), which also take the scales' strides.
 
 Triton has no CPU backend: on CPU tensors the kernels only run under the interpreter
 (TRITON_INTERPRET=1 set before this module is imported), which is how the tests
@@ -25,10 +27,12 @@ import triton
 from triton.runtime import JITFunction
 
 from kernels.batch import AttentionBatch
+from kernels.kv_layer import KVLayer
 from kernels.triton_attention_kernels import (
     decode_partial_kernel,
     decode_reduce_kernel,
     prefill_kernel,
+    write_kv_int8_kernel,
     write_kv_kernel,
 )
 
@@ -123,37 +127,65 @@ def _check_cache(cache: torch.Tensor, kv_heads: int, head_dim: int, page_size: i
     assert cache.stride(3) == 1, "head_dim must be contiguous"
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """k, v [T, kv_heads, head_dim] into the caches [num_pages, kv_heads, page_size, head_dim] at `slots` [T]."""
-    check_device(k_cache)
+def _check_layer(cache: KVLayer, kv_heads: int, head_dim: int, page_size: int | None = None) -> None:
+    _check_cache(cache.k, kv_heads, head_dim, page_size)
+    _check_cache(cache.v, kv_heads, head_dim, cache.page_size)
+    for scales in (cache.k_scale, cache.v_scale):
+        if scales is not None:
+            assert tuple(scales.shape) == tuple(cache.k.shape[:3]), (
+                tuple(scales.shape),
+                tuple(cache.k.shape),
+            )
+            assert scales.stride(2) == 1, "a page's scales must be contiguous"
+
+
+def _scale_args(cache: KVLayer) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+    """Scale pointers and (page, head) strides; a float cache passes K/V and zeros (never read)."""
+    if cache.k_scale is None or cache.v_scale is None:
+        return cache.k, cache.v, 0, 0, 0, 0
+    ks, vs = cache.k_scale, cache.v_scale
+    return ks, vs, ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1)
+
+
+def write_kv(cache: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [T, kv_heads, head_dim] into the layer's cache [num_pages, kv_heads, page_size, head_dim] at `slots` [T].
+
+    A float cache gets a copy; an int8 one gets each row quantized, with its scale.
+    """
+    check_device(cache.k)
     tokens, kv_heads, head_dim = k.shape
-    page_size = k_cache.shape[2]
+    page_size = cache.page_size
     row = kv_heads * head_dim
     if k.stride(2) != 1 or k.stride(1) != head_dim:
         k = k.contiguous()
     if v.stride(2) != 1 or v.stride(1) != head_dim:
         v = v.contiguous()
-    _check_cache(k_cache, kv_heads, head_dim)
-    _check_cache(v_cache, kv_heads, head_dim, page_size)
+    _check_layer(cache, kv_heads, head_dim)
+    kc, vc = cache.k, cache.v
+    cache_strides = (kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2))
+    if cache.quantized:
+        ks, vs, *scale_strides = _scale_args(cache)
+        write_kv_int8_kernel[(triton.cdiv(tokens, WRITE_BLOCK_T), kv_heads)](
+            k, v, kc, vc, ks, vs, slots, tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            *cache_strides, *scale_strides,
+            PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_T=WRITE_BLOCK_T,
+        )  # fmt: skip
+        return
     grid = (triton.cdiv(tokens, WRITE_BLOCK_T),)
     write_kv_kernel[grid](
-        k, v, k_cache, v_cache, slots, tokens, k.stride(0), v.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k, v, kc, vc, slots, tokens, k.stride(0), v.stride(0), *cache_strides,
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, ROW=row, ROW_P2=_p2(row), BLOCK_T=WRITE_BLOCK_T,
     )  # fmt: skip
 
 
 def paged_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: KVLayer,
     meta: PagedMeta,
     tiles: Tiles = GPU_TILES,
 ) -> torch.Tensor:
     """q [T, heads, head_dim] against the paged cache -> [T, heads * head_dim] in q's dtype."""
+    k_cache, v_cache = cache.k, cache.v
     check_device(k_cache)
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -163,16 +195,17 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} must be a power of two >= 16")
     if q.stride(2) != 1:
         q = q.contiguous()
-    _check_cache(k_cache, kv_heads, head_dim, meta.page_size)
-    _check_cache(v_cache, kv_heads, head_dim, meta.page_size)
+    _check_layer(cache, kv_heads, head_dim, meta.page_size)
     per_kv = heads // kv_heads
     per_kv_p2 = _p2(per_kv)
     scale = head_dim**-0.5
     out = torch.zeros((tokens, heads * head_dim), dtype=q.dtype, device=q.device)
+    ks, vs, *scale_strides = _scale_args(cache)
     strides = (
         *(q.stride(0), q.stride(1)),
         *(k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
         *(v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+        *scale_strides,
         meta.page_tables.stride(0),
     )
 
@@ -185,10 +218,11 @@ def paged_attention(
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((*parts, head_dim), dtype=torch.float32, device=q.device)
         decode_partial_kernel[(n_decode, kv_heads, splits)](
-            q, k_cache, v_cache, meta.page_tables, meta.seq_lens, meta.decode_ids, meta.decode_rows,
+            q, k_cache, v_cache, ks, vs, meta.page_tables, meta.seq_lens, meta.decode_ids, meta.decode_rows,
             part_m, part_l, part_acc, out, *strides, out.stride(0), splits, scale,
             PAGE_SIZE=meta.page_size, PER_KV=per_kv, PER_KV_P2=per_kv_p2, HEAD_DIM=head_dim,
             BLOCK_N=tiles.block_n, SPLIT_LEN=tiles.split_len, SINGLE_SPLIT=splits == 1,
+            QUANT=cache.quantized,
         )  # fmt: skip
         if splits > 1:
             decode_reduce_kernel[(n_decode, kv_heads)](
@@ -201,10 +235,10 @@ def paged_attention(
         block_q = max(1, tiles.block_rows // per_kv_p2)
         q_blocks = triton.cdiv(meta.max_multi_query, block_q)
         prefill_kernel[(n_multi, kv_heads, q_blocks)](
-            q, k_cache, v_cache, out, meta.page_tables, meta.seq_lens, meta.query_lens,
+            q, k_cache, v_cache, ks, vs, out, meta.page_tables, meta.seq_lens, meta.query_lens,
             meta.query_starts, meta.multi_ids, *strides, out.stride(0), scale,
             PAGE_SIZE=meta.page_size, PER_KV=per_kv, PER_KV_P2=per_kv_p2, HEAD_DIM=head_dim,
-            BLOCK_Q=block_q, BLOCK_N=tiles.block_n, UPCAST_DOT=interpreted(),
+            BLOCK_Q=block_q, BLOCK_N=tiles.block_n, UPCAST_DOT=interpreted(), QUANT=cache.quantized,
         )  # fmt: skip
     return out
 
@@ -215,14 +249,12 @@ class _PreparedTritonAttention:
         self._meta = PagedMeta.build(batch, batch.slot_mapping.device)
         self._tiles = tiles
 
-    def write_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        _check_cache(k_cache, k.shape[1], k.shape[2], self._meta.page_size)
-        write_kv(k_cache, v_cache, k, v, self._slots)
+    def write_kv(self, cache: KVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        _check_layer(cache, k.shape[1], k.shape[2], self._meta.page_size)
+        write_kv(cache, k, v, self._slots)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return paged_attention(q, k_cache, v_cache, self._meta, self._tiles)
+    def attend(self, q: torch.Tensor, cache: KVLayer) -> torch.Tensor:
+        return paged_attention(q, cache, self._meta, self._tiles)
 
 
 class TritonPagedAttention:

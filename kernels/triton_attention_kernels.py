@@ -12,6 +12,10 @@ One program serves one K/V head of one sequence and all the query heads that sha
 it (grouped-query attention): K/V are read once per group, never per query head.
 Softmax is the online (flash) form in float32; a fully masked block or an empty
 sequence is kept finite by never subtracting -inf from -inf.
+
+With QUANT (an int8 cache, kernels.kv_layer) K/V are int8 and each key's scale sits at
+[page, head, offset] of a [num_pages, kv_heads, PAGE_SIZE] float16 tensor; the kernels
+load both and dequantize in registers, so an int8 cache moves a quarter of float32's bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ def decode_partial_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     tables_ptr,
     seq_lens_ptr,
     seq_ids_ptr,
@@ -41,6 +47,10 @@ def decode_partial_kernel(
     stride_vp,
     stride_vh,
     stride_vo,
+    stride_ksp,
+    stride_ksh,
+    stride_vsp,
+    stride_vsh,
     stride_tb,
     stride_ot,
     num_splits,
@@ -52,6 +62,7 @@ def decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_LEN: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Decode (one query token): grid (sequences, kv_heads, splits); each split covers SPLIT_LEN keys.
 
@@ -78,6 +89,8 @@ def decode_partial_kernel(
     # This program's K/V head; its keys are then addressed by (page, offset in page).
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    ks_head = ks_ptr + kvh.to(tl.int64) * stride_ksh
+    vs_head = vs_ptr + kvh.to(tl.int64) * stride_vsh
     m = tl.full([PER_KV_P2], float("-inf"), tl.float32)
     l_sum = tl.zeros([PER_KV_P2], tl.float32)
     acc = tl.zeros([PER_KV_P2, HEAD_DIM], tl.float32)
@@ -89,18 +102,24 @@ def decode_partial_kernel(
         page = tl.load(tables_ptr + seq * stride_tb + offs // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         in_page = offs % PAGE_SIZE
         k_rows = k_head + page * stride_kp + in_page * stride_ko
-        k = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-        s = tl.where(valid[None, :], s, float("-inf"))
+        k = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         v_rows = v_head + page * stride_vp + in_page * stride_vo
-        v = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        if QUANT:
+            # int8 K/V times their per-token scales, in registers (exact in float32).
+            k_s = tl.load(ks_head + page * stride_ksp + in_page, mask=valid, other=0.0).to(tl.float32)
+            v_s = tl.load(vs_head + page * stride_vsp + in_page, mask=valid, other=0.0).to(tl.float32)
+            k = k * k_s[:, None]
+            v = v * v_s[:, None]
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2)
+        s = tl.where(valid[None, :], s, float("-inf"))
         # Online softmax step (inlined: nested jit calls are slow under the interpreter).
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
         m = m_new
 
     if SINGLE_SPLIT:
@@ -161,6 +180,8 @@ def prefill_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    ks_ptr,
+    vs_ptr,
     out_ptr,
     tables_ptr,
     seq_lens_ptr,
@@ -175,6 +196,10 @@ def prefill_kernel(
     stride_vp,
     stride_vh,
     stride_vo,
+    stride_ksp,
+    stride_ksh,
+    stride_vsp,
+    stride_vsh,
     stride_tb,
     stride_ot,
     scale,
@@ -185,6 +210,7 @@ def prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """Several query tokens per sequence (prefill chunk, k+1-token verification): grid (sequences, kv_heads, query blocks).
 
@@ -217,6 +243,8 @@ def prefill_kernel(
 
     k_head = k_ptr + kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    ks_head = ks_ptr + kvh.to(tl.int64) * stride_ksh
+    vs_head = vs_ptr + kvh.to(tl.int64) * stride_vsh
     m = tl.full([BLOCK_Q * PER_KV_P2], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_Q * PER_KV_P2], tl.float32)
     acc = tl.zeros([BLOCK_Q * PER_KV_P2, HEAD_DIM], tl.float32)
@@ -230,6 +258,12 @@ def prefill_kernel(
         v_rows = v_head + page * stride_vp + in_page * stride_vo
         k = tl.load(k_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if QUANT:
+            # Dequantized in registers to the queries' dtype, as the torch path rounds them.
+            k_s = tl.load(ks_head + page * stride_ksp + in_page, mask=valid, other=0.0).to(tl.float32)
+            v_s = tl.load(vs_head + page * stride_vsp + in_page, mask=valid, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * k_s[:, None]).to(q_ptr.dtype.element_ty)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q_ptr.dtype.element_ty)
         # The interpreter's dot is wrong on bfloat16 (numpy has none): give it float32 operands.
         if UPCAST_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -303,3 +337,73 @@ def write_kv_kernel(
     v_dst = (page * stride_vcp + in_page * stride_vco)[:, None] + (head * stride_vch + dim)[None, :]
     tl.store(k_cache_ptr + k_dst, k, mask=ok)
     tl.store(v_cache_ptr + v_dst, v, mask=ok)
+
+
+@triton.jit
+def write_kv_int8_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    ks_ptr,
+    vs_ptr,
+    slots_ptr,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcp,
+    stride_kch,
+    stride_kco,
+    stride_vcp,
+    stride_vch,
+    stride_vco,
+    stride_ksp,
+    stride_ksh,
+    stride_vsp,
+    stride_vsh,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Quantize and scatter BLOCK_T tokens' K and V of one head: grid (token blocks, kv_heads).
+
+    Per token and head: scale = absmax / 127 rounded to float16 (at least its smallest
+    normal), q = floor(x / scale + 0.5) clamped to [-127, 127]; the same arithmetic as
+    kernels.kv_layer.quantize_kv, so both paths store the same bytes.
+    """
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1).to(tl.int64)
+    t_ok = t < num_tokens
+    d = tl.arange(0, HEAD_DIM)
+    slot = tl.load(slots_ptr + t, mask=t_ok, other=0).to(tl.int64)
+    page = slot // PAGE_SIZE
+    in_page = slot % PAGE_SIZE
+    t64 = t.to(tl.int64)
+    k_row = page * stride_kcp + h * stride_kch + in_page * stride_kco
+    ks_row = page * stride_ksp + h * stride_ksh + in_page
+    k = tl.load(
+        k_ptr + (t64 * stride_kt + h * stride_kh)[:, None] + d[None, :], mask=t_ok[:, None], other=0.0
+    )
+    k_q, k_s = _quantize_rows(k)
+    tl.store(k_cache_ptr + k_row[:, None] + d[None, :], k_q, mask=t_ok[:, None])
+    tl.store(ks_ptr + ks_row, k_s, mask=t_ok)
+    v_row = page * stride_vcp + h * stride_vch + in_page * stride_vco
+    vs_row = page * stride_vsp + h * stride_vsh + in_page
+    v = tl.load(
+        v_ptr + (t64 * stride_vt + h * stride_vh)[:, None] + d[None, :], mask=t_ok[:, None], other=0.0
+    )
+    v_q, v_s = _quantize_rows(v)
+    tl.store(v_cache_ptr + v_row[:, None] + d[None, :], v_q, mask=t_ok[:, None])
+    tl.store(vs_ptr + vs_row, v_s, mask=t_ok)
+
+
+@triton.jit
+def _quantize_rows(x):
+    """[rows, head_dim] -> (int8 rows, float16 scale per row): symmetric absmax / 127, half up."""
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / 127.0, 6.103515625e-05).to(tl.float16)  # float16 tiny
+    q = tl.floor(x / scale.to(tl.float32)[:, None] + 0.5)
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    return q.to(tl.int8), scale

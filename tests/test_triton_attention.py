@@ -20,6 +20,7 @@ import torch
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
 from kernels.attention import AttentionKind, resolve_attention, select_attention
+from kernels.kv_layer import KVLayer
 from kernels.torch_attention import TorchPagedAttention
 from kernels.triton_attention import (
     GPU_TILES,
@@ -110,17 +111,17 @@ def run_case(case: Case, seed: int) -> None:
 
     ref_k, ref_v = k_cache.float(), v_cache.float()
     ref = TorchPagedAttention().prepare(batch, heads, KV_HEADS, torch.float32)
-    ref.write_kv(ref_k, ref_v, k.float(), v.float())
-    expected = ref.attend(q.float(), ref_k, ref_v)
+    ref.write_kv(KVLayer(ref_k, ref_v), k.float(), v.float())
+    expected = ref.attend(q.float(), KVLayer(ref_k, ref_v))
 
     ours = TritonPagedAttention(case.tiles).prepare(batch, heads, KV_HEADS, case.dtype)
-    ours.write_kv(k_cache, v_cache, k, v)
+    ours.write_kv(KVLayer(k_cache, v_cache), k, v)
     # The write is a copy: bit-identical to the torch path's index_copy_.
     assert torch.equal(k_cache.float(), ref_k) and torch.equal(v_cache.float(), ref_v)
     # And lands where the layout says, independently of the torch path: slot s -> [s // ps, :, s % ps].
     pages, offsets = batch.slot_mapping // case.page_size, batch.slot_mapping % case.page_size
     assert torch.equal(k_cache[pages, :, offsets], k) and torch.equal(v_cache[pages, :, offsets], v)
-    got = ours.attend(q, k_cache, v_cache)
+    got = ours.attend(q, KVLayer(k_cache, v_cache))
     assert got.dtype == case.dtype and got.shape == expected.shape
     atol, rtol = TOLERANCE[case.dtype]
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol)
@@ -169,8 +170,9 @@ def test_sequence_without_keys_gives_zeros_and_leaves_others_alone() -> None:
     )
     k_cache, v_cache = torch.randn(3, 2, page_size, head_dim), torch.randn(3, 2, page_size, head_dim)
     q = torch.randn(5, heads, head_dim)
-    with_empty = paged_attention(q, k_cache, v_cache, empty, tiles=Tiles(split_len=32))
-    alone = paged_attention(q[:4], k_cache, v_cache, meta, tiles=Tiles(split_len=32))
+    cache = KVLayer(k_cache, v_cache)
+    with_empty = paged_attention(q, cache, empty, tiles=Tiles(split_len=32))
+    alone = paged_attention(q[:4], cache, meta, tiles=Tiles(split_len=32))
     assert torch.equal(with_empty[4], torch.zeros(heads * head_dim))
     assert torch.equal(with_empty[:4], alone)
 
@@ -180,8 +182,9 @@ def test_split_count_does_not_change_the_result() -> None:
     k_cache, v_cache = torch.randn(num_pages, 2, 16, 64), torch.randn(num_pages, 2, 16, 64)
     q = torch.randn(batch.num_tokens, 6, 64)
     meta = PagedMeta.build(batch, torch.device("cpu"))
-    one = paged_attention(q, k_cache, v_cache, meta, tiles=Tiles(split_len=1024))
-    many = paged_attention(q, k_cache, v_cache, meta, tiles=Tiles(split_len=32))
+    cache = KVLayer(k_cache, v_cache)
+    one = paged_attention(q, cache, meta, tiles=Tiles(split_len=1024))
+    many = paged_attention(q, cache, meta, tiles=Tiles(split_len=32))
     torch.testing.assert_close(one, many, atol=1e-6, rtol=1e-6)
 
 
@@ -196,10 +199,11 @@ def test_strided_cache_view_matches_contiguous() -> None:
     k, v = torch.randn(batch.num_tokens, 2, 64), torch.randn(batch.num_tokens, 2, 64)
     q = torch.randn(batch.num_tokens, 6, 64)
     attn = TritonPagedAttention(SMALL_SPLITS).prepare(batch, 6, 2, torch.float32)
-    attn.write_kv(view_k, view_v, k, v)
-    attn.write_kv(dense_k, dense_v, k, v)
+    view, dense = KVLayer(view_k, view_v), KVLayer(dense_k, dense_v)
+    attn.write_kv(view, k, v)
+    attn.write_kv(dense, k, v)
     assert torch.equal(view_k, dense_k) and torch.equal(view_v, dense_v)
-    assert torch.equal(attn.attend(q, view_k, view_v), attn.attend(q, dense_k, dense_v))
+    assert torch.equal(attn.attend(q, view), attn.attend(q, dense))
 
 
 def test_dispatch() -> None:
