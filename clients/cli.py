@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--cache-tokens", type=_positive, default=DEFAULT_CACHE_TOKENS, help="KV cache size in tokens"
     )
+    gen.add_argument(
+        "--kv-cache",
+        choices=["float", "int8"],
+        default="float",
+        help="KV cache storage: float = the model's dtype; int8 = int8 K/V with a float16 scale per "
+        "token and head (~3.9x less memory than float32, ~1.9x less than bfloat16)",
+    )
     gen.add_argument("--max-batch-size", type=_positive, default=64, help="jobs running at once")
     gen.add_argument("--chunk-size", type=_positive, default=2048, help="tokens per forward")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -259,6 +266,7 @@ def run_generate(args: argparse.Namespace) -> int:
     # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
     from engine.generator import DynamicGenerator, GeneratorConfig
     from engine.jobs import JobSpec, SamplingSettings
+    from engine.kv_cache import KVCacheKind
     from engine.model.loader import WeightDtype, load_model
     from engine.model.tokenizer import ChatMessage
     from engine.scheduler import SchedulerConfig
@@ -290,10 +298,13 @@ def run_generate(args: argparse.Namespace) -> int:
         num_pages=max(1, args.cache_tokens // args.page_size),
         scheduler=SchedulerConfig(max_batch_size=args.max_batch_size, max_chunk_size=args.chunk_size),
         speculation=speculation.config,
+        kv_cache=KVCacheKind(args.kv_cache),
     )
     generator = DynamicGenerator(
         loaded.model, tok, config, speculation.load_draft(args.model, progress=not args.quiet)
     )
+    if not args.quiet:
+        print(f"kv cache: {generator.cache.describe()}", file=sys.stderr)
     specs = [
         JobSpec(
             tuple(tok.encode_chat([ChatMessage("user", t)]) if args.chat else tok.encode(t)),

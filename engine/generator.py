@@ -43,7 +43,7 @@ from engine.jobs import (
     TokensGenerated,
     new_job_id,
 )
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import KVCacheKind, PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.model.tokenizer import Tokenizer
 from engine.pages import PagePool
@@ -90,6 +90,8 @@ class GeneratorConfig:
     min_sampling_threads: int = DEFAULT_MIN_SAMPLING_THREADS
     sampler_mode: SamplerMode = SamplerMode.AUTO
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    # INT8: K/V stored as int8 with a float16 scale per token and head (the draft model's cache stays float).
+    kv_cache: KVCacheKind = KVCacheKind.FLOAT
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.num_pages < 1:
@@ -160,7 +162,7 @@ class DynamicGenerator:
         self.max_seq_len = min(
             c.max_seq_len or model.config.max_position_embeddings, model.config.max_position_embeddings
         )
-        self.cache: PagedKVCache = model.new_cache(c.num_pages, c.page_size)
+        self.cache: PagedKVCache = model.new_cache(c.num_pages, c.page_size, c.kv_cache)
         self.runner = ModelRunner(model, self.cache)
         self.pool = PagePool(c.num_pages, c.page_size)
         self.scheduler = Scheduler(c.scheduler, self.pool)

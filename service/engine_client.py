@@ -322,7 +322,14 @@ class EngineClient:
         proc.ready_at = time.monotonic()
         self.model_name = ready.model
         self.context_length = ready.context_length
-        log.info("engine_ready", model=self.model_name, pid=self.pid, linears=ready.linears, cpu=ready.cpu)
+        log.info(
+            "engine_ready",
+            model=self.model_name,
+            pid=self.pid,
+            linears=ready.linears,
+            kv_cache=ready.kv_cache,
+            cpu=ready.cpu,
+        )
         self._set_ready(not self._stalled)
         if not self._first_ready.done():
             self._first_ready.set_result(None)

@@ -28,6 +28,7 @@ from engine.jobs import (
     StopReason,
     TokensGenerated,
 )
+from engine.kv_cache import KVCacheKind
 from engine.model.loader import WeightDtype, load_model
 from engine.model.quantization import QuantMode
 from engine.scheduler import SchedulerConfig
@@ -92,6 +93,7 @@ class EngineLoop:
                     max_q_size=config.max_queue,
                 ),
                 speculation=speculation.config,
+                kv_cache=KVCacheKind(config.kv_cache),
             ),
             draft_model=speculation.load_draft(config.model_path, progress=False),
         )
@@ -108,6 +110,7 @@ class EngineLoop:
             self.generator.max_seq_len,
             loaded.model.describe(),
             cpu_features().summary(),
+            self.generator.cache.describe(),
         )
         self._send(Tag.READY, 0, ready.to_bytes())
 
@@ -245,6 +248,7 @@ class EngineLoop:
             quant=self.config.quant,
             linears=self.loaded.model.describe(),
             cpu=cpu_features().summary(),
+            kv_cache=g.cache.describe(),
         )
 
 

@@ -118,6 +118,7 @@ class Ready:
     context_length: int
     linears: str  # which linear kernel runs per projection
     cpu: str  # the CPU features the kernels were chosen for
+    kv_cache: str  # what the KV cache stores and its size (PagedKVCache.describe)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -131,6 +132,7 @@ class Ready:
             int(obj["context_length"]),
             str(obj["linears"]),
             str(obj["cpu"]),
+            str(obj["kv_cache"]),
         )
 
 

@@ -694,6 +694,7 @@ class ModelInfo(_message.Message):
     QUANT_FIELD_NUMBER: _builtins.int
     LINEARS_FIELD_NUMBER: _builtins.int
     CPU_FIELD_NUMBER: _builtins.int
+    KV_CACHE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """file or folder name"""
     vocab_size: _builtins.int
@@ -717,6 +718,8 @@ class ModelInfo(_message.Message):
     """which linear kernel runs for each projection (what auto chose)"""
     cpu: _builtins.str
     """the CPU features the kernels were chosen for"""
+    kv_cache: _builtins.str
+    """what the KV cache stores (float in the model's dtype, or int8) and its size"""
     def __init__(
         self,
         *,
@@ -737,10 +740,11 @@ class ModelInfo(_message.Message):
         quant: _builtins.str = ...,
         linears: _builtins.str = ...,
         cpu: _builtins.str = ...,
+        kv_cache: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "dtype", b"dtype", "linears", b"linears", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "dtype", b"dtype", "kv_cache", b"kv_cache", "linears", b"linears", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
