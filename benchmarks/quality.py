@@ -5,7 +5,8 @@ top-1 agreement with the float32 path (the file's weights dequantized). The text
 with Python itself: the prose paragraphs of the standard library's `pydoc_data.topics`
 (the language reference's explanations, code examples and grammar left out), cut into
 windows scored one forward each. A mode passes the gate, and may be chosen by
-`--quant auto`, when its perplexity is within 1% of the float path's.
+`--quant auto`, when its perplexity is within 1% of the float path's. The int8 KV cache
+(`--kv-cache int8`, float linears) is held to the same gate.
 
 It also shows that int4 runs the file's own Q4_0/Q4_1 weights: the groups read from
 the file equal the gguf package's dequantization bit for bit, and so do the weights
@@ -24,6 +25,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
+from engine.kv_cache import KVCacheKind
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.loader import default_model_path
@@ -74,9 +76,9 @@ def windows(ids: list[int], tokens: int) -> Iterator[list[int]]:
         yield ids[start : start + WINDOW]
 
 
-def score(model: LlamaModel, ids: list[int], tokens: int) -> Score:
+def score(model: LlamaModel, ids: list[int], tokens: int, kv: KVCacheKind = KVCacheKind.FLOAT) -> Score:
     pages = WINDOW // PAGE_SIZE
-    cache = model.new_cache(num_pages=pages, page_size=PAGE_SIZE)
+    cache = model.new_cache(num_pages=pages, page_size=PAGE_SIZE, kind=kv)
     table = [PageId(p) for p in range(pages)]
     nll = 0.0
     count = 0
@@ -128,17 +130,20 @@ def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
     cpu = cpu_features()
     i4 = LinearKind.INT4
     i8d = LinearKind.INT8_DYNAMIC
-    plans: list[tuple[str, LinearPlan]] = [
-        (f"--quant {m.value}", plan_for(m, cpu)) for m in (QuantMode.NONE, QuantMode.INT8, QuantMode.INT4)
+    float_kv, int8_kv = KVCacheKind.FLOAT, KVCacheKind.INT8
+    plans: list[tuple[str, LinearPlan, KVCacheKind]] = [
+        (f"--quant {m.value}", plan_for(m, cpu), float_kv)
+        for m in (QuantMode.NONE, QuantMode.INT8, QuantMode.INT4)
     ]
+    plans.insert(1, ("--kv-cache int8", plan_for(QuantMode.NONE, cpu), int8_kv))
     plans += [
-        ("dynamic int8 (fbgemm), all", LinearPlan.uniform(i8d)),
-        ("int4 body, dynamic int8 head", LinearPlan(i4, i4, i4, i4, i8d)),
-        ("int4 everywhere (head re-quantized)", LinearPlan.uniform(i4)),
+        ("dynamic int8 (fbgemm), all", LinearPlan.uniform(i8d), float_kv),
+        ("int4 body, dynamic int8 head", LinearPlan(i4, i4, i4, i4, i8d), float_kv),
+        ("int4 everywhere (head re-quantized)", LinearPlan.uniform(i4), float_kv),
     ]
     if auto:
         # The autotune picks by rows per call; these windows run in its 64-row bucket.
-        plans.append(("--quant auto", plan_for(QuantMode.AUTO, cpu)))
+        plans.append(("--quant auto", plan_for(QuantMode.AUTO, cpu), float_kv))
     lines = [
         f"### Quality per linear plan: {tokens} tokens of {TEXT_SOURCE}, windows of {WINDOW}",
         "",
@@ -148,17 +153,18 @@ def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
         "| --- | --- | ---: | ---: | ---: | --- | ---: |",
     ]
     reference: Score | None = None
-    for label, plan in plans:
+    for label, plan, kv in plans:
         model = LlamaModel(source.config, tensors, plan=plan, stored_int4=stored)
         t0 = time.perf_counter()
-        s = score(model, ids, tokens)
+        s = score(model, ids, tokens, kv)
         seconds = time.perf_counter() - t0
         reference = reference or s
         rel = s.perplexity / reference.perplexity - 1
         agree = float((s.argmax == reference.argmax).float().mean())
         gate = "pass" if rel <= GATE else "FAIL"
+        what = model.describe() + ("; kv cache int8" if kv is int8_kv else "")
         lines.append(
-            f"| {label} | {model.describe()} | {s.perplexity:.3f} | {rel * 100:+.2f}% | {agree * 100:.1f}% "
+            f"| {label} | {what} | {s.perplexity:.3f} | {rel * 100:+.2f}% | {agree * 100:.1f}% "
             f"| {gate} | {seconds:.0f} |"
         )
         del model
