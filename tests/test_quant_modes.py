@@ -20,6 +20,7 @@ from engine.model.loader import load_model
 from engine.model.quantization import LinearPlan, QuantMode, plan_for
 from kernels.cpu_features import cpu_features
 from kernels.linear import LinearKind
+from kernels.native_library import native_library, native_unavailable_reason
 from tests.tiny_gguf import QType, TinyLlamaSpec, random_llama_weights, write_tiny_gguf
 
 SPEC = TinyLlamaSpec()
@@ -63,13 +64,16 @@ def _first_logits(model: LlamaModel) -> tuple[torch.Tensor, tuple[int, ...]]:
     return result.step_logits[0], result.token_ids
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_every_mode_generates_near_the_float_path(tmp_path: Path, tied: bool) -> None:
+def test_every_mode_generates_near_the_float_path(tmp_path: Path, tied: bool, native: bool) -> None:
+    if native and native_library() is None:
+        pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
     source = GGUFSource(_write(tmp_path, QType.Q4_1, tied))
     cpu = cpu_features()
     float_logits, _ = _first_logits(LlamaModel.from_source(source, progress=False))
     for mode in QuantMode:
-        plan = plan_for(mode, cpu)
+        plan = plan_for(mode, cpu, native)
         model = LlamaModel.from_source(source, progress=False, plan=plan, tune_dir=tmp_path)
         logits, tokens = _first_logits(model)
         err = float((logits - float_logits).norm() / float_logits.norm())
@@ -78,9 +82,10 @@ def test_every_mode_generates_near_the_float_path(tmp_path: Path, tied: bool) ->
         assert all(0 <= t < SPEC.vocab_size for t in tokens)
         text = model.describe()
         assert text.startswith("float32 activations; qkv ")
-        if plan.qkv is LinearKind.INT4:
+        if plan.qkv in (LinearKind.INT4, LinearKind.INT4_Q8):
             # Every layer's weights came from the file's Q4_1 blocks, none re-quantized.
-            assert "qkv int4[file], o int4[file], gate_up int4[file], down int4[file]" in text
+            i4 = plan.qkv.value
+            assert f"qkv {i4}[file], o {i4}[file], gate_up {i4}[file], down {i4}[file]" in text
         if plan == LinearPlan.uniform(LinearKind.FLOAT):
             assert text.endswith("head float32")
 
@@ -88,7 +93,7 @@ def test_every_mode_generates_near_the_float_path(tmp_path: Path, tied: bool) ->
 def test_requantized_int4_from_a_float_file(tmp_path: Path) -> None:
     source = GGUFSource(_write(tmp_path, QType.F16))
     model = LlamaModel.from_source(source, progress=False, plan=plan_for(QuantMode.INT4, cpu_features()))
-    assert "qkv int4[requant]" in model.describe()
+    assert "qkv int4[requant]" in model.describe() or "qkv int4_q8[requant]" in model.describe()
     _first_logits(model)
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from engine.errors import InvalidRequestError, ModelFormatError
 from engine.forward_batch import ForwardBatch
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import KVCacheKind, PagedKVCache
 from engine.model.config import ModelConfig
 from engine.model.quantization import LinearPlan, LinearRole, describe_linears
 from engine.model.rope import RotaryEmbedding
@@ -30,6 +30,7 @@ from kernels.cpu_features import cpu_features
 from kernels.int4_groups import Int4Groups
 from kernels.linear import Linear, LinearKind, make_linear
 from kernels.linear_autotune import LinearTuner, TuneCache, TuneKey
+from kernels.native_library import NativeLibrary, native_library
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,11 @@ class LlamaModel:
         self.attention: AttentionBackend = select_attention(attention, self.device)
         # The fused Triton kernels (residual add + norm, rotary in place) go with Triton attention.
         self.fused = resolve_attention(attention, self.device) is AttentionKind.TRITON
+        # On the CPU in float32 the native kernels do the same fusions (one call each where eager
+        # torch runs 3-9 small ops: at one token per step, dispatch costs more than the math).
+        self.native: NativeLibrary | None = None
+        if not self.fused and self.device.type == "cpu" and dtype == torch.float32:
+            self.native = native_library()
 
     @staticmethod
     def from_source(
@@ -207,7 +213,7 @@ class LlamaModel:
         for name, tensor in bar:
             tensors[name] = tensor
         stored: dict[str, Int4Groups] = {}
-        if plan is not None and plan.uses(LinearKind.INT4):
+        if plan is not None and (plan.uses(LinearKind.INT4) or plan.uses(LinearKind.INT4_Q8)):
             for name, tensor in tensors.items():
                 groups = source.stored_int4(name) if tensor.dim() == 2 else None
                 if groups is not None:
@@ -218,17 +224,28 @@ class LlamaModel:
         """What runs, for logs and GetModelInfo: activations dtype and each projection's linear kind."""
         return f"{str(self.dtype).removeprefix('torch.')} activations; {self._linears_description}"
 
-    def new_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
+    def new_cache(
+        self, num_pages: int, page_size: int, kind: KVCacheKind = KVCacheKind.FLOAT
+    ) -> PagedKVCache:
+        """A cache for this model: K/V in its dtype (FLOAT) or int8 with per-token scales (INT8)."""
         from engine.kv_cache import CacheShape
 
         c = self.config
         shape = CacheShape(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
-        return PagedKVCache(shape, self.dtype, self.device)
+        return PagedKVCache(shape, self.dtype, self.device, kind)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.add_rms_norm(x, None, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x + delta (the residual stream) and its RMSNorm with `weight`."""
+        if self.native is not None:
+            # In place into x, which this forward owns (it starts as a copy of the embeddings).
+            return x, self.native.add_rms_norm(x, delta.contiguous(), weight, self.config.rms_norm_eps)
         if self.fused:
             from kernels.triton_fused import add_rms_norm
 
@@ -243,12 +260,26 @@ class LlamaModel:
         tokens = batch.num_tokens
         q_size, kv_size = c.q_size, c.kv_size
         attn = self.attention.prepare(batch, c.num_heads, c.num_kv_heads, self.dtype)
-        cos, sin = self.rope.tables(batch.positions)
+        native = self.native
+        if native is None:
+            cos, sin = self.rope.tables(batch.positions)
         x = self.embed[batch.input_ids]
-        h = rms_norm(x, self.layers[0].attn_norm, c.rms_norm_eps)
+        h = self._norm(x, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
-            if self.fused:
+            if native is not None:
+                qkv = qkv.contiguous()
+                native.rotary_(
+                    qkv,
+                    c.num_heads + c.num_kv_heads,
+                    c.head_dim,
+                    self.rope.cos,
+                    self.rope.sin_signed,
+                    batch.positions,
+                )
+                q = qkv[:, :q_size].view(tokens, c.num_heads, c.head_dim)
+                k = qkv[:, q_size : q_size + kv_size].view(tokens, c.num_kv_heads, c.head_dim)
+            elif self.fused:
                 # Imported here, not at the top: importing decorates the kernels, which reads
                 # TRITON_INTERPRET (see kernels.attention.select_attention).
                 from kernels.triton_fused import rotary_
@@ -264,16 +295,19 @@ class LlamaModel:
                 qk = self.rope.apply(qk, cos, sin)
                 q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, q_size + kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
-            attn.write_kv(cache.k[i], cache.v[i], k, v)
-            o = attn.attend(q, cache.k[i], cache.v[i])
+            attn.write_kv(cache.layer(i), k, v)
+            o = attn.attend(q, cache.layer(i))
             x, h = self._add_norm(x, layer.o(o), layer.ffn_norm)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            delta = layer.down(F.silu(gate) * up)
+            if native is not None:
+                delta = layer.down(native.silu_mul(layer.gate_up(h).contiguous()))
+            else:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                delta = layer.down(F.silu(gate) * up)
             if i + 1 < len(self.layers):
                 x, h = self._add_norm(x, delta, self.layers[i + 1].attn_norm)
             else:
                 x = x + delta
-        last = rms_norm(x[batch.logits_indices], self.final_norm, c.rms_norm_eps)
+        last = self._norm(x[batch.logits_indices], self.final_norm)
         # Row-major whatever layout the head's matmul chose: the sampler reduces along rows,
         # ~5x slower over a transposed view than the copy costs.
         return self.lm_head(last).to(torch.float32).contiguous()

@@ -1,11 +1,13 @@
 """Which linear kind runs each projection: the --quant modes and the plan they resolve to.
 
 A plan names one kind per layer class (fused QKV, O, fused gate/up, down, the head).
-INT8 is weight-only int8. INT4 keeps the file's own 4-bit blocks where it has them
-(GGUF Q4_0/Q4_1, exactly) and re-quantizes other weights by group min/max; its head is
-weight-only int8 (the shipped file stores the head as Q8_0; re-quantized to int4 it
-costs +6% perplexity). AUTO lets the load-time autotune pick, per weight shape and
-step size, the fastest of the kinds that pass the quality gate.
+INT4 keeps the file's own 4-bit blocks where it has them (GGUF Q4_0/Q4_1, exactly) and
+re-quantizes other weights by group min/max; its head is int8 (the shipped file stores
+the head as Q8_0; re-quantized to int4 it costs +6% perplexity). Where the native CPU
+kernels build (kernels/native_library.py), INT4 and INT8 run them: weight blocks times
+int8 activation blocks of 32, integer dot products. Elsewhere they fall back to torch's
+weight-only kernels (bfloat16 inside). AUTO lets the load-time autotune pick, per weight
+shape and step size, the fastest of the kinds that pass the quality gate.
 
 Dynamic int8 (fbgemm) is the fastest kind on an AVX2 CPU but no mode picks it: its one
 7-bit scale per activation tensor costs +169% perplexity on the shipped model (+7% as
@@ -89,17 +91,25 @@ AUTO_BODY_KINDS = (LinearKind.FLOAT, LinearKind.INT4, LinearKind.INT8_WEIGHT)
 AUTO_HEAD_KINDS = (LinearKind.FLOAT, LinearKind.INT8_WEIGHT)
 
 
-def plan_for(mode: QuantMode, cpu: CpuFeatures) -> LinearPlan:
+def plan_for(mode: QuantMode, cpu: CpuFeatures, native: bool | None = None) -> LinearPlan:
+    """The plan of `mode`; `native` says whether the native kernels are available (None: try to build them)."""
+    if native is None:
+        from kernels.native_library import native_library
+
+        native = native_library() is not None
+    i8 = LinearKind.INT8_Q8 if native else LinearKind.INT8_WEIGHT
+    i4 = LinearKind.INT4_Q8 if native else LinearKind.INT4
     match mode:
         case QuantMode.NONE:
             return LinearPlan.uniform(LinearKind.FLOAT)
         case QuantMode.INT8:
-            return LinearPlan.uniform(LinearKind.INT8_WEIGHT)
+            return LinearPlan.uniform(i8)
         case QuantMode.INT4:
-            i4 = LinearKind.INT4
-            return LinearPlan(i4, i4, i4, i4, LinearKind.INT8_WEIGHT)
+            return LinearPlan(i4, i4, i4, i4, i8)
         case QuantMode.AUTO:
-            return LinearPlan.tuned(AUTO_BODY_KINDS, AUTO_HEAD_KINDS)
+            native_body = (LinearKind.INT4_Q8, LinearKind.INT8_Q8) if native else ()
+            native_head = (LinearKind.INT8_Q8,) if native else ()
+            return LinearPlan.tuned(AUTO_BODY_KINDS + native_body, AUTO_HEAD_KINDS + native_head)
         case _:
             assert_never(mode)
 
