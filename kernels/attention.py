@@ -22,6 +22,7 @@ class AttentionKind(enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    NATIVE = "native"  # CPU: the native decode kernel for decode steps, torch for the rest
 
 
 class PreparedAttention(Protocol):
@@ -51,13 +52,19 @@ def triton_available() -> bool:
 
 
 def resolve_attention(kind: AttentionKind, device: torch.device) -> AttentionKind:
-    """The concrete kind AUTO stands for on `device`: Triton on CUDA when it imports, else torch."""
+    """The concrete kind AUTO stands for on `device`: Triton on CUDA when it imports; native on
+    the CPU when the native kernels build; else torch."""
     match kind:
         case AttentionKind.AUTO:
             if device.type == "cuda" and triton_available():
                 return AttentionKind.TRITON
+            if device.type == "cpu":
+                from kernels.native_library import native_library
+
+                if native_library() is not None:
+                    return AttentionKind.NATIVE
             return AttentionKind.TORCH
-        case AttentionKind.TORCH | AttentionKind.TRITON:
+        case AttentionKind.TORCH | AttentionKind.TRITON | AttentionKind.NATIVE:
             return kind
         case _:
             assert_never(kind)
@@ -80,6 +87,16 @@ def select_attention(kind: AttentionKind, device: torch.device) -> AttentionBack
             from kernels.triton_attention import TritonPagedAttention
 
             return TritonPagedAttention()
+        case AttentionKind.NATIVE:
+            from kernels.native_attention import NativePagedAttention
+            from kernels.native_library import native_library, native_unavailable_reason
+
+            lib = native_library()
+            if lib is None:
+                raise RuntimeError(
+                    f"native attention needs the native kernels: {native_unavailable_reason()}"
+                )
+            return NativePagedAttention(lib)
         case AttentionKind.AUTO:
             raise AssertionError("resolve_attention never returns AUTO")
         case other:

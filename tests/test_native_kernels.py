@@ -12,15 +12,29 @@ by at most half its block's step s).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.batch_generate import GenerationSettings, generate_batch
+from engine.kv_cache import KVCacheKind
 from engine.model.config import ModelConfig
+from engine.model.loader import load_model
 from engine.model.rope import RotaryEmbedding
+from kernels.attention import AttentionKind
 from kernels.block_linear import Int4BlockLinear, Int8BlockLinear, quantize_q8_blocks
 from kernels.int4_groups import Int4Groups
-from kernels.native_library import NativeBuildError, NativeLibrary, QuantizedRows, build_library
+from kernels.native_library import (
+    NativeBuildError,
+    NativeLibrary,
+    QuantizedRows,
+    build_library,
+    native_library,
+    native_unavailable_reason,
+)
+from tests.tiny_llama import save_tiny_llama
 
 
 @pytest.fixture(scope="module", params=["native", "x86-64"])
@@ -196,3 +210,27 @@ def test_decode_attention_matches_the_torch_path(lib: NativeLibrary, quant: torc
         ref[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), vals[:, kv_of_head]).reshape(-1)
     got = lib.decode_attention(q, kq, vq, k_scale, v_scale, tables, torch.tensor(seq_lens), dim**-0.5)
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(KVCacheKind))
+def test_native_attention_and_fused_ops_match_the_torch_model(tmp_path: Path, kind: KVCacheKind) -> None:
+    """A tiny model through the native backend (decode kernel, fused ops) and through plain torch."""
+    if native_library() is None:
+        pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
+    save_tiny_llama(
+        tmp_path, with_tokenizer=True, hidden_size=96, num_attention_heads=6, num_key_value_heads=2
+    )
+    native_model = load_model(tmp_path, progress=False, attention=AttentionKind.NATIVE).model
+    torch_model = load_model(tmp_path, progress=False, attention=AttentionKind.TORCH).model
+    assert native_model._native_ops is not None
+    torch_model.native = None  # plain torch ops as well as torch attention
+    prompts = [[(7 * i + 13 * j) % 300 + 3 for j in range(3 + 11 * i)] for i in range(4)]
+    settings = GenerationSettings(max_new_tokens=12, ignore_eos=True, max_chunk_tokens=16)
+    runs = []
+    for model in (native_model, torch_model):
+        cache = model.new_cache(num_pages=40, page_size=8, kind=kind)
+        runs.append(generate_batch(model, cache, prompts, settings, keep_logits=True))
+    for ours, theirs in zip(*runs, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.step_logits, theirs.step_logits, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -21,6 +21,7 @@ from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
 from kernels.attention import AttentionKind, resolve_attention, select_attention
 from kernels.kv_layer import KVLayer
+from kernels.native_library import native_library
 from kernels.torch_attention import TorchPagedAttention
 from kernels.triton_attention import (
     GPU_TILES,
@@ -208,9 +209,12 @@ def test_strided_cache_view_matches_contiguous() -> None:
 
 def test_dispatch() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_attention(AttentionKind.AUTO, cpu) is AttentionKind.TORCH
+    native = native_library() is not None
+    assert resolve_attention(AttentionKind.AUTO, cpu) is (
+        AttentionKind.NATIVE if native else AttentionKind.TORCH
+    )
     assert resolve_attention(AttentionKind.AUTO, cuda) is AttentionKind.TRITON  # triton imports here
     assert resolve_attention(AttentionKind.TORCH, cuda) is AttentionKind.TORCH
     assert resolve_attention(AttentionKind.TRITON, cpu) is AttentionKind.TRITON
-    assert isinstance(select_attention(AttentionKind.AUTO, cpu), TorchPagedAttention)
+    assert isinstance(select_attention(AttentionKind.TORCH, cpu), TorchPagedAttention)
     assert isinstance(select_attention(AttentionKind.TRITON, cpu), TritonPagedAttention)

@@ -234,18 +234,23 @@ class LlamaModel:
         shape = CacheShape(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
         return PagedKVCache(shape, self.dtype, self.device, kind)
 
+    @property
+    def _native_ops(self) -> NativeLibrary | None:
+        """The native fused ops, unless the Triton ones are in use."""
+        return None if self.fused else self.native
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            return self.native.add_rms_norm(x, None, weight, self.config.rms_norm_eps)
+        if self._native_ops is not None:
+            return self._native_ops.add_rms_norm(x, None, weight, self.config.rms_norm_eps)
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x + delta (the residual stream) and its RMSNorm with `weight`."""
-        if self.native is not None:
+        if self._native_ops is not None:
             # In place into x, which this forward owns (it starts as a copy of the embeddings).
-            return x, self.native.add_rms_norm(x, delta.contiguous(), weight, self.config.rms_norm_eps)
+            return x, self._native_ops.add_rms_norm(x, delta.contiguous(), weight, self.config.rms_norm_eps)
         if self.fused:
             from kernels.triton_fused import add_rms_norm
 
@@ -260,7 +265,7 @@ class LlamaModel:
         tokens = batch.num_tokens
         q_size, kv_size = c.q_size, c.kv_size
         attn = self.attention.prepare(batch, c.num_heads, c.num_kv_heads, self.dtype)
-        native = self.native
+        native = self._native_ops
         if native is None:
             cos, sin = self.rope.tables(batch.positions)
         x = self.embed[batch.input_ids]

@@ -1,0 +1,59 @@
+"""Paged attention on the CPU with the native decode kernel (kernels/csrc/cpu_kernels.c).
+
+A step where every sequence brings one new token (steady decoding) is attended by one
+native call that walks each sequence's page table in place: no page gather, no padding
+mask, one softmax pass per (sequence, K/V head), in float32 over a float32 or int8 cache.
+Everything else (K/V writes, prefill chunks, speculative verification, other dtypes)
+is the torch path's, so the two never disagree on layout or on what is written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.batch import AttentionBatch
+from kernels.kv_layer import KVLayer
+from kernels.native_library import NativeLibrary
+from kernels.torch_attention import TorchPagedAttention
+
+
+class _PreparedNativeAttention:
+    def __init__(
+        self, lib: NativeLibrary, batch: AttentionBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    ) -> None:
+        self._lib = lib
+        self._torch = TorchPagedAttention().prepare(batch, num_heads, num_kv_heads, dtype)
+        self._decode = dtype == torch.float32 and all(n == 1 for n in batch.query_lens)
+        if self._decode:
+            self._tables = batch.page_tables.contiguous()
+            self._lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
+
+    def write_kv(self, cache: KVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._torch.write_kv(cache, k, v)
+
+    def attend(self, q: torch.Tensor, cache: KVLayer) -> torch.Tensor:
+        if not self._decode or (not cache.quantized and cache.k.dtype != torch.float32):
+            return self._torch.attend(q, cache)
+        head_dim = int(q.shape[-1])
+        return self._lib.decode_attention(
+            q.contiguous(),
+            cache.k,
+            cache.v,
+            cache.k_scale,
+            cache.v_scale,
+            self._tables,
+            self._lens,
+            head_dim**-0.5,
+        )
+
+
+class NativePagedAttention:
+    """The AttentionBackend for CPU tensors when the native kernels are built."""
+
+    def __init__(self, lib: NativeLibrary) -> None:
+        self._lib = lib
+
+    def prepare(
+        self, batch: AttentionBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+    ) -> _PreparedNativeAttention:
+        return _PreparedNativeAttention(self._lib, batch, num_heads, num_kv_heads, dtype)
