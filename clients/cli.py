@@ -71,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model", type=Path, default=None, help=".gguf file or Hugging Face folder (default: shipped)"
     )
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="activations and float weights: auto = bfloat16 only on CPUs with native bfloat16 and float linears",
+    )
     gen.add_argument(
         "--quant",
         choices=["auto", "none", "int8", "int4"],

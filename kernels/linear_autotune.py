@@ -182,8 +182,17 @@ class LinearTuner:
         """A linear over the weight `make` builds in any kind; one kind alone is built plainly."""
         if len(kinds) == 1:
             return make(kinds[0])
-        candidates = {k: make(k) for k in kinds}
-        first = candidates[kinds[0]]
+        candidates: dict[LinearKind, Linear] = {}
+        for k in kinds:
+            try:
+                candidates[k] = make(k)
+            except ValueError:
+                continue  # a shape this kind cannot hold (e.g. inputs not in groups of 32): not a candidate
+        if not candidates:
+            return make(kinds[0])  # raises the first kind's error
+        if len(candidates) == 1:
+            return next(iter(candidates.values()))
+        first = next(iter(candidates.values()))
         shape = TuneCache.shape_name(first.out_features, first.in_features, kinds)
         choice = self.cache.get(shape)
         if choice is None or any(k not in candidates for k in choice.values()) or set(choice) != set(BUCKETS):

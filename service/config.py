@@ -15,8 +15,8 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     model: str | None = None  # .gguf file or HF folder; None = the shipped model
-    dtype: str = "float32"
-    quant: str = "none"  # linear kinds: none, int8, int4 or auto (engine/model/quantization.py)
+    dtype: str = "auto"  # float32, bfloat16, or auto: by the CPU (engine/model/loader.py WeightDtype.resolve)
+    quant: str = "auto"  # linear kinds: none, int8, int4 or auto (engine/model/quantization.py)
     page_size: int = 64  # engine.generator.GeneratorConfig's default (see there why)
     cache_tokens: int = 32768
     kv_cache: str = "float"  # float (the model's dtype) or int8 (a float16 scale per token and head)
@@ -109,12 +109,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("host", str, d.host, "address to listen on")
     opt("port", int, d.port, "gRPC port (0 = any free port)")
     opt("model", str, d.model, ".gguf file or Hugging Face folder (default: the shipped model)")
-    opt("dtype", _choice("float32", "bfloat16"), d.dtype, "float32 or bfloat16")
+    opt("dtype", _choice("auto", "float32", "bfloat16"), d.dtype, "auto (by the CPU), float32 or bfloat16")
     opt(
         "quant",
         _choice("none", "int8", "int4", "auto"),
         d.quant,
-        "linear kinds (auto: timed at load, cached)",
+        "linear kinds (auto: the fastest that pass the quality gate, timed at load, cached; none: exact float)",
     )
     opt("page_size", int, d.page_size, "KV cache page size in tokens")
     opt("cache_tokens", int, d.cache_tokens, "KV cache size in tokens")

@@ -239,7 +239,7 @@ class EngineLoop:
             max_batch_size=sc.max_batch_size,
             max_queue_size=sc.max_q_size,
             max_chunk_size=sc.max_chunk_size,
-            dtype=self.config.dtype,
+            dtype=str(self.loaded.model.dtype).removeprefix("torch."),  # auto resolved
             queued_jobs=s.queued,
             running_jobs=s.running,
             pages_free=s.pages_free,

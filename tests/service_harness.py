@@ -127,7 +127,7 @@ def start_server(*flags: str) -> ServerProcess:
 # -- helpers for the fuzz, soak and memory tests (tests/test_service_fuzz.py and friends) ----------
 
 # A small cache and passive OpenMP waiting: these servers share two cores with the test process.
-TINY_SERVER_FLAGS = ("--cache-tokens", "16384", "--omp-wait-policy", "passive")
+TINY_SERVER_FLAGS = ("--cache-tokens", "16384", "--omp-wait-policy", "passive", "--quant", "none")
 
 
 def start_tiny_server(model: Path, *flags: str) -> ServerProcess:
