@@ -3,7 +3,8 @@
 Tolerances are relative Frobenius errors of the output. Against the weights each kind
 really multiplies by, only activation rounding remains (bfloat16 inside: ~2^-8 per
 value); against the original float weights, the quantization error adds (int8 per
-row ~0.5%, dynamic int8 with 7-bit activations ~1.5%, int4 groups of 32 ~8%).
+row ~0.5%, dynamic int8 with 7-bit activations ~1.5%, int4 groups of 32 ~8%; the native
+block kinds add int8 activation blocks of 32, ~0.5%).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kernels.int4_groups import Int4Groups
 from kernels.int4_linear import Int4Linear
 from kernels.int8_weight_linear import Int8WeightLinear
 from kernels.linear import LinearKind, make_linear
+from kernels.native_library import native_library, native_unavailable_reason
 
 SHAPES = [(48, 64, 1), (40, 96, 5), (96, 128, 17)]  # (out, in, rows); 40 is not a multiple of 16
 # Relative error vs the original float weights, with headroom over what these shapes give.
@@ -26,6 +28,9 @@ VS_FLOAT = {
     LinearKind.INT8_WEIGHT: 0.02,
     LinearKind.INT8_DYNAMIC: 0.05,
     LinearKind.INT4: 0.12,
+    # Native kernels: the same weight error plus int8 activation blocks of 32 (~0.5%).
+    LinearKind.INT4_Q8: 0.12,
+    LinearKind.INT8_Q8: 0.03,
 }
 BF16_ACTIVATIONS = 1e-2  # vs the kernel's own weights, bfloat16 activations and outputs
 
@@ -42,6 +47,8 @@ def test_against_float(kind: LinearKind, shape: tuple[int, int, int]) -> None:
     weight = torch.randn(out, inp, generator=g) * 0.05
     bias = torch.randn(out, generator=g)
     x = torch.randn(rows, inp, generator=g)
+    if kind in (LinearKind.INT4_Q8, LinearKind.INT8_Q8) and native_library() is None:
+        pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
     lin = make_linear(kind, weight, bias)
     assert lin.kind is kind and (lin.out_features, lin.in_features) == (out, inp)
     y = lin(x)
