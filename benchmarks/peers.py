@@ -60,9 +60,9 @@ def better(part: str, a: Figure | None, b: Figure) -> Figure:
     return min(a, b, key=lambda f: f.value) if part == "w2" else max(a, b, key=lambda f: f.value)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Board:
-    """What the run found: each engine's best per part, versions, waits and failures."""
+    """What the run found: each engine's best per part, versions, waits and failures (filled in place)."""
 
     best: dict[tuple[str, str], Figure] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
