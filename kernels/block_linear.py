@@ -35,7 +35,10 @@ def pack_q4(groups: Int4Groups, lib: NativeLibrary) -> torch.Tensor:
     q = groups.q.view(n, k // BLOCK, BLOCK)
     nibbles = q[..., :16] | (q[..., 16:] << 4)
     blocks = torch.cat([_as_bytes(groups.scale), _as_bytes(groups.offset), nibbles], dim=-1).contiguous()
-    assert blocks.shape[-1] == lib.block_q4_bytes
+    if tuple(blocks.shape) != (n, k // BLOCK, lib.block_q4_bytes):
+        raise ValueError(
+            f"q4 blocks {tuple(blocks.shape)} do not fit the library's {lib.block_q4_bytes}-byte block"
+        )
     return blocks
 
 
@@ -52,7 +55,10 @@ def quantize_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def pack_q8(q: torch.Tensor, d: torch.Tensor, lib: NativeLibrary) -> torch.Tensor:
     """uint8 [n, k / 32, 36]: per block d (float32) and 32 int8 values."""
     blocks = torch.cat([_as_bytes(d), q.view(torch.uint8)], dim=-1).contiguous()
-    assert blocks.shape[-1] == lib.block_q8_bytes
+    if blocks.shape[-1] != lib.block_q8_bytes:
+        raise ValueError(
+            f"q8 blocks {tuple(blocks.shape)} do not fit the library's {lib.block_q8_bytes}-byte block"
+        )
     return blocks
 
 

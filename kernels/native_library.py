@@ -156,15 +156,15 @@ class NativeLibrary:
         return QuantizedRows(q, s, ssum)
 
     def matmul_q4(self, blocks: torch.Tensor, n: int, k: int, x: QuantizedRows) -> torch.Tensor:
-        """[rows, n] float32 from q4 blocks (uint8 [n, k / 32, block_q4_bytes])."""
-        assert tuple(blocks.shape) == (n, k // BLOCK, self.block_q4_bytes) and x.q.shape[1] == k
+        """[rows, n] float32 from q4 blocks (uint8 [n, k / 32, block_q4_bytes], checked when packed)."""
+        assert x.q.shape[1] == k
         y = torch.empty((x.rows, n), dtype=torch.float32)
         self._lib.dg_matmul_q4(_ptr(blocks), n, k, _ptr(x.q), _f32(x.s), _f32(x.ssum), x.rows, _f32(y))
         return y
 
     def matmul_q8(self, blocks: torch.Tensor, n: int, k: int, x: QuantizedRows) -> torch.Tensor:
-        """[rows, n] float32 from q8 blocks (uint8 [n, k / 32, block_q8_bytes])."""
-        assert tuple(blocks.shape) == (n, k // BLOCK, self.block_q8_bytes) and x.q.shape[1] == k
+        """[rows, n] float32 from q8 blocks (uint8 [n, k / 32, block_q8_bytes], checked when packed)."""
+        assert x.q.shape[1] == k
         y = torch.empty((x.rows, n), dtype=torch.float32)
         self._lib.dg_matmul_q8(_ptr(blocks), n, k, _ptr(x.q), _f32(x.s), x.rows, _f32(y))
         return y

@@ -26,6 +26,7 @@ in one vectorised op (int8 x scale in float32, then the queries' dtype) for SDPA
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -115,19 +116,30 @@ class _PreparedTorchAttention:
             ((slots // page_size)[:, None] * num_kv_heads + heads[None, :]) * page_size
             + (slots % page_size)[:, None]
         ).reshape(-1)
+        self._batch = batch
+        self._per_kv = num_heads // num_kv_heads
+        self._dtype = dtype
+
+    @functools.cached_property
+    def _groups(self) -> list[_Group]:
+        """Built on the first attend, once per forward: a backend that attends some steps
+        itself (kernels.native_attention) and only writes through this one never pays for them."""
+        batch = self._batch
         decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
         longer = [i for i, n in enumerate(batch.query_lens) if n > 1]
-        per_kv = num_heads // num_kv_heads
         starts = [0]
         for n in batch.query_lens[:-1]:
             starts.append(starts[-1] + n)
-        self._groups = [
-            _build_group(batch, members, starts, num_kv_heads, per_kv, dtype)
+        return [
+            _build_group(batch, members, starts, self._kv_heads, self._per_kv, self._dtype)
             for members in (decode, longer)
             if members
         ]
-        # When the whole batch is one decode group in order, outputs need no scatter.
-        self._in_order = len(self._groups) == 1 and self._groups[0].queries == 1
+
+    @functools.cached_property
+    def _in_order(self) -> bool:
+        """The whole batch is one decode group in order: outputs need no scatter."""
+        return len(self._groups) == 1 and self._groups[0].queries == 1
 
     def write_kv(self, cache: KVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         head_dim = cache.k.shape[-1]
