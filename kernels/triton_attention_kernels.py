@@ -381,22 +381,71 @@ def write_kv_int8_kernel(
     page = slot // PAGE_SIZE
     in_page = slot % PAGE_SIZE
     t64 = t.to(tl.int64)
-    k_row = page * stride_kcp + h * stride_kch + in_page * stride_kco
-    ks_row = page * stride_ksp + h * stride_ksh + in_page
-    k = tl.load(
-        k_ptr + (t64 * stride_kt + h * stride_kh)[:, None] + d[None, :], mask=t_ok[:, None], other=0.0
+    _write_int8_head(
+        k_ptr,
+        k_cache_ptr,
+        ks_ptr,
+        t64,
+        t_ok,
+        h,
+        page,
+        in_page,
+        d,
+        stride_kt,
+        stride_kh,
+        stride_kcp,
+        stride_kch,
+        stride_kco,
+        stride_ksp,
+        stride_ksh,
     )
-    k_q, k_s = _quantize_rows(k)
-    tl.store(k_cache_ptr + k_row[:, None] + d[None, :], k_q, mask=t_ok[:, None])
-    tl.store(ks_ptr + ks_row, k_s, mask=t_ok)
-    v_row = page * stride_vcp + h * stride_vch + in_page * stride_vco
-    vs_row = page * stride_vsp + h * stride_vsh + in_page
-    v = tl.load(
-        v_ptr + (t64 * stride_vt + h * stride_vh)[:, None] + d[None, :], mask=t_ok[:, None], other=0.0
+    _write_int8_head(
+        v_ptr,
+        v_cache_ptr,
+        vs_ptr,
+        t64,
+        t_ok,
+        h,
+        page,
+        in_page,
+        d,
+        stride_vt,
+        stride_vh,
+        stride_vcp,
+        stride_vch,
+        stride_vco,
+        stride_vsp,
+        stride_vsh,
     )
-    v_q, v_s = _quantize_rows(v)
-    tl.store(v_cache_ptr + v_row[:, None] + d[None, :], v_q, mask=t_ok[:, None])
-    tl.store(vs_ptr + vs_row, v_s, mask=t_ok)
+
+
+@triton.jit
+def _write_int8_head(
+    x_ptr,
+    cache_ptr,
+    scale_ptr,
+    t64,
+    t_ok,
+    h,
+    page,
+    in_page,
+    d,
+    stride_xt,
+    stride_xh,
+    stride_cp,
+    stride_ch,
+    stride_co,
+    stride_sp,
+    stride_sh,
+):
+    """One of K/V for write_kv_int8_kernel: load the tokens' head rows, quantize, store rows and scales."""
+    x = tl.load(
+        x_ptr + (t64 * stride_xt + h * stride_xh)[:, None] + d[None, :], mask=t_ok[:, None], other=0.0
+    )
+    q, scale = _quantize_rows(x)
+    row = page * stride_cp + h * stride_ch + in_page * stride_co
+    tl.store(cache_ptr + row[:, None] + d[None, :], q, mask=t_ok[:, None])
+    tl.store(scale_ptr + page * stride_sp + h * stride_sh + in_page, scale, mask=t_ok)
 
 
 @triton.jit

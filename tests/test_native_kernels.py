@@ -24,7 +24,7 @@ from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model.rope import RotaryEmbedding
 from kernels.attention import AttentionKind
-from kernels.block_linear import Int4BlockLinear, Int8BlockLinear, quantize_q8_blocks
+from kernels.block_linear import Int4BlockLinear, Int8BlockLinear, pack_q4, pack_q8, quantize_q8_blocks
 from kernels.int4_groups import Int4Groups
 from kernels.native_library import (
     NativeBuildError,
@@ -75,8 +75,6 @@ def test_q4_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int)
     groups = Int4Groups.quantize(torch.randn(n, k))
     x = torch.randn(rows, k)
     qx = lib.quantize_rows(x)
-    from kernels.block_linear import pack_q4
-
     y = lib.matmul_q4(pack_q4(groups, lib), n, k, qx)
     w = groups.dequantize()
     _close(y, _dequant_rows(qx) @ w.T)
@@ -91,8 +89,6 @@ def test_q8_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int)
     n, k = 40, 96
     weight = torch.randn(n, k)
     q, d = quantize_q8_blocks(weight)
-    from kernels.block_linear import pack_q8
-
     x = torch.randn(rows, k)
     qx = lib.quantize_rows(x)
     y = lib.matmul_q8(pack_q8(q, d, lib), n, k, qx)
