@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import resource
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -171,12 +172,49 @@ class TunedLinear:
         return self._by_bucket[bucket(rows)](x)
 
 
+# Other processes may use this share of the CPU while we time, or the choices are not kept.
+BUSY_SHARE = 0.25
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds used by the whole machine, by this process) so far; machine time is 0 off Linux."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        busy = sum(int(v) for i, v in enumerate(fields) if i not in (3, 4))  # all but idle and iowait
+        machine = busy / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        machine = 0.0
+    return machine, own.ru_utime + own.ru_stime
+
+
+class BusyMeter:
+    """The share of the machine's CPUs that other processes used between start and `share()`."""
+
+    def __init__(self) -> None:
+        self._t0 = time.monotonic()
+        self._machine0, self._own0 = _cpu_seconds()
+
+    def share(self) -> float:
+        machine, own = _cpu_seconds()
+        wall = max(time.monotonic() - self._t0, 1e-9)
+        others = max(machine - self._machine0 - (own - self._own0), 0.0)
+        return others / (wall * (os.cpu_count() or 1))
+
+
 class LinearTuner:
-    """Builds tuned linears at load: one measurement per distinct shape, the rest from the cache."""
+    """Builds tuned linears at load: one measurement per distinct shape, the rest from the cache.
+
+    Timings taken while other processes keep the CPU busy pick kinds at random (measured: a
+    loaded machine cached float32 for one-row steps where int4_q8 is 3.8x faster idle), so
+    such choices serve this load only and are not written; the next start measures again.
+    """
 
     def __init__(self, cache: TuneCache) -> None:
         self.cache = cache
         self.measured = 0  # shapes timed in this load (0 on a cache hit)
+        self.busy_share = 0.0  # other processes' share of the CPU while this load measured
+        self._meter: BusyMeter | None = None
 
     def build(self, kinds: Sequence[LinearKind], make: Callable[[LinearKind], Linear]) -> Linear:
         """A linear over the weight `make` builds in any kind; one kind alone is built plainly."""
@@ -196,12 +234,20 @@ class LinearTuner:
         shape = TuneCache.shape_name(first.out_features, first.in_features, kinds)
         choice = self.cache.get(shape)
         if choice is None or any(k not in candidates for k in choice.values()) or set(choice) != set(BUCKETS):
+            self._meter = self._meter or BusyMeter()
             choice = measure(candidates)
             self.cache.put(shape, choice)
             self.measured += 1
         return TunedLinear({b: candidates[choice[b]] for b in BUCKETS})
 
+    @property
+    def kept(self) -> bool:
+        """Whether this load's measurements were quiet enough to cache."""
+        return self.busy_share <= BUSY_SHARE
+
     def finish(self) -> None:
-        """Write what was measured (nothing to write on a full cache hit)."""
-        if self.measured:
+        """Write what was measured (nothing on a full cache hit, nor when the machine was busy)."""
+        if self._meter is not None:
+            self.busy_share = self._meter.share()
+        if self.measured and self.kept:
             self.cache.save()

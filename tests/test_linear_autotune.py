@@ -21,6 +21,12 @@ from tests.tiny_gguf import QType, TinyLlamaSpec, random_llama_weights, write_ti
 KINDS = (LinearKind.FLOAT, LinearKind.INT8_DYNAMIC)
 
 
+@pytest.fixture
+def quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever else runs on the test machine, treat the measurements as quiet (kept)."""
+    monkeypatch.setattr(autotune, "BUSY_SHARE", 1.0)
+
+
 def test_buckets() -> None:
     assert [bucket(r) for r in (1, 2, 8, 9, 64, 65, 4096)] == [1, 8, 8, 64, 64, 64, 64]
 
@@ -40,6 +46,7 @@ def _key(cpu: CpuFeatures | None = None) -> TuneKey:
     return TuneKey.make(cpu or cpu_features(), "tiny", KINDS)
 
 
+@pytest.mark.usefixtures("quiet")
 def test_cache_miss_measures_then_hit_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     weight = torch.randn(48, 64)
 
@@ -83,6 +90,30 @@ def test_key_covers_cpu_torch_and_model(tmp_path: Path) -> None:
     assert not TuneCache(_key(), tmp_path).hit  # unreadable: measured again
 
 
+def test_measurements_on_a_busy_machine_are_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Busy:
+        def share(self) -> float:
+            return autotune.BUSY_SHARE + 0.5  # others kept the CPUs busy while we timed
+
+    monkeypatch.setattr(autotune, "BusyMeter", Busy)
+    weight = torch.randn(48, 64)
+    tuner = LinearTuner(TuneCache(_key(), tmp_path))
+    tuner.build(KINDS, lambda kind: make_linear(kind, weight))
+    tuner.finish()
+    assert tuner.measured == 1 and not tuner.kept
+    assert not tuner.cache.path.exists()
+    assert not TuneCache(_key(), tmp_path).hit  # the next start measures again
+
+
+def test_busy_meter_counts_other_processes_only() -> None:
+    meter = autotune.BusyMeter()
+    torch.randn(512, 512) @ torch.randn(512, 512)  # our own work is not "others"
+    assert 0.0 <= meter.share() <= 1.1  # a share of the CPUs (jiffy rounding aside)
+
+
+@pytest.mark.usefixtures("quiet")
 def test_tiny_model_autotunes_once(tmp_path: Path) -> None:
     spec = TinyLlamaSpec()
     path = tmp_path / "tiny.gguf"

@@ -166,7 +166,10 @@ class LlamaModel:
         self._linears_description = describe_linears(built)
         if self.tuner is not None:
             self.tuner.finish()
-            state = f"measured {self.tuner.measured} shapes" if self.tuner.measured else "cached"
+            t = self.tuner
+            state = f"measured {t.measured} shapes" if t.measured else "cached"
+            if t.measured and not t.kept:
+                state += f", not cached: others used {t.busy_share:.0%} of the CPU meanwhile"
             self._linears_description += f" (autotuned per rows 1/8/64, {state}: {self.tuner.cache.path})"
         freq_factors = tensors.get("rope_freqs")
         self.rope = RotaryEmbedding(c, dtype, freq_factors)
