@@ -310,6 +310,12 @@ class DynamicGenerator:
     def _stage(self, c: ScheduledChunk, now: float, events: list[JobEvent]) -> SequenceInput:
         """The model input of one chunk (and the job's start event, the first time it runs)."""
         job = c.job
+        if job.prefix_copy is not None:
+            copy, job.prefix_copy = job.prefix_copy, None
+            try:
+                self.cache.copy_prefix(copy.source, copy.target, copy.tokens)
+            finally:
+                self.pool.release([copy.source])
         if not job.started:
             job.started = True
             job.scheduled_at = now

@@ -15,6 +15,17 @@ from engine.sampler import SamplerState
 from engine.text_stream import TextStream
 
 
+@dataclass(frozen=True)
+class PrefixCopy:
+    """K/V to copy before the job's first forward: the first `tokens` slots of `source` (a page
+    another sequence computed over the same leading tokens, held by the job until copied) into
+    `target`, the job's first page past its whole-page prefix hit."""
+
+    source: PageId
+    target: PageId
+    tokens: int
+
+
 # eq=False: a job is itself, compared by identity. The generated __eq__ compared every field,
 # and the scheduler's list membership tests made that O(jobs^2) field comparisons per step.
 @dataclass(eq=False)
@@ -35,6 +46,7 @@ class JobState:
     page_hashes: list[int] = field(default_factory=list)
     # (page index, hash) of prompt pages this job is computing that queued jobs may wait for.
     inflight: list[tuple[int, int]] = field(default_factory=list)
+    prefix_copy: PrefixCopy | None = None  # set at admission, done by the generator before the forward
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
     skips: int = 0  # times smaller jobs were admitted past this one
     started: bool = False

@@ -126,6 +126,15 @@ class PagedKVCache:
             if t is not None:
                 t.index_copy_(1, d, t.index_select(1, s))
 
+    def copy_prefix(self, src: int, dst: int, tokens: int) -> None:
+        """Copy the first `tokens` slots of page `src` into page `dst` in every layer (scales too):
+        a partial prefix hit takes the K/V another sequence computed for the same leading tokens."""
+        if not 0 < tokens <= self.page_size:
+            raise ValueError(f"can copy 1..{self.page_size} slots of a page, not {tokens}")
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None:
+                t[:, dst, :, :tokens] = t[:, src, :, :tokens]
+
     def describe(self) -> str:
         """What the cache holds, for logs and GetModelInfo."""
         match self.kind:

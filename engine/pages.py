@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from engine.ids import PageId
 
 _ROOT_SERIAL = 0  # the "parent registration" of every first page
+_PARTIAL_SCAN = 64  # children of one parent `find_partial` compares, newest first
 
 
 class PageState(enum.Enum):
@@ -85,6 +86,15 @@ def extend_chain(hashes: list[int], tokens: Sequence[int], page_size: int, salt:
     for i in range(len(hashes), pages):
         parent = chain_hash(parent, tokens[i * page_size : (i + 1) * page_size])
         hashes.append(parent)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items `a` and `b` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 @dataclass(frozen=True)
@@ -135,6 +145,9 @@ class PagePool:
         self._lru: OrderedDict[PageId, None] = OrderedDict()  # CACHED pages, least recently used first
         self._reg: dict[PageId, _Registration] = {}
         self._index: dict[int, PageId] = {}  # hash -> the one page a lookup finds
+        # Parent registration serial -> its registered children, newest last: where `find_partial`
+        # looks for a page that starts like the caller's next, not yet matched, tokens.
+        self._children: dict[int, OrderedDict[PageId, None]] = {}
         self._next_serial = _ROOT_SERIAL + 1
         self._prefix_lookups = 0
         self._prefix_query_tokens = 0
@@ -247,14 +260,49 @@ class PagePool:
             parent_hash, parent_serial = h, reg.serial
         return matched
 
-    def take_prefix(self, pages: Sequence[PageId], query_tokens: int) -> None:
+    def find_partial(
+        self, parent: PageId | None, tokens: Sequence[int], *, salt: str = ""
+    ) -> tuple[PageId, int] | None:
+        """The registered page on top of `parent` (None: a first page) whose leading tokens match
+        the most of `tokens`, and how many match (at least 1); None if no page starts with tokens[0].
+
+        A prefix hit covers whole pages only; this finds the part of the next page another
+        sequence already computed (a shared system prompt rarely ends on a page boundary), so
+        the caller can copy those tokens' K/V instead of computing them. `parent` must be a
+        registered page (the caller's last matched one). Looks at the newest `_PARTIAL_SCAN`
+        children: a bound on the work per admission, not on correctness.
+        """
+        if not tokens:
+            return None
+        serial = _ROOT_SERIAL
+        if parent is not None:
+            reg = self._reg.get(parent)
+            if reg is None:
+                raise ValueError(f"parent page {parent} is not registered")
+            serial = reg.serial
+        children = self._children.get(serial)
+        if not children:
+            return None
+        best: tuple[PageId, int] | None = None
+        for i, page in enumerate(reversed(children)):
+            if i >= _PARTIAL_SCAN:
+                break
+            reg = self._reg[page]
+            if reg.salt != salt:
+                continue
+            n = common_prefix_len(reg.key.tokens, tokens)
+            if n and (best is None or n > best[1]):
+                best = (page, n)
+        return best
+
+    def take_prefix(self, pages: Sequence[PageId], query_tokens: int, partial_tokens: int = 0) -> None:
         """Reference pages `find_prefix` just returned (nothing changed since), counting one lookup
-        of `query_tokens` tokens."""
+        of `query_tokens` tokens; `partial_tokens` more were found by `find_partial` (and are copied)."""
         for page in pages:
             self._take(page)
         self._prefix_lookups += 1
         self._prefix_query_tokens += query_tokens
-        self._prefix_hit_tokens += len(pages) * self._page_size
+        self._prefix_hit_tokens += len(pages) * self._page_size + partial_tokens
 
     def _limit(self, token_ids: Sequence[int], max_tokens: int | None) -> int:
         if max_tokens is not None and max_tokens < 0:
@@ -342,6 +390,7 @@ class PagePool:
         )
         self._next_serial += 1
         self._index[h] = page
+        self._children.setdefault(parent_serial, OrderedDict())[page] = None
         return page
 
     def release(self, pages: Sequence[PageId]) -> None:
@@ -361,8 +410,16 @@ class PagePool:
                 self._lru[page] = None
             else:
                 # Unfindable (a displaced collision): caching it would only crowd out findable pages.
-                self._reg.pop(page, None)
+                self._drop_registration(page)
                 self._free.append(page)
+
+    def hold(self, page: PageId) -> None:
+        """One more reference to a page that is held or findable (a CACHED one is revived): keeps
+        a page alive while its K/V is copied elsewhere. Undo with `release([page])`."""
+        self._check_page(page)
+        if self._ref[page] == 0 and page not in self._lru:
+            raise ValueError(f"page {page} is free; only a held or cached page can be held")
+        self._take(page)
 
     def retain(self, pages: Sequence[PageId]) -> None:
         """One more reference to each held page: another table now holds them too (fork)."""
@@ -435,6 +492,9 @@ class PagePool:
             reg = self._reg.get(page)
             if reg is None or reg.key.hash != h:
                 problems.append(f"the index maps hash {h:#x} to page {page}, not registered under it")
+        children = {(serial, page) for serial, pages in self._children.items() for page in pages}
+        if children != {(reg.parent_serial, page) for page, reg in self._reg.items()}:
+            problems.append("the children index does not list exactly the registered pages")
         if len({reg.serial for reg in self._reg.values()}) != len(self._reg):
             problems.append("two registrations share a serial")
         if problems:
@@ -484,5 +544,12 @@ class PagePool:
 
     def _drop_registration(self, page: PageId) -> None:
         reg = self._reg.pop(page, None)
-        if reg is not None and self._index.get(reg.key.hash) == page:
+        if reg is None:
+            return
+        if self._index.get(reg.key.hash) == page:
             del self._index[reg.key.hash]
+        siblings = self._children.get(reg.parent_serial)
+        if siblings is not None:
+            siblings.pop(page, None)
+            if not siblings:
+                del self._children[reg.parent_serial]

@@ -20,6 +20,12 @@ now by a running job waits (without losing its place) until that page is registe
 then takes it as a prefix hit. So 32 jobs with one long system prompt compute it once,
 not 32 times. (Only jobs of the same cache salt share: the salt is part of every hash.)
 
+Partial pages: a shared prefix rarely ends on a page boundary. Past its whole-page hits, an
+admitted job copies the K/V of as many leading tokens of its next page as some other page
+on the same prefix already holds (a registered page from the pool, or the page a running
+job is filling) instead of computing them: 32 prompts that share 1019 tokens on pages of
+64 then each compute 12 tokens, not 71.
+
 A queued job's page hashes are computed once and kept on the job, and a try that does
 not fit takes nothing and counts no prefix lookup: a job waiting for room costs dict
 lookups per step, and the hit-rate stats count one lookup per admission.
@@ -32,9 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError, QueueFullError
-from engine.job_state import JobState
+from engine.ids import PageId
+from engine.job_state import JobState, PrefixCopy
 from engine.jobs import JobStage
-from engine.pages import PagePool, extend_chain
+from engine.pages import PagePool, common_prefix_len, extend_chain
 
 
 @dataclass(frozen=True)
@@ -197,16 +204,24 @@ class Scheduler:
             else []
         )
         need = total - len(matched)
+        donor = self._partial_donor(job, matched) if self.config.prefix_cache else None
         revived = sum(1 for p in matched if self.pool.ref_count(p) == 0)  # CACHED pages leave the LRU
+        if donor is not None and self.pool.ref_count(donor[0]) == 0:
+            revived += 1
         if need > room - revived:
             return False
         if self.config.prefix_cache:
-            self.pool.take_prefix(matched, query)
+            self.pool.take_prefix(matched, query, donor[1] if donor else 0)
+        if donor is not None:
+            self.pool.hold(donor[0])  # before allocating: it must not be evicted for our own pages
         fresh = self.pool.allocate(need)
         assert fresh is not None, "the pages were counted as available"
         job.pages = matched + fresh
         job.computed = len(matched) * ps
         job.registered = len(matched)
+        if donor is not None:
+            job.prefix_copy = PrefixCopy(donor[0], fresh[0], donor[1])
+            job.computed += donor[1]
         if not job.started:
             job.cached_tokens = job.computed
         if self.config.prefix_cache:
@@ -218,6 +233,35 @@ class Scheduler:
         self._admitted += 1
         self.running.append(job)
         return True
+
+    def _partial_donor(self, job: JobState, matched: list[PageId]) -> tuple[PageId, int] | None:
+        """The page holding the most of `job`'s tokens after its whole-page hits `matched`, computed
+        on the very same pages before them, and how many; None if none holds even one."""
+        ps = self.pool.page_size
+        k = len(matched)
+        start = k * ps
+        # The last token always runs (its logits are needed).
+        want = job.tokens[start : min(start + ps, len(job.tokens) - 1)]
+        if not want:
+            return None
+        salt = job.spec.cache_salt
+        best = self.pool.find_partial(matched[-1] if matched else None, want, salt=salt)
+        # A running job's page k is not registered until full, but its computed tokens are usable.
+        for other in self.running:
+            if (
+                other.registered != k
+                or len(other.pages) <= k
+                or other.spec.cache_salt != salt
+                or other.pages[:k] != matched
+            ):
+                continue
+            have = min(other.computed - start, ps)
+            if have <= 0:
+                continue
+            n = common_prefix_len(other.tokens[start : start + have], want)
+            if n and (best is None or n > best[1]):
+                best = (other.pages[k], n)
+        return best
 
     def _ensure_pages(
         self, job: JobState, total_tokens: int, page_size: int, on_preempt: Callable[[JobState], None]
@@ -246,6 +290,9 @@ class Scheduler:
         self.queue.appendleft(job)
 
     def _release(self, job: JobState) -> None:
+        if job.prefix_copy is not None:  # admitted but never staged: drop the hold on the source
+            self.pool.release([job.prefix_copy.source])
+            job.prefix_copy = None
         if job.inflight:
             self._forget_inflight(job)
         pages, job.pages = job.pages, []

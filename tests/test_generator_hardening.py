@@ -154,12 +154,13 @@ def test_a_queued_job_is_hashed_once_and_counted_once(
     assert s.prefix_lookups == 2  # one per admission, not per failed try
     assert s.prefix_query_tokens == (60 - 1) + (64 - 1)
     assert s.prefix_hit_tokens == 0
-    # The same prompt again: 7 of its 8 pages hit (the last token is always computed).
+    # The same prompt again: 7 of its 8 pages hit and 7 tokens of the 8th are copied (the last
+    # token is always computed).
     again = gen.generate([JobSpec(b_prompt, max_new_tokens=2)])[0]
-    assert again.finished.cached_tokens == 56
+    assert again.finished.cached_tokens == 63
     s = gen.pool.stats()
-    assert (s.prefix_lookups, s.prefix_query_tokens, s.prefix_hit_tokens) == (3, 59 + 63 + 63, 56)
-    assert gen.stats().prefix_hit_tokens == 56 and a_id not in gen.jobs
+    assert (s.prefix_lookups, s.prefix_query_tokens, s.prefix_hit_tokens) == (3, 59 + 63 + 63, 63)
+    assert gen.stats().prefix_hit_tokens == 63 and a_id not in gen.jobs
 
 
 def test_jobs_that_cannot_fit_even_with_every_page_cached_skip_the_lookup(
@@ -248,7 +249,8 @@ def test_cache_salts_never_share_live_pages(tiny: LoadedModel) -> None:
         gen.check_invariants()
     tokens = {i: finished[i].cached_tokens for i in ids}
     assert tokens[ids[0]] == 0 and tokens[ids[1]] == 0 and tokens[ids[3]] == 0
-    assert tokens[ids[2]] == 48  # waited for the first x job's pages, then hit them
+    # Waited for the first x job's pages, then hit them (48) and copied the 49th from its last page.
+    assert tokens[ids[2]] == 49
 
 
 def test_cache_salt_is_bounded(tiny: LoadedModel) -> None:
