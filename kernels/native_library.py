@@ -113,6 +113,10 @@ class NativeLibrary:
         lib.dg_matmul_q4.restype = None
         lib.dg_matmul_q8.argtypes = [_P, _I, _I, _P, _P, _I, _P]
         lib.dg_matmul_q8.restype = None
+        lib.dg_matmul_q4x8.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P]
+        lib.dg_matmul_q4x8.restype = None
+        lib.dg_matmul_q8x8.argtypes = [_P, _I, _I, _P, _P, _I, _P]
+        lib.dg_matmul_q8x8.restype = None
         lib.dg_add_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, _F]
         lib.dg_add_rms_norm.restype = None
         lib.dg_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P]
@@ -142,6 +146,8 @@ class NativeLibrary:
         self._lib = lib
         self.block_q4_bytes = int(lib.dg_block_q4_size())
         self.block_q8_bytes = int(lib.dg_block_q8_size())
+        self.block_q4x8_bytes = int(lib.dg_block_q4x8_size())
+        self.block_q8x8_bytes = int(lib.dg_block_q8x8_size())
         self.simd = SIMD_NAMES.get(int(lib.dg_simd()), "unknown")
 
     def quantize_rows(self, x: torch.Tensor) -> QuantizedRows:
@@ -160,6 +166,20 @@ class NativeLibrary:
         assert x.q.shape[1] == k
         y = torch.empty((x.rows, n), dtype=torch.float32)
         self._lib.dg_matmul_q4(_ptr(blocks), n, k, _ptr(x.q), _f32(x.s), _f32(x.ssum), x.rows, _f32(y))
+        return y
+
+    def matmul_q4x8(self, blocks: torch.Tensor, n: int, k: int, x: QuantizedRows) -> torch.Tensor:
+        """[rows, n] float32 from 8-row q4 blocks (uint8 [n / 8, k / 32, block_q4x8_bytes])."""
+        assert x.q.shape[1] == k and n % 8 == 0
+        y = torch.empty((x.rows, n), dtype=torch.float32)
+        self._lib.dg_matmul_q4x8(_ptr(blocks), n, k, _ptr(x.q), _f32(x.s), _f32(x.ssum), x.rows, _f32(y))
+        return y
+
+    def matmul_q8x8(self, blocks: torch.Tensor, n: int, k: int, x: QuantizedRows) -> torch.Tensor:
+        """[rows, n] float32 from 8-row q8 blocks (uint8 [n / 8, k / 32, block_q8x8_bytes])."""
+        assert x.q.shape[1] == k and n % 8 == 0
+        y = torch.empty((x.rows, n), dtype=torch.float32)
+        self._lib.dg_matmul_q8x8(_ptr(blocks), n, k, _ptr(x.q), _f32(x.s), x.rows, _f32(y))
         return y
 
     def matmul_q8(self, blocks: torch.Tensor, n: int, k: int, x: QuantizedRows) -> torch.Tensor:

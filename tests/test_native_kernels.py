@@ -24,7 +24,15 @@ from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model.rope import RotaryEmbedding
 from kernels.attention import AttentionKind
-from kernels.block_linear import Int4BlockLinear, Int8BlockLinear, pack_q4, pack_q8, quantize_q8_blocks
+from kernels.block_linear import (
+    Int4BlockLinear,
+    Int8BlockLinear,
+    pack_q4,
+    pack_q4x8,
+    pack_q8,
+    pack_q8x8,
+    quantize_q8_blocks,
+)
 from kernels.int4_groups import Int4Groups
 from kernels.native_library import (
     NativeBuildError,
@@ -68,14 +76,18 @@ def test_activation_quantization_matches_the_reference(lib: NativeLibrary) -> No
     assert torch.allclose(got.ssum, d * q.sum(-1).float())
 
 
+@pytest.mark.parametrize("layout", ["rows", "x8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64])
-def test_q4_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int) -> None:
+def test_q4_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int, layout: str) -> None:
     torch.manual_seed(rows)
     n, k = 72, 160
     groups = Int4Groups.quantize(torch.randn(n, k))
     x = torch.randn(rows, k)
     qx = lib.quantize_rows(x)
-    y = lib.matmul_q4(pack_q4(groups, lib), n, k, qx)
+    if layout == "x8":
+        y = lib.matmul_q4x8(pack_q4x8(groups, lib), n, k, qx)
+    else:
+        y = lib.matmul_q4(pack_q4(groups, lib), n, k, qx)
     w = groups.dequantize()
     _close(y, _dequant_rows(qx) @ w.T)
     # Against the float activations: within half a step per activation.
@@ -83,30 +95,55 @@ def test_q4_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int)
     assert bool(((y - x @ w.T).abs() <= bound * 1.001 + 1e-5).all())
 
 
+@pytest.mark.parametrize("layout", ["rows", "x8"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_q8_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int) -> None:
+def test_q8_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int, layout: str) -> None:
     torch.manual_seed(rows)
     n, k = 40, 96
     weight = torch.randn(n, k)
     q, d = quantize_q8_blocks(weight)
     x = torch.randn(rows, k)
     qx = lib.quantize_rows(x)
-    y = lib.matmul_q8(pack_q8(q, d, lib), n, k, qx)
+    if layout == "x8":
+        y = lib.matmul_q8x8(pack_q8x8(q, d, lib), n, k, qx)
+    else:
+        y = lib.matmul_q8(pack_q8(q, d, lib), n, k, qx)
     w = (q.view(n, -1, 32).float() * d[..., None]).view(n, k)
     _close(y, _dequant_rows(qx) @ w.T)
     assert float((w - weight).abs().max()) <= float(d.max()) / 2 + 1e-6
 
 
-def test_q4_linear_runs_the_files_blocks_exactly(lib: NativeLibrary) -> None:
-    """Packed Q4_1-style groups keep every value: unpacking the bytes gives the groups back."""
-    torch.manual_seed(1)
-    groups = Int4Groups.quantize(torch.randn(16, 64))
-    lin = Int4BlockLinear(lib, groups, from_file=True)
-    blocks = lin._blocks
+def _unpack_q4(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, offset) back from row-major q4 blocks [n, k / 32, 24]."""
     scale = blocks[..., 0:4].contiguous().view(torch.float32)[..., 0]
     offset = blocks[..., 4:8].contiguous().view(torch.float32)[..., 0]
     nib = blocks[..., 8:]
-    q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(16, 64)
+    return torch.cat([nib & 0x0F, nib >> 4], dim=-1).reshape(n, k), scale, offset
+
+
+def _unpack_q4x8(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, offset) back from 8-row q4 blocks [n / 8, k / 32, 192], per the layout's comment."""
+    g, nb = n // 8, k // 32
+    scale = blocks[..., 0:32].contiguous().view(torch.float32).view(g, nb, 8).transpose(1, 2).reshape(n, nb)
+    offset = blocks[..., 32:64].contiguous().view(torch.float32).view(g, nb, 8).transpose(1, 2).reshape(n, nb)
+    q = torch.zeros(n, k, dtype=torch.uint8)
+    chunks = blocks[..., 64:].view(g, nb, 4, 8, 4)  # [group, block, chunk, row, byte]
+    for c in range(4):
+        for t in range(4):
+            byte = chunks[:, :, c, :, t].transpose(1, 2).reshape(n, nb)  # [row, block]
+            q.view(n, nb, 32)[:, :, 4 * c + t] = byte & 0x0F
+            q.view(n, nb, 32)[:, :, 4 * c + t + 16] = byte >> 4
+    return q, scale, offset
+
+
+@pytest.mark.parametrize("n", [16, 12])  # interleaved 8-row blocks, and row-major blocks
+def test_q4_linear_runs_the_files_blocks_exactly(lib: NativeLibrary, n: int) -> None:
+    """Packed Q4_1-style groups keep every value: unpacking the bytes gives the groups back."""
+    torch.manual_seed(1)
+    groups = Int4Groups.quantize(torch.randn(n, 64))
+    lin = Int4BlockLinear(lib, groups, from_file=True)
+    unpack = _unpack_q4x8 if n % 8 == 0 else _unpack_q4
+    q, scale, offset = unpack(lin._blocks, n, 64)
     assert (
         torch.equal(q, groups.q) and torch.equal(scale, groups.scale) and torch.equal(offset, groups.offset)
     )
@@ -116,14 +153,15 @@ def test_q4_linear_runs_the_files_blocks_exactly(lib: NativeLibrary) -> None:
     assert lin.describe() == "int4_q8[file]"
 
 
-def test_block_linears_keep_shape_dtype_and_bias(lib: NativeLibrary) -> None:
+@pytest.mark.parametrize("n", [24, 20])  # interleaved 8-row blocks, and row-major blocks
+def test_block_linears_keep_shape_dtype_and_bias(lib: NativeLibrary, n: int) -> None:
     torch.manual_seed(2)
-    weight = torch.randn(24, 64)
-    bias = torch.randn(24)
+    weight = torch.randn(n, 64)
+    bias = torch.randn(n)
     x = torch.randn(2, 3, 64)
     for lin in (Int8BlockLinear(lib, weight, bias), Int4BlockLinear(lib, Int4Groups.quantize(weight), bias)):
         y = lin(x)
-        assert y.shape == (2, 3, 24) and y.dtype == torch.float32
+        assert y.shape == (2, 3, n) and y.dtype == torch.float32
         ref = F.linear(x, weight, bias)
         assert float((y - ref).abs().max()) < 0.15 * float(ref.abs().max())
         assert lin(x.to(torch.bfloat16)).dtype == torch.bfloat16

@@ -286,6 +286,188 @@ void dg_matmul_q8(const block_q8 *w, int64_t n, int64_t k, const int8_t *qx, con
     }
 }
 
+/* ---- 8-row interleaved q4 blocks: one vector lane per output row ----------------------------
+ *
+ * block_q4x8 holds one block of 32 inputs for 8 consecutive output rows: their d and m, then
+ * 4 chunks of 32 bytes. Chunk c holds, for row i, bytes 4i..4i+3 = inputs 4c..4c+3 in the low
+ * nibbles and inputs 4c+16..4c+19 in the high nibbles. One load and two masks give 8 rows x 4
+ * inputs twice; a broadcast of 4 activation bytes multiplies all 8 rows at once, so the sums
+ * land one row per lane and a tile's 8 results are stored as they are: no horizontal sums,
+ * and each weight chunk serves every input row of the tile (R) from registers.
+ * u8 x s8 pairs are at most 2 * 15 * 127 = 3810, so a block's 8 pair sums fit in 16 bits. */
+typedef struct {
+    float d[8];
+    float m[8];
+    uint8_t qs[128];
+} block_q4x8;
+
+int dg_block_q4x8_size(void) { return (int)sizeof(block_q4x8); }
+
+#if defined(DG_AVX2)
+static inline __m256i dg_bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+#define DG_Q4X8_TILE(R)                                                                                \
+    static inline void dg_q4x8_tile_##R(const block_q4x8 *wg, int64_t nb, int64_t k, const int8_t *qx,  \
+                                        const float *sx, const float *ssum, float *y, int64_t n) {     \
+        const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                       \
+        __m256 acc[R];                                                                                 \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                             \
+            const block_q4x8 *blk = wg + b;                                                            \
+            __m256i s16[R];                                                                            \
+            for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();                               \
+            for (int c = 0; c < 4; c++) {                                                              \
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * c));           \
+                const __m256i lo = _mm256_and_si256(raw, low);                                         \
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);                   \
+                for (int r = 0; r < R; r++) {                                                          \
+                    const int8_t *xb = qx + r * k + b * QK + 4 * c;                                    \
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, dg_bcast4(xb)));        \
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, dg_bcast4(xb + 16)));   \
+                }                                                                                      \
+            }                                                                                          \
+            const __m256 d = _mm256_loadu_ps(blk->d), mo = _mm256_loadu_ps(blk->m);                    \
+            for (int r = 0; r < R; r++) {                                                              \
+                const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));                \
+                acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(sx[r * nb + b])), acc[r]); \
+                acc[r] = _mm256_fmadd_ps(mo, _mm256_set1_ps(ssum[r * nb + b]), acc[r]);                \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * n, acc[r]);                               \
+    }
+#else
+#define DG_Q4X8_TILE(R)                                                                                \
+    static inline void dg_q4x8_tile_##R(const block_q4x8 *wg, int64_t nb, int64_t k, const int8_t *qx,  \
+                                        const float *sx, const float *ssum, float *y, int64_t n) {     \
+        for (int r = 0; r < R; r++) {                                                                  \
+            for (int i = 0; i < 8; i++) {                                                              \
+                float acc = 0.0f;                                                                      \
+                for (int64_t b = 0; b < nb; b++) {                                                     \
+                    const block_q4x8 *blk = wg + b;                                                    \
+                    const int8_t *xb = qx + r * k + b * QK;                                            \
+                    int isum = 0;                                                                      \
+                    for (int c = 0; c < 4; c++)                                                        \
+                        for (int t = 0; t < 4; t++) {                                                  \
+                            const uint8_t v = blk->qs[32 * c + 4 * i + t];                             \
+                            isum += (v & 0x0F) * xb[4 * c + t] + (v >> 4) * xb[4 * c + t + 16];        \
+                        }                                                                              \
+                    acc += blk->d[i] * sx[r * nb + b] * (float)isum + blk->m[i] * ssum[r * nb + b];    \
+                }                                                                                      \
+                y[r * n + i] = acc;                                                                    \
+            }                                                                                          \
+        }                                                                                              \
+    }
+#endif
+
+DG_Q4X8_TILE(1)
+DG_Q4X8_TILE(2)
+DG_Q4X8_TILE(3)
+DG_Q4X8_TILE(4)
+
+/* y [m, n] = x [m, k] . w^T with w in q4x8 blocks [n / 8, k / 32] (n a multiple of 8). */
+void dg_matmul_q4x8(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
+                    const float *ssum, int64_t m, float *y) {
+    const int64_t nb = k / QK, groups = n / 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const block_q4x8 *wg = w + g * nb;
+        int64_t r = 0;
+        for (; r + RT <= m; r += RT)
+            dg_q4x8_tile_4(wg, nb, k, qx + r * k, sx + r * nb, ssum + r * nb, y + r * n + 8 * g, n);
+        switch (m - r) {
+            case 3: dg_q4x8_tile_3(wg, nb, k, qx + r * k, sx + r * nb, ssum + r * nb, y + r * n + 8 * g, n); break;
+            case 2: dg_q4x8_tile_2(wg, nb, k, qx + r * k, sx + r * nb, ssum + r * nb, y + r * n + 8 * g, n); break;
+            case 1: dg_q4x8_tile_1(wg, nb, k, qx + r * k, sx + r * nb, ssum + r * nb, y + r * n + 8 * g, n); break;
+            default: break;
+        }
+    }
+}
+
+/* block_q8x8: one block of 32 inputs for 8 consecutive output rows: their d, then 8 chunks of
+ * 32 bytes; chunk c holds, for row i, bytes 4i..4i+3 = inputs 4c..4c+3. As in q4x8, one
+ * lane per output row. s8 x s8 goes through u8 x s8 with w's sign moved onto x (|w| x sign(w) x);
+ * a pair is at most 2 * 127 * 127, so each chunk's pairs are widened to 32 bits at once. */
+typedef struct {
+    float d[8];
+    int8_t qs[256];
+} block_q8x8;
+
+int dg_block_q8x8_size(void) { return (int)sizeof(block_q8x8); }
+
+#if defined(DG_AVX2)
+#define DG_Q8X8_TILE(R)                                                                                \
+    static inline void dg_q8x8_tile_##R(const block_q8x8 *wg, int64_t nb, int64_t k, const int8_t *qx,  \
+                                        const float *sx, float *y, int64_t n) {                        \
+        const __m256i ones = _mm256_set1_epi16(1);                                                     \
+        __m256 acc[R];                                                                                 \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                             \
+            const block_q8x8 *blk = wg + b;                                                            \
+            __m256i s32[R];                                                                            \
+            for (int r = 0; r < R; r++) s32[r] = _mm256_setzero_si256();                               \
+            for (int c = 0; c < 8; c++) {                                                              \
+                const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk->qs + 32 * c));            \
+                const __m256i wa = _mm256_sign_epi8(wq, wq);                                           \
+                for (int r = 0; r < R; r++) {                                                          \
+                    const __m256i xs = _mm256_sign_epi8(dg_bcast4(qx + r * k + b * QK + 4 * c), wq);   \
+                    s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones)); \
+                }                                                                                      \
+            }                                                                                          \
+            const __m256 d = _mm256_loadu_ps(blk->d);                                                  \
+            for (int r = 0; r < R; r++)                                                                \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]),                                   \
+                                         _mm256_mul_ps(d, _mm256_set1_ps(sx[r * nb + b])), acc[r]);    \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * n, acc[r]);                               \
+    }
+#else
+#define DG_Q8X8_TILE(R)                                                                                \
+    static inline void dg_q8x8_tile_##R(const block_q8x8 *wg, int64_t nb, int64_t k, const int8_t *qx,  \
+                                        const float *sx, float *y, int64_t n) {                        \
+        for (int r = 0; r < R; r++) {                                                                  \
+            for (int i = 0; i < 8; i++) {                                                              \
+                float acc = 0.0f;                                                                      \
+                for (int64_t b = 0; b < nb; b++) {                                                     \
+                    const block_q8x8 *blk = wg + b;                                                    \
+                    const int8_t *xb = qx + r * k + b * QK;                                            \
+                    int isum = 0;                                                                      \
+                    for (int c = 0; c < 8; c++)                                                        \
+                        for (int t = 0; t < 4; t++) isum += blk->qs[32 * c + 4 * i + t] * xb[4 * c + t]; \
+                    acc += blk->d[i] * sx[r * nb + b] * (float)isum;                                   \
+                }                                                                                      \
+                y[r * n + i] = acc;                                                                    \
+            }                                                                                          \
+        }                                                                                              \
+    }
+#endif
+
+DG_Q8X8_TILE(1)
+DG_Q8X8_TILE(2)
+DG_Q8X8_TILE(3)
+DG_Q8X8_TILE(4)
+
+/* y [m, n] = x [m, k] . w^T with w in q8x8 blocks [n / 8, k / 32] (n a multiple of 8). */
+void dg_matmul_q8x8(const block_q8x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx, int64_t m,
+                    float *y) {
+    const int64_t nb = k / QK, groups = n / 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const block_q8x8 *wg = w + g * nb;
+        int64_t r = 0;
+        for (; r + RT <= m; r += RT) dg_q8x8_tile_4(wg, nb, k, qx + r * k, sx + r * nb, y + r * n + 8 * g, n);
+        switch (m - r) {
+            case 3: dg_q8x8_tile_3(wg, nb, k, qx + r * k, sx + r * nb, y + r * n + 8 * g, n); break;
+            case 2: dg_q8x8_tile_2(wg, nb, k, qx + r * k, sx + r * nb, y + r * n + 8 * g, n); break;
+            case 1: dg_q8x8_tile_1(wg, nb, k, qx + r * k, sx + r * nb, y + r * n + 8 * g, n); break;
+            default: break;
+        }
+    }
+}
+
 /* ---- the small per-layer ops (float32), for steps of few tokens ------------------------- */
 
 #if defined(DG_AVX2)
