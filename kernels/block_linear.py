@@ -22,7 +22,7 @@ import torch
 
 from kernels.int4_groups import GROUP_SIZE, Int4Groups
 from kernels.linear import LinearKind
-from kernels.native_library import BLOCK, NativeLibrary
+from kernels.native_library import BLOCK, BlockLayout, NativeLibrary
 
 assert BLOCK == GROUP_SIZE
 
@@ -106,6 +106,7 @@ def pack_q8x8(q: torch.Tensor, d: torch.Tensor, lib: NativeLibrary) -> torch.Ten
 
 class _BlockLinear:
     kind: LinearKind
+    _layout: BlockLayout
 
     def __init__(
         self, lib: NativeLibrary, blocks: torch.Tensor, n: int, k: int, bias: torch.Tensor | None
@@ -121,14 +122,11 @@ class _BlockLinear:
     def weight_bytes(self) -> int:
         return self._blocks.numel()
 
-    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.to(torch.float32).contiguous()
-        y = self._matmul(rows)
+        y = self._lib.linear(self._layout, self._blocks, self.out_features, self.in_features, rows)
         if self.bias is not None:
             y.add_(self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -147,16 +145,13 @@ class Int4BlockLinear(_BlockLinear):
         n, k = groups.shape
         # 8-row interleaved blocks where the rows allow (every shape of the Llama family does):
         # faster at every batch size (2.2x the row-major kernel at 64 rows, 2x at one).
-        self._x8 = n % 8 == 0
-        super().__init__(lib, pack_q4x8(groups, lib) if self._x8 else pack_q4(groups, lib), n, k, bias)
+        x8 = n % 8 == 0
+        self._layout = BlockLayout.Q4X8 if x8 else BlockLayout.Q4
+        super().__init__(lib, pack_q4x8(groups, lib) if x8 else pack_q4(groups, lib), n, k, bias)
         self.from_file = from_file
 
     def describe(self) -> str:
         return "int4_q8[file]" if self.from_file else "int4_q8[requant]"
-
-    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        matmul = self._lib.matmul_q4x8 if self._x8 else self._lib.matmul_q4
-        return matmul(self._blocks, self.out_features, self.in_features, self._lib.quantize_rows(rows))
 
 
 class Int8BlockLinear(_BlockLinear):
@@ -165,12 +160,9 @@ class Int8BlockLinear(_BlockLinear):
     def __init__(self, lib: NativeLibrary, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         n, k = (int(s) for s in weight.shape)
         q, d = quantize_q8_blocks(weight)
-        self._x8 = n % 8 == 0
-        super().__init__(lib, pack_q8x8(q, d, lib) if self._x8 else pack_q8(q, d, lib), n, k, bias)
+        x8 = n % 8 == 0
+        self._layout = BlockLayout.Q8X8 if x8 else BlockLayout.Q8
+        super().__init__(lib, pack_q8x8(q, d, lib) if x8 else pack_q8(q, d, lib), n, k, bias)
 
     def describe(self) -> str:
         return "int8_q8"
-
-    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        matmul = self._lib.matmul_q8x8 if self._x8 else self._lib.matmul_q8
-        return matmul(self._blocks, self.out_features, self.in_features, self._lib.quantize_rows(rows))

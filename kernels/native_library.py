@@ -15,6 +15,7 @@ are then not offered, and the model keeps the torch kernels.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import os
@@ -88,6 +89,15 @@ def _ptr(t: torch.Tensor) -> int:
     return int(t.data_ptr())
 
 
+class BlockLayout(enum.Enum):
+    """How a block linear's weight bytes are laid out (the kernels' `layout` argument)."""
+
+    Q4 = 0  # block_q4 per output row, rows one after another
+    Q8 = 1
+    Q4X8 = 2  # block_q4x8: 8 output rows interleaved per block
+    Q8X8 = 3
+
+
 @dataclass(frozen=True)
 class QuantizedRows:
     """Activations quantized per row and block of 32: x ~= s * q, with s * sum(q) per block."""
@@ -117,6 +127,8 @@ class NativeLibrary:
         lib.dg_matmul_q4x8.restype = None
         lib.dg_matmul_q8x8.argtypes = [_P, _I, _I, _P, _P, _I, _P]
         lib.dg_matmul_q8x8.restype = None
+        lib.dg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
+        lib.dg_linear.restype = ctypes.c_int
         lib.dg_add_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, _F]
         lib.dg_add_rms_norm.restype = None
         lib.dg_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P]
@@ -166,6 +178,16 @@ class NativeLibrary:
         assert x.q.shape[1] == k
         y = torch.empty((x.rows, n), dtype=torch.float32)
         self._lib.dg_matmul_q4(_ptr(blocks), n, k, _ptr(x.q), _f32(x.s), _f32(x.ssum), x.rows, _f32(y))
+        return y
+
+    def linear(
+        self, layout: BlockLayout, blocks: torch.Tensor, n: int, k: int, x: torch.Tensor
+    ) -> torch.Tensor:
+        """[rows, n] float32: x (float32 [rows, k], contiguous) quantized and multiplied in one call."""
+        rows = int(x.shape[0])
+        y = torch.empty((rows, n), dtype=torch.float32)
+        if self._lib.dg_linear(layout.value, blocks.data_ptr(), n, k, x.data_ptr(), rows, y.data_ptr()):
+            raise MemoryError(f"no memory for {rows} x {k} quantized activations")
         return y
 
     def matmul_q4x8(self, blocks: torch.Tensor, n: int, k: int, x: QuantizedRows) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,35 @@ def test_tuned_linear_calls_its_buckets_winner() -> None:
     for rows, lin in ((1, q), (5, q), (9, f), (100, f)):
         x = torch.randn(rows, 64)
         assert torch.equal(tuned(x), lin(x))
+
+
+class _Timed:
+    """A linear that takes `seconds` per call and says it holds `nbytes` of weight."""
+
+    def __init__(self, kind: LinearKind, seconds: float, nbytes: int) -> None:
+        self.kind, self.seconds, self.nbytes = kind, seconds, nbytes
+        self.in_features = self.out_features = 8
+
+    def describe(self) -> str:
+        return self.kind.value
+
+    def weight_bytes(self) -> int:
+        return self.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        end = time.perf_counter() + self.seconds
+        while time.perf_counter() < end:
+            pass
+        return x
+
+
+def test_near_ties_go_to_the_kind_with_fewer_weight_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(autotune, "_evictor", lambda: torch.zeros(1))
+    fast = _Timed(LinearKind.FLOAT, 0.002, 4000)
+    small = _Timed(LinearKind.INT4_Q8, 0.0026, 1000)  # 30% slower alone, a quarter of the bytes
+    choice = autotune.measure({LinearKind.FLOAT: fast, LinearKind.INT4_Q8: small})
+    # One row: within the wide one-row margin, bytes win; more rows: 30% is no tie.
+    assert choice == {1: LinearKind.INT4_Q8, 8: LinearKind.FLOAT, 64: LinearKind.FLOAT}
 
 
 def _key(cpu: CpuFeatures | None = None) -> TuneKey:

@@ -468,6 +468,46 @@ void dg_matmul_q8x8(const block_q8x8 *w, int64_t n, int64_t k, const int8_t *qx,
     }
 }
 
+/* ---- whole linears: quantize the float rows into per-thread scratch, then multiply --------------
+ * One call per linear from Python: the activation blocks never become tensors. */
+typedef struct {
+    int8_t *q;
+    float *s, *ssum;
+    size_t cap; /* values of q */
+} dg_scratch;
+
+static _Thread_local dg_scratch dg_tls;
+
+/* Room for rows x k activations in this thread's scratch; 0 if out of memory. */
+static int dg_reserve(int64_t rows, int64_t k) {
+    const size_t need = (size_t)rows * (size_t)k;
+    if (need <= dg_tls.cap) return 1;
+    int8_t *q = (int8_t *)malloc(need);
+    float *s = (float *)malloc(need / QK * sizeof(float));
+    float *ssum = (float *)malloc(need / QK * sizeof(float));
+    if (!q || !s || !ssum) {
+        free(q), free(s), free(ssum);
+        return 0;
+    }
+    free(dg_tls.q), free(dg_tls.s), free(dg_tls.ssum);
+    dg_tls.q = q, dg_tls.s = s, dg_tls.ssum = ssum, dg_tls.cap = need;
+    return 1;
+}
+
+/* y [m, n] = x [m, k] . w^T for the four block layouts (0: q4, 1: q8, 2: q4x8, 3: q8x8).
+ * Returns 0, or -1 if the scratch could not be allocated (y untouched). */
+int dg_linear(int layout, const void *w, int64_t n, int64_t k, const float *x, int64_t m, float *y) {
+    if (!dg_reserve(m, k)) return -1;
+    dg_quantize_q8(x, m, k, dg_tls.q, dg_tls.s, dg_tls.ssum);
+    switch (layout) {
+        case 0: dg_matmul_q4((const block_q4 *)w, n, k, dg_tls.q, dg_tls.s, dg_tls.ssum, m, y); break;
+        case 1: dg_matmul_q8((const block_q8 *)w, n, k, dg_tls.q, dg_tls.s, m, y); break;
+        case 2: dg_matmul_q4x8((const block_q4x8 *)w, n, k, dg_tls.q, dg_tls.s, dg_tls.ssum, m, y); break;
+        default: dg_matmul_q8x8((const block_q8x8 *)w, n, k, dg_tls.q, dg_tls.s, m, y); break;
+    }
+    return 0;
+}
+
 /* ---- the small per-layer ops (float32), for steps of few tokens ------------------------- */
 
 #if defined(DG_AVX2)
