@@ -9,8 +9,7 @@ multiplies them with the weight blocks in integer arithmetic (kernels/csrc/cpu_k
 - INT8_Q8: 8-bit weight blocks, w = d * q (GGUF Q8_0's scheme; a Q8_0 weight re-quantized
   from its dequantized values gets its own blocks back).
 
-The weight's scales are kept in float32 beside their block's bytes: one stream through
-memory. Where out_features is a multiple of 8, 8 output rows are interleaved per block
+The weight's scales are kept beside their block's bytes: one stream through memory. Where out_features is a multiple of 8, 8 output rows are interleaved per block
 (pack_q4x8, pack_q8x8): each SIMD lane accumulates one output row, so a broadcast of 4
 activation bytes feeds 8 rows, a weight load feeds up to 4 input rows, and results are
 stored without horizontal sums. Else one output row's blocks follow each other (pack_q4, pack_q8).
@@ -25,6 +24,14 @@ from kernels.linear import LinearKind
 from kernels.native_library import BLOCK, BlockLayout, NativeLibrary
 
 assert BLOCK == GROUP_SIZE
+
+
+def _half_bytes(t: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 8] -> uint8 [..., 16]: the values as float16, which must hold them exactly."""
+    h = t.to(torch.float16)
+    if not torch.equal(h.to(torch.float32), t.to(torch.float32)):
+        raise ValueError("8-row blocks store scales as float16; these scales are not float16 values")
+    return h.contiguous().view(torch.uint8).view(*t.shape[:-1], 2 * t.shape[-1])
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -46,8 +53,9 @@ def pack_q4(groups: Int4Groups, lib: NativeLibrary) -> torch.Tensor:
 
 
 def pack_q4x8(groups: Int4Groups, lib: NativeLibrary) -> torch.Tensor:
-    """uint8 [n / 8, k / 32, 192]: per 8 output rows and block, their d and m (float32), then 4 chunks
-    of 32 bytes; chunk c holds for row i inputs 4c..4c+3 (low nibbles) and 4c+16..4c+19 (high)."""
+    """uint8 [n / 8, k / 32, 160]: per 8 output rows and block, their d and m (float16, as the file's
+    blocks and Int4Groups.quantize have them; ValueError otherwise), then 4 chunks of 32 bytes;
+    chunk c holds for row i inputs 4c..4c+3 (low nibbles) and 4c+16..4c+19 (high)."""
     n, k = groups.shape
     if n % 8:
         raise ValueError(f"8-row q4 blocks need out_features divisible by 8, got {n}")
@@ -56,8 +64,8 @@ def pack_q4x8(groups: Int4Groups, lib: NativeLibrary) -> torch.Tensor:
     q = groups.q.view(g, 8, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(g, nb, 128)
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [n, nb] -> [g, nb, 8 rows] as bytes
-        return _as_bytes(t.reshape(g, 8, nb).transpose(1, 2)).reshape(g, nb, 32)
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [n, nb] -> [g, nb, 8 rows] as float16 bytes
+        return _half_bytes(t.reshape(g, 8, nb).transpose(1, 2))
 
     blocks = torch.cat([per_block(groups.scale), per_block(groups.offset), qs], dim=-1).contiguous()
     if blocks.shape[-1] != lib.block_q4x8_bytes:
@@ -68,10 +76,11 @@ def pack_q4x8(groups: Int4Groups, lib: NativeLibrary) -> torch.Tensor:
 
 
 def quantize_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-block quantization: d = max |w| / 127 per 32 values, q = round(w / d)."""
+    """Symmetric per-block quantization: d = max |w| / 127 per 32 values (rounded to float16, as
+    GGUF's Q8_0 stores it), q = round(w / d)."""
     n, k = (int(s) for s in weight.shape)
     w = weight.to(torch.float32).reshape(n, k // BLOCK, BLOCK)
-    d = w.abs().amax(-1) / 127
+    d = (w.abs().amax(-1) / 127).to(torch.float16).to(torch.float32)
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
     return q, d
@@ -88,14 +97,14 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor, lib: NativeLibrary) -> torch.Tenso
 
 
 def pack_q8x8(q: torch.Tensor, d: torch.Tensor, lib: NativeLibrary) -> torch.Tensor:
-    """uint8 [n / 8, k / 32, 288]: per 8 output rows and block, their d (float32), then 8 chunks of
-    32 bytes; chunk c holds for row i inputs 4c..4c+3."""
+    """uint8 [n / 8, k / 32, 272]: per 8 output rows and block, their d (float16, as
+    quantize_q8_blocks rounds it), then 8 chunks of 32 bytes; chunk c holds for row i inputs 4c..4c+3."""
     n, k = int(q.shape[0]), q.numel() // int(q.shape[0])  # q: [n, k] or [n, k / 32, 32]
     if n % 8:
         raise ValueError(f"8-row q8 blocks need out_features divisible by 8, got {n}")
     g, nb = n // 8, k // BLOCK
     qs = q.view(torch.uint8).view(g, 8, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 256)
-    ds = _as_bytes(d.reshape(g, 8, nb).transpose(1, 2)).reshape(g, nb, 32)
+    ds = _half_bytes(d.reshape(g, 8, nb).transpose(1, 2))
     blocks = torch.cat([ds, qs], dim=-1).contiguous()
     if blocks.shape[-1] != lib.block_q8x8_bytes:
         raise ValueError(
@@ -145,9 +154,11 @@ class Int4BlockLinear(_BlockLinear):
         n, k = groups.shape
         # 8-row interleaved blocks where the rows allow (every shape of the Llama family does):
         # faster at every batch size (2.2x the row-major kernel at 64 rows, 2x at one).
-        x8 = n % 8 == 0
-        self._layout = BlockLayout.Q4X8 if x8 else BlockLayout.Q4
-        super().__init__(lib, pack_q4x8(groups, lib) if x8 else pack_q4(groups, lib), n, k, bias)
+        try:
+            blocks, self._layout = pack_q4x8(groups, lib), BlockLayout.Q4X8
+        except ValueError:  # rows not in 8s, or scales beyond float16
+            blocks, self._layout = pack_q4(groups, lib), BlockLayout.Q4
+        super().__init__(lib, blocks, n, k, bias)
         self.from_file = from_file
 
     def describe(self) -> str:
@@ -160,9 +171,11 @@ class Int8BlockLinear(_BlockLinear):
     def __init__(self, lib: NativeLibrary, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         n, k = (int(s) for s in weight.shape)
         q, d = quantize_q8_blocks(weight)
-        x8 = n % 8 == 0
-        self._layout = BlockLayout.Q8X8 if x8 else BlockLayout.Q8
-        super().__init__(lib, pack_q8x8(q, d, lib) if x8 else pack_q8(q, d, lib), n, k, bias)
+        try:
+            blocks, self._layout = pack_q8x8(q, d, lib), BlockLayout.Q8X8
+        except ValueError:  # rows not in 8s
+            blocks, self._layout = pack_q8(q, d, lib), BlockLayout.Q8
+        super().__init__(lib, blocks, n, k, bias)
 
     def describe(self) -> str:
         return "int8_q8"

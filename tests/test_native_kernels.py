@@ -122,12 +122,15 @@ def _unpack_q4(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torc
 
 
 def _unpack_q4x8(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scale, offset) back from 8-row q4 blocks [n / 8, k / 32, 192], per the layout's comment."""
+    """(q, scale, offset) back from 8-row q4 blocks [n / 8, k / 32, 160], per the layout's comment."""
     g, nb = n // 8, k // 32
-    scale = blocks[..., 0:32].contiguous().view(torch.float32).view(g, nb, 8).transpose(1, 2).reshape(n, nb)
-    offset = blocks[..., 32:64].contiguous().view(torch.float32).view(g, nb, 8).transpose(1, 2).reshape(n, nb)
+
+    def halves(b: torch.Tensor) -> torch.Tensor:
+        return b.contiguous().view(torch.float16).float().view(g, nb, 8).transpose(1, 2).reshape(n, nb)
+
+    scale, offset = halves(blocks[..., 0:16]), halves(blocks[..., 16:32])
     q = torch.zeros(n, k, dtype=torch.uint8)
-    chunks = blocks[..., 64:].view(g, nb, 4, 8, 4)  # [group, block, chunk, row, byte]
+    chunks = blocks[..., 32:].view(g, nb, 4, 8, 4)  # [group, block, chunk, row, byte]
     for c in range(4):
         for t in range(4):
             byte = chunks[:, :, c, :, t].transpose(1, 2).reshape(n, nb)  # [row, block]
@@ -151,6 +154,16 @@ def test_q4_linear_runs_the_files_blocks_exactly(lib: NativeLibrary, n: int) -> 
     eye = torch.eye(64)
     _close(lin(eye).T, groups.dequantize())
     assert lin.describe() == "int4_q8[file]"
+
+
+def test_q4_scales_beyond_float16_fall_back_to_row_major_blocks(lib: NativeLibrary) -> None:
+    torch.manual_seed(4)
+    g = Int4Groups.quantize(torch.randn(16, 64))
+    odd = Int4Groups(g.q, g.scale * (1 + 2**-20), g.offset)  # not float16 values any more
+    lin = Int4BlockLinear(lib, odd)
+    x = torch.randn(3, 64)
+    _close(lin(x), _dequant_rows(lib.quantize_rows(x)) @ odd.dequantize().T)
+    assert lin._blocks.shape == (16, 2, lib.block_q4_bytes)
 
 
 @pytest.mark.parametrize("n", [24, 20])  # interleaved 8-row blocks, and row-major blocks

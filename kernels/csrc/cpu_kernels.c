@@ -19,10 +19,34 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define DG_AVX2 1
 #endif
+
+/* IEEE half -> float, for the scalar paths (the AVX2 paths convert 8 at a time with F16C). */
+static inline float dg_h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = man;
+        do {
+            e++;
+            m <<= 1;
+        } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 #define QK 32
 
@@ -288,7 +312,8 @@ void dg_matmul_q8(const block_q8 *w, int64_t n, int64_t k, const int8_t *qx, con
 
 /* ---- 8-row interleaved q4 blocks: one vector lane per output row ----------------------------
  *
- * block_q4x8 holds one block of 32 inputs for 8 consecutive output rows: their d and m, then
+ * block_q4x8 holds one block of 32 inputs for 8 consecutive output rows: their d and m (float16,
+ * as GGUF stores them: a decode step streams every weight byte, and these are a sixth), then
  * 4 chunks of 32 bytes. Chunk c holds, for row i, bytes 4i..4i+3 = inputs 4c..4c+3 in the low
  * nibbles and inputs 4c+16..4c+19 in the high nibbles. One load and two masks give 8 rows x 4
  * inputs twice; a broadcast of 4 activation bytes multiplies all 8 rows at once, so the sums
@@ -296,8 +321,8 @@ void dg_matmul_q8(const block_q8 *w, int64_t n, int64_t k, const int8_t *qx, con
  * and each weight chunk serves every input row of the tile (R) from registers.
  * u8 x s8 pairs are at most 2 * 15 * 127 = 3810, so a block's 8 pair sums fit in 16 bits. */
 typedef struct {
-    float d[8];
-    float m[8];
+    uint16_t d[8];
+    uint16_t m[8];
     uint8_t qs[128];
 } block_q4x8;
 
@@ -330,7 +355,8 @@ static inline __m256i dg_bcast4(const int8_t *p) {
                     s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, dg_bcast4(xb + 16)));   \
                 }                                                                                      \
             }                                                                                          \
-            const __m256 d = _mm256_loadu_ps(blk->d), mo = _mm256_loadu_ps(blk->m);                    \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));               \
+            const __m256 mo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->m));              \
             for (int r = 0; r < R; r++) {                                                              \
                 const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));                \
                 acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(sx[r * nb + b])), acc[r]); \
@@ -355,7 +381,8 @@ static inline __m256i dg_bcast4(const int8_t *p) {
                             const uint8_t v = blk->qs[32 * c + 4 * i + t];                             \
                             isum += (v & 0x0F) * xb[4 * c + t] + (v >> 4) * xb[4 * c + t + 16];        \
                         }                                                                              \
-                    acc += blk->d[i] * sx[r * nb + b] * (float)isum + blk->m[i] * ssum[r * nb + b];    \
+                    acc += dg_h2f(blk->d[i]) * sx[r * nb + b] * (float)isum                            \
+                           + dg_h2f(blk->m[i]) * ssum[r * nb + b];                                     \
                 }                                                                                      \
                 y[r * n + i] = acc;                                                                    \
             }                                                                                          \
@@ -392,7 +419,7 @@ void dg_matmul_q4x8(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx,
  * lane per output row. s8 x s8 goes through u8 x s8 with w's sign moved onto x (|w| x sign(w) x);
  * a pair is at most 2 * 127 * 127, so each chunk's pairs are widened to 32 bits at once. */
 typedef struct {
-    float d[8];
+    uint16_t d[8]; /* float16 */
     int8_t qs[256];
 } block_q8x8;
 
@@ -417,7 +444,7 @@ int dg_block_q8x8_size(void) { return (int)sizeof(block_q8x8); }
                     s32[r] = _mm256_add_epi32(s32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones)); \
                 }                                                                                      \
             }                                                                                          \
-            const __m256 d = _mm256_loadu_ps(blk->d);                                                  \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk->d));               \
             for (int r = 0; r < R; r++)                                                                \
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]),                                   \
                                          _mm256_mul_ps(d, _mm256_set1_ps(sx[r * nb + b])), acc[r]);    \
@@ -437,7 +464,7 @@ int dg_block_q8x8_size(void) { return (int)sizeof(block_q8x8); }
                     int isum = 0;                                                                      \
                     for (int c = 0; c < 8; c++)                                                        \
                         for (int t = 0; t < 4; t++) isum += blk->qs[32 * c + 4 * i + t] * xb[4 * c + t]; \
-                    acc += blk->d[i] * sx[r * nb + b] * (float)isum;                                   \
+                    acc += dg_h2f(blk->d[i]) * sx[r * nb + b] * (float)isum;                           \
                 }                                                                                      \
                 y[r * n + i] = acc;                                                                    \
             }                                                                                          \
