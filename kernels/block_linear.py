@@ -132,6 +132,9 @@ class _BlockLinear:
         return self._blocks.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype is torch.float32 and x.is_contiguous():  # a forward's rows: no reshaping
+            out = self._lib.linear(self._layout, self._blocks, self.out_features, self.in_features, x)
+            return out if self.bias is None else out.add_(self.bias)
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.to(torch.float32).contiguous()

@@ -79,13 +79,18 @@ def library_path(compiler: str, march: str) -> Path:
     return default_cache_dir() / "native" / f"cpu_kernels-{digest}.so"
 
 
+# Pointer checks run for every argument of every call (hundreds per decode step), so they are
+# the cheap ones: dtype and contiguity. The device is not checked: only CPU models (whose
+# tensors are all on the CPU) use this library.
 def _f32(t: torch.Tensor) -> int:
-    assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    if t.dtype is not torch.float32 or not t.is_contiguous():
+        raise ValueError(f"native kernels take contiguous float32 tensors, got {t.dtype} {tuple(t.stride())}")
     return int(t.data_ptr())
 
 
 def _ptr(t: torch.Tensor) -> int:
-    assert t.is_contiguous() and t.device.type == "cpu"
+    if not t.is_contiguous():
+        raise ValueError(f"native kernels take contiguous tensors, got strides {tuple(t.stride())}")
     return int(t.data_ptr())
 
 
@@ -215,8 +220,9 @@ class NativeLibrary:
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         """x += delta in place (when given); returns RMSNorm(x) * weight. x [rows, dim] float32."""
-        rows, dim = (int(d) for d in x.shape)
-        assert weight.shape == (dim,) and (delta is None or delta.shape == x.shape)
+        rows, dim = x.shape
+        if weight.shape[0] != dim or (delta is not None and delta.shape != x.shape):
+            raise ValueError(f"add_rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
         out = torch.empty_like(x)
         self._lib.dg_add_rms_norm(
             _f32(x), None if delta is None else _f32(delta), _f32(weight), _f32(out), rows, dim, eps
@@ -234,9 +240,11 @@ class NativeLibrary:
     ) -> None:
         """Rotate the first `heads` heads of each row of x [rows, >= heads * head_dim] in place
         (halves layout); cos and sin_signed are [positions, head_dim] tables."""
-        rows, width = (int(d) for d in x.shape)
-        assert x.stride(1) == 1 and width >= heads * head_dim and positions.dtype == torch.int64
-        assert cos.shape[1] == head_dim and positions.shape == (rows,)
+        rows, width = x.shape
+        if x.stride(1) != 1 or width < heads * head_dim or cos.shape[1] != head_dim:
+            raise ValueError(f"rotary_: x {tuple(x.shape)} strides {x.stride()}, {heads} heads of {head_dim}")
+        if positions.dtype is not torch.int64 or positions.shape[0] != rows:
+            raise ValueError(f"rotary_: positions must be int64 [{rows}]")
         self._lib.dg_rotary(
             int(x.data_ptr()),
             rows,
@@ -250,7 +258,7 @@ class NativeLibrary:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [rows, 2 * inter] float32 -> [rows, inter]."""
-        rows, width = (int(d) for d in gate_up.shape)
+        rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=torch.float32)
         self._lib.dg_silu_mul(_f32(gate_up), rows, width // 2, _f32(out))
         return out
@@ -269,17 +277,23 @@ class NativeLibrary:
         """One query per sequence: q [B, H, D] float32 against a layer's paged cache
         [pages, KVH, page_size, D] (float32, or int8 with [pages, KVH, page_size] float32/float16
         scales) -> [B, H * D]."""
-        b, heads, dim = (int(d) for d in q.shape)
-        _, kv_heads, page_size, _ = (int(d) for d in k_cache.shape)
-        assert q.stride(2) == 1 and q.stride(1) == dim and page_tables.dtype == seq_lens.dtype == torch.int64
+        b, heads, dim = q.shape
+        _, kv_heads, page_size, _ = k_cache.shape
+        if q.stride(2) != 1 or q.stride(1) != dim:
+            raise ValueError(f"decode_attention: q's heads must be contiguous rows, strides {q.stride()}")
+        if page_tables.dtype is not torch.int64 or seq_lens.dtype is not torch.int64:
+            raise ValueError("decode_attention: page tables and lengths must be int64")
         quant = k_scale is not None and v_scale is not None
-        if quant:
-            assert (
-                k_cache.dtype == v_cache.dtype == torch.int8 and k_scale is not None and v_scale is not None
-            )
-            assert k_scale.dtype == v_scale.dtype and k_scale.dtype in (torch.float32, torch.float16)
-        else:
-            assert k_cache.dtype == v_cache.dtype == torch.float32
+        want = torch.int8 if quant else torch.float32
+        if k_cache.dtype is not want or v_cache.dtype is not want:
+            raise ValueError(f"decode_attention: a {'quantized' if quant else 'float'} cache must be {want}")
+        if (
+            quant
+            and k_scale is not None
+            and v_scale is not None
+            and (k_scale.dtype is not v_scale.dtype or k_scale.dtype not in (torch.float32, torch.float16))
+        ):
+            raise ValueError("decode_attention: scales must be float32 or float16, both the same")
         out = torch.empty((b, heads * dim), dtype=torch.float32)
         self._lib.dg_decode_attention(
             int(q.data_ptr()),
