@@ -21,7 +21,7 @@ import torch
 
 from kernels.int4_groups import GROUP_SIZE, Int4Groups
 from kernels.linear import LinearKind
-from kernels.native_library import BLOCK, BlockLayout, NativeLibrary
+from kernels.native_library import BLOCK, BlockLayout, LinearDesc, NativeLibrary
 
 assert BLOCK == GROUP_SIZE
 
@@ -113,7 +113,7 @@ def pack_q8x8(q: torch.Tensor, d: torch.Tensor, lib: NativeLibrary) -> torch.Ten
     return blocks
 
 
-class _BlockLinear:
+class BlockLinear:
     kind: LinearKind
     _layout: BlockLayout
 
@@ -131,6 +131,12 @@ class _BlockLinear:
     def weight_bytes(self) -> int:
         return self._blocks.numel()
 
+    def native_desc(self) -> LinearDesc | None:
+        """This linear for the native decoder layer; None with a bias (the layer has no bias add)."""
+        if self.bias is not None:
+            return None
+        return LinearDesc(self._layout.value, self._blocks.data_ptr(), self.out_features, self.in_features)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype is torch.float32 and x.is_contiguous():  # a forward's rows: no reshaping
             out = self._lib.linear(self._layout, self._blocks, self.out_features, self.in_features, x)
@@ -144,7 +150,7 @@ class _BlockLinear:
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
-class Int4BlockLinear(_BlockLinear):
+class Int4BlockLinear(BlockLinear):
     kind = LinearKind.INT4_Q8
 
     def __init__(
@@ -168,7 +174,7 @@ class Int4BlockLinear(_BlockLinear):
         return "int4_q8[file]" if self.from_file else "int4_q8[requant]"
 
 
-class Int8BlockLinear(_BlockLinear):
+class Int8BlockLinear(BlockLinear):
     kind = LinearKind.INT8_Q8
 
     def __init__(self, lib: NativeLibrary, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

@@ -189,6 +189,10 @@ class TunedLinear:
     def weight_bytes(self) -> int:
         return sum(lin.weight_bytes() for lin in {id(v): v for v in self._by_bucket.values()}.values())
 
+    def for_rows(self, rows: int) -> Linear:
+        """The linear a call with `rows` rows runs."""
+        return self._by_bucket[bucket(rows)]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         return self._by_bucket[bucket(rows)](x)

@@ -94,6 +94,17 @@ def _ptr(t: torch.Tensor) -> int:
     return int(t.data_ptr())
 
 
+class LinearDesc(ctypes.Structure):
+    """A block linear as the native decoder layer takes it (dg_linear_desc)."""
+
+    _fields_ = [
+        ("layout", ctypes.c_int32),
+        ("blocks", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+    ]
+
+
 class BlockLayout(enum.Enum):
     """How a block linear's weight bytes are laid out (the kernels' `layout` argument)."""
 
@@ -101,6 +112,39 @@ class BlockLayout(enum.Enum):
     Q8 = 1
     Q4X8 = 2  # block_q4x8: 8 output rows interleaved per block
     Q8X8 = 3
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """What every layer of one decode step shares; tensors contiguous, int64 or float32, on the CPU."""
+
+    rows: int  # sequences, one new token each
+    positions: torch.Tensor  # [rows]
+    slots: torch.Tensor  # [rows]: page * page_size + offset of each new K/V
+    page_tables: torch.Tensor  # [rows, max_pages]
+    seq_lens: torch.Tensor  # [rows], the new token included
+    cos: torch.Tensor  # rotary tables [positions, head_dim]
+    sin_signed: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    eps: float
+    attn_scale: float
+
+
+@dataclass(frozen=True)
+class DecodeLayer:
+    """One decoder layer's weights and float32 cache for `NativeLibrary.decode_layer`."""
+
+    qkv: LinearDesc
+    o: LinearDesc
+    gate_up: LinearDesc
+    down: LinearDesc
+    ffn_norm: torch.Tensor
+    next_norm: torch.Tensor | None  # the next layer's attention norm (None: the last layer)
+    k_cache: torch.Tensor  # [pages, kv_heads, page_size, head_dim] float32
+    v_cache: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -134,6 +178,27 @@ class NativeLibrary:
         lib.dg_matmul_q8x8.restype = None
         lib.dg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
         lib.dg_linear.restype = ctypes.c_int
+        desc = ctypes.POINTER(LinearDesc)
+        lib.dg_decode_layer.argtypes = [
+            _P,
+            _P,
+            desc,
+            desc,
+            desc,
+            desc,
+            _P,
+            _P,
+            _F,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+        ]
+        lib.dg_decode_layer.argtypes += [_I, _P, _I, _I, _I, _I, _I, _F]
+        lib.dg_decode_layer.restype = ctypes.c_int
         lib.dg_add_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, _F]
         lib.dg_add_rms_norm.restype = None
         lib.dg_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P]
@@ -194,6 +259,38 @@ class NativeLibrary:
         if self._lib.dg_linear(layout.value, blocks.data_ptr(), n, k, x.data_ptr(), rows, y.data_ptr()):
             raise MemoryError(f"no memory for {rows} x {k} quantized activations")
         return y
+
+    def decode_layer(self, step: DecodeStep, x: torch.Tensor, h: torch.Tensor, layer: DecodeLayer) -> None:
+        """One decoder layer of a decode step in one call (see dg_decode_layer): x += attention and
+        MLP outputs in place; h: this layer's normed input in, the next layer's out."""
+        rc = self._lib.dg_decode_layer(
+            x.data_ptr(),
+            h.data_ptr(),
+            ctypes.byref(layer.qkv),
+            ctypes.byref(layer.o),
+            ctypes.byref(layer.gate_up),
+            ctypes.byref(layer.down),
+            layer.ffn_norm.data_ptr(),
+            layer.next_norm.data_ptr() if layer.next_norm is not None else None,
+            step.eps,
+            step.cos.data_ptr(),
+            step.sin_signed.data_ptr(),
+            step.positions.data_ptr(),
+            layer.k_cache.data_ptr(),
+            layer.v_cache.data_ptr(),
+            step.slots.data_ptr(),
+            step.page_tables.data_ptr(),
+            step.page_tables.shape[1],
+            step.seq_lens.data_ptr(),
+            step.rows,
+            step.heads,
+            step.kv_heads,
+            step.head_dim,
+            step.page_size,
+            step.attn_scale,
+        )
+        if rc:
+            raise MemoryError("no memory for the decoder layer's scratch")
 
     def matmul_q4x8(self, blocks: torch.Tensor, n: int, k: int, x: QuantizedRows) -> torch.Tensor:
         """[rows, n] float32 from 8-row q4 blocks (uint8 [n / 8, k / 32, block_q4x8_bytes])."""

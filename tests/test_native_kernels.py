@@ -13,6 +13,7 @@ by at most half its block's step s).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from engine.batch_generate import GenerationSettings, generate_batch
 from engine.kv_cache import KVCacheKind
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
+from engine.model.quantization import QuantMode
 from engine.model.rope import RotaryEmbedding
 from kernels.attention import AttentionKind
 from kernels.block_linear import (
@@ -281,3 +283,39 @@ def test_native_attention_and_fused_ops_match_the_torch_model(tmp_path: Path, ki
         assert ours.token_ids == theirs.token_ids
         for a, b in zip(ours.step_logits, theirs.step_logits, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_one_call_decoder_layers_match_the_per_op_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps of a block-quantized model run each layer as one native call; same logits as per op."""
+    lib = native_library()
+    if lib is None:
+        pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
+    save_tiny_llama(
+        tmp_path, with_tokenizer=True, hidden_size=96, num_attention_heads=6, num_key_value_heads=2
+    )
+    model = load_model(tmp_path, progress=False, attention=AttentionKind.NATIVE, quant=QuantMode.INT4).model
+    calls = 0
+    real = NativeLibrary.decode_layer
+
+    def counting(self: NativeLibrary, *args: Any) -> None:
+        nonlocal calls
+        calls += 1
+        real(self, *args)
+
+    monkeypatch.setattr(NativeLibrary, "decode_layer", counting)
+    prompts = [[(5 * i + 11 * j) % 300 + 3 for j in range(2 + 9 * i)] for i in range(3)]
+    settings = GenerationSettings(max_new_tokens=10, ignore_eos=True, max_chunk_tokens=16)
+    fused = generate_batch(
+        model, model.new_cache(num_pages=40, page_size=8), prompts, settings, keep_logits=True
+    )
+    assert calls > 0  # the decode steps took the one-call path
+    monkeypatch.setattr(type(model), "_native_layers", lambda *_: None)
+    per_op = generate_batch(
+        model, model.new_cache(num_pages=40, page_size=8), prompts, settings, keep_logits=True
+    )
+    for ours, theirs in zip(fused, per_op, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.step_logits, theirs.step_logits, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

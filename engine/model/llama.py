@@ -26,11 +26,13 @@ from engine.model.quantization import LinearPlan, LinearRole, describe_linears
 from engine.model.rope import RotaryEmbedding
 from engine.model.weight_source import WeightSource
 from kernels.attention import AttentionBackend, AttentionKind, resolve_attention, select_attention
+from kernels.block_linear import BlockLinear
 from kernels.cpu_features import cpu_features
 from kernels.int4_groups import Int4Groups
 from kernels.linear import Linear, LinearKind, make_linear
-from kernels.linear_autotune import LinearTuner, TuneCache, TuneKey
-from kernels.native_library import NativeLibrary, native_library
+from kernels.linear_autotune import LinearTuner, TuneCache, TunedLinear, TuneKey, bucket
+from kernels.native_attention import NativePagedAttention
+from kernels.native_library import DecodeLayer, DecodeStep, LinearDesc, NativeLibrary, native_library
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,10 @@ class LlamaModel:
         self.native: NativeLibrary | None = None
         if not self.fused and self.device.type == "cpu" and dtype == torch.float32:
             self.native = native_library()
+        # Per rows bucket, the layers as one native call each takes them (None: not possible);
+        # for one cache at a time (its tensors are in the descriptions).
+        self._decode_layers: dict[int, list[DecodeLayer] | None] = {}
+        self._decode_cache: PagedKVCache | None = None
 
     @staticmethod
     def from_source(
@@ -261,10 +267,75 @@ class LlamaModel:
         x = x + delta
         return x, rms_norm(x, weight, self.config.rms_norm_eps)
 
+    def _native_layers(self, rows: int, cache: PagedKVCache) -> list[DecodeLayer] | None:
+        """The layers for `NativeLibrary.decode_layer` at `rows` rows, if every projection runs a
+        bias-free block linear there, attention is the native one and the cache is float32."""
+        if self._decode_cache is not cache:
+            self._decode_layers, self._decode_cache = {}, cache
+        key = bucket(rows)
+        if key in self._decode_layers:
+            return self._decode_layers[key]
+
+        def desc(lin: Linear) -> LinearDesc | None:
+            chosen = lin.for_rows(rows) if isinstance(lin, TunedLinear) else lin
+            return chosen.native_desc() if isinstance(chosen, BlockLinear) else None
+
+        layers: list[DecodeLayer] | None = []
+        usable = (
+            isinstance(self.attention, NativePagedAttention)
+            and cache.kind is KVCacheKind.FLOAT
+            and cache.k.dtype == torch.float32
+        )
+        for i, layer in enumerate(self.layers if usable else []):
+            d = [desc(layer.qkv), desc(layer.o), desc(layer.gate_up), desc(layer.down)]
+            qkv, o, gate_up, down = d
+            if qkv is None or o is None or gate_up is None or down is None or layers is None:
+                layers = None
+                break
+            nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+            kv = cache.layer(i)
+            layers.append(DecodeLayer(qkv, o, gate_up, down, layer.ffn_norm, nxt, kv.k, kv.v))
+        self._decode_layers[key] = layers if usable and layers else None
+        return self._decode_layers[key]
+
+    def _native_decode(self, batch: ForwardBatch, cache: PagedKVCache, native: NativeLibrary) -> torch.Tensor:
+        """A decode step with one native call per layer (see _native_layers for when)."""
+        c = self.config
+        layers = self._native_layers(batch.num_seqs, cache)
+        assert layers is not None
+        step = DecodeStep(
+            rows=batch.num_seqs,
+            positions=batch.positions.contiguous(),
+            slots=batch.slot_mapping.contiguous(),
+            page_tables=batch.page_tables.contiguous(),
+            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int64),
+            cos=self.rope.cos,
+            sin_signed=self.rope.sin_signed,
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            page_size=cache.page_size,
+            eps=c.rms_norm_eps,
+            attn_scale=c.head_dim**-0.5,
+        )
+        x = self.embed[batch.input_ids]
+        h = self._norm(x, self.layers[0].attn_norm)
+        for layer in layers:
+            native.decode_layer(step, x, h, layer)
+        last = self._norm(x[batch.logits_indices], self.final_norm)
+        return self.lm_head(last).to(torch.float32).contiguous()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Run one flattened batch; returns contiguous float32 logits [len(logits_indices), vocab]."""
         c = self.config
+        native_ops = self._native_ops
+        if (
+            native_ops is not None
+            and batch.num_tokens == batch.num_seqs  # one new token per sequence: a decode step
+            and self._native_layers(batch.num_seqs, cache) is not None
+        ):
+            return self._native_decode(batch, cache, native_ops)
         tokens = batch.num_tokens
         q_size, kv_size = c.q_size, c.kv_size
         attn = self.attention.prepare(batch, c.num_heads, c.num_kv_heads, self.dtype)

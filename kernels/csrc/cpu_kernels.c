@@ -19,33 +19,33 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define DG_AVX2 1
 #endif
 
-/* IEEE half -> float, for the scalar paths (the AVX2 paths convert 8 at a time with F16C). */
-static inline float dg_h2f(uint16_t h) {
+/* A float16 value (its bits) as float32. */
+static inline float dg_half(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    uint32_t bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        int e = -1;
-        uint32_t m = man;
-        do {
-            e++;
-            m <<= 1;
-        } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FF) << 13);
-    }
     float f;
+    if (exp == 0) {
+        f = ldexpf((float)man, -24); /* zero or subnormal */
+    } else if (exp == 31) {
+        f = man ? NAN : INFINITY;
+    } else {
+        f = ldexpf((float)(man | 0x400), (int)exp - 25);
+    }
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits |= sign;
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 #define QK 32
@@ -381,8 +381,8 @@ static inline __m256i dg_bcast4(const int8_t *p) {
                             const uint8_t v = blk->qs[32 * c + 4 * i + t];                             \
                             isum += (v & 0x0F) * xb[4 * c + t] + (v >> 4) * xb[4 * c + t + 16];        \
                         }                                                                              \
-                    acc += dg_h2f(blk->d[i]) * sx[r * nb + b] * (float)isum                            \
-                           + dg_h2f(blk->m[i]) * ssum[r * nb + b];                                     \
+                    acc += dg_half(blk->d[i]) * sx[r * nb + b] * (float)isum                            \
+                           + dg_half(blk->m[i]) * ssum[r * nb + b];                                     \
                 }                                                                                      \
                 y[r * n + i] = acc;                                                                    \
             }                                                                                          \
@@ -464,7 +464,7 @@ int dg_block_q8x8_size(void) { return (int)sizeof(block_q8x8); }
                     int isum = 0;                                                                      \
                     for (int c = 0; c < 8; c++)                                                        \
                         for (int t = 0; t < 4; t++) isum += blk->qs[32 * c + 4 * i + t] * xb[4 * c + t]; \
-                    acc += dg_h2f(blk->d[i]) * sx[r * nb + b] * (float)isum;                           \
+                    acc += dg_half(blk->d[i]) * sx[r * nb + b] * (float)isum;                           \
                 }                                                                                      \
                 y[r * n + i] = acc;                                                                    \
             }                                                                                          \
@@ -648,28 +648,6 @@ void dg_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
 
 /* ---- decode attention over the paged cache --------------------------------------------- */
 
-/* A float16 value (its bits) as float32. */
-static inline float dg_half(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    float f;
-    if (exp == 0) {
-        f = ldexpf((float)man, -24); /* zero or subnormal */
-    } else if (exp == 31) {
-        f = man ? NAN : INFINITY;
-    } else {
-        f = ldexpf((float)(man | 0x400), (int)exp - 25);
-    }
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    bits |= sign;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
 static inline float dg_scale_at(const void *scales, int64_t i, int half) {
     return half ? dg_half(((const uint16_t *)scales)[i]) : ((const float *)scales)[i];
 }
@@ -773,4 +751,71 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         }
         free(scores);
     }
+}
+
+/* ---- one whole decoder layer for a decode step -------------------------------------------------
+ *
+ * Every sequence brings one token (B rows), activations and the K/V cache are float32, and all
+ * four projections are block linears: then the layer is one call, not a dozen, so the host
+ * work per layer (argument checks, allocations, calls) is paid once. Same ops, same order and
+ * same kernels as the per-op path: norms, linears, rotary, the K/V write at each row's slot,
+ * decode attention, silu * up.
+ *
+ * x [B, hidden] is the residual stream, updated in place; h [B, hidden] holds this layer's
+ * normed input on entry and the next layer's on return (normed with next_norm; with
+ * next_norm NULL, x gets the MLP's output added and h is left as is). */
+typedef struct {
+    int32_t layout; /* as dg_linear */
+    const void *blocks;
+    int64_t n, k;
+} dg_linear_desc;
+
+static _Thread_local struct {
+    float *buf;
+    size_t cap;
+} dg_layer_tls;
+
+static float *dg_layer_scratch(size_t floats) {
+    if (floats > dg_layer_tls.cap) {
+        float *buf = (float *)malloc(floats * sizeof(float));
+        if (!buf) return NULL;
+        free(dg_layer_tls.buf);
+        dg_layer_tls.buf = buf, dg_layer_tls.cap = floats;
+    }
+    return dg_layer_tls.buf;
+}
+
+int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_linear_desc *o,
+                    const dg_linear_desc *gate_up, const dg_linear_desc *down, const float *ffn_norm,
+                    const float *next_norm, float eps, const float *cos_table, const float *sin_signed,
+                    const int64_t *positions, float *k_cache, float *v_cache, const int64_t *slots,
+                    const int64_t *page_tables, int64_t max_pages, const int64_t *seq_lens, int64_t B,
+                    int64_t H, int64_t KVH, int64_t D, int64_t page_size, float attn_scale) {
+    const int64_t hidden = o->n, width = qkv->n, inter = down->k;
+    float *qkv_out = dg_layer_scratch((size_t)B * (size_t)(width + H * D + hidden + 3 * inter));
+    if (!qkv_out) return -1;
+    float *attn = qkv_out + B * width, *delta = attn + B * H * D, *gu = delta + B * hidden, *act = gu + B * 2 * inter;
+    if (dg_linear(qkv->layout, qkv->blocks, width, qkv->k, h, B, qkv_out)) return -1;
+    dg_rotary(qkv_out, B, width, H + KVH, D, cos_table, sin_signed, positions);
+    for (int64_t b = 0; b < B; b++) { /* K and V of each row into its slot, per K/V head */
+        const int64_t page = slots[b] / page_size, off = slots[b] % page_size;
+        for (int64_t kh = 0; kh < KVH; kh++) {
+            const int64_t at = ((page * KVH + kh) * page_size + off) * D;
+            memcpy(k_cache + at, qkv_out + b * width + (H + kh) * D, (size_t)D * sizeof(float));
+            memcpy(v_cache + at, qkv_out + b * width + (H + KVH + kh) * D, (size_t)D * sizeof(float));
+        }
+    }
+    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, page_tables, max_pages, seq_lens, B, H,
+                        KVH, D, page_size, attn_scale, attn);
+    if (dg_linear(o->layout, o->blocks, hidden, o->k, attn, B, delta)) return -1;
+    dg_add_rms_norm(x, delta, ffn_norm, h, B, hidden, eps);
+    if (dg_linear(gate_up->layout, gate_up->blocks, gate_up->n, gate_up->k, h, B, gu)) return -1;
+    dg_silu_mul(gu, B, inter, act);
+    if (dg_linear(down->layout, down->blocks, hidden, inter, act, B, delta)) return -1;
+    if (next_norm) {
+        dg_add_rms_norm(x, delta, next_norm, h, B, hidden, eps);
+    } else {
+        for (int64_t i = 0; i < B * hidden; i++) x[i] += delta[i];
+    }
+    return 0;
 }
