@@ -24,7 +24,7 @@ import grpc
 from benchmarks.table import Row, render
 from benchmarks.throughput import run_dyngen
 from benchmarks.workloads import load_workloads
-from clients.client import AsyncClient, Chat, Request
+from dyngen_client import AsyncClient, Chat, Request
 from engine.model.loader import WeightDtype, load_model
 from engine.model.tokenizer import ChatMessage
 

@@ -56,8 +56,8 @@ import grpc
 import psutil  # type: ignore[import-untyped, unused-ignore]
 
 from benchmarks.service_load import START_TIMEOUT, free_port, wait_serving
-from service.proto.dyngen.v1 import generator_pb2 as pb
-from service.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from dyngen_client.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
 
 MAX_RSS_GROWTH_PERCENT = 5.0
 CANCEL_SETTLE_SECONDS = 1.0  # a call that ended this recently may still have its job in the engine

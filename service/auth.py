@@ -22,6 +22,9 @@ from typing import TypeVar
 
 import grpc
 
+from dyngen_client.errors import ErrorReason
+from service.status_details import Failure
+
 # Health stays open for probes; the Generator's handlers resolve the tenant themselves (and refuse
 # without one), so the interceptor guards the rest (reflection) and no call is checked twice.
 UNGUARDED = ("/grpc.health.v1.Health/", "/dyngen.v1.Generator/")
@@ -129,7 +132,8 @@ def _denied(handler: grpc.RpcMethodHandler[Req, Resp]) -> grpc.RpcMethodHandler[
     """A handler of the same shape as `handler` that only refuses."""
 
     async def deny(request: object, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+        failure = Failure(grpc.StatusCode.UNAUTHENTICATED, _DENIED, ErrorReason.UNAUTHENTICATED)
+        await context.abort(failure.code, failure.message, failure.trailing_metadata())
 
     des, ser = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import structlog
 
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.jobs import new_job_id
 from service.config import ServiceConfig
 from service.engine_process import run as engine_main
@@ -49,7 +50,6 @@ from service.ipc import (
     unpack_frames,
 )
 from service.prompts import PromptTokenizer
-from service.proto.dyngen.v1 import generator_pb2 as pb
 from service.restart_policy import RestartPolicy, RestartTracker
 
 log = structlog.get_logger("dyngen.engine_client")

@@ -8,6 +8,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import (
     DyngenError,
     ErrorKind,
@@ -36,7 +37,6 @@ from kernels.cpu_features import cpu_features
 from service.config import ServiceConfig
 from service.engine_process import PipeSender
 from service.ipc import Accepted, EngineStats, ErrorCode, Message, Ready, Rejection, Submit, Tag, pack_frames
-from service.proto.dyngen.v1 import generator_pb2 as pb
 from service.speculation_flags import speculation_options
 
 log = logging.getLogger("dyngen.engine")

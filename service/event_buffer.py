@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from service.proto.dyngen.v1 import generator_pb2 as pb
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 
 
 class EngineDownError(Exception):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from service.proto.dyngen.v1 import generator_pb2 as pb
+from dyngen_client.errors import ErrorReason
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -32,58 +33,73 @@ class Limits:
 
 
 class RequestError(Exception):
-    """A request breaks a limit or is malformed; the message names the field (INVALID_ARGUMENT)."""
+    """A request breaks a limit or is malformed; the message names the field (INVALID_ARGUMENT).
+
+    `field` is the request path to blame (a BadRequest field violation), `reason` the ErrorInfo
+    reason: LIMIT_EXCEEDED past a limit, INVALID_ARGUMENT for a value that can never be right.
+    """
+
+    def __init__(
+        self, message: str, field: str | None = None, reason: ErrorReason = ErrorReason.INVALID_ARGUMENT
+    ) -> None:
+        super().__init__(message)
+        self.field = field
+        self.reason = reason
 
 
-def _limit(count: int, most: int, what: str) -> None:
+def _limit(count: int, most: int, field: str, what: str) -> None:
     if count > most:
-        raise RequestError(f"{what}: {count} exceeds the limit of {most}")
+        raise RequestError(
+            f"{field} {what}: {count} exceeds the limit of {most}", field, ErrorReason.LIMIT_EXCEEDED
+        )
 
 
 def check_job_id(job_id: str) -> None:
     """Job ids are 32 lowercase hex characters; anything else can never name a job."""
     if not _JOB_ID.fullmatch(job_id):
         shown = job_id[:40] + ("..." if len(job_id) > 40 else "")
-        raise RequestError(f"job_id must be 32 lowercase hex characters, got {shown!r}")
+        raise RequestError(f"job_id must be 32 lowercase hex characters, got {shown!r}", "job_id")
 
 
 def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
     """Raise RequestError for the first limit `req` breaks."""
-    _limit(len(req.identifier), limits.max_identifier_chars, "identifier length")
-    _limit(len(req.cache_salt), limits.max_cache_salt_chars, "cache_salt length")
-    _limit(len(req.stop_strings), limits.max_stop_strings, "stop_strings count")
+    _limit(len(req.identifier), limits.max_identifier_chars, "identifier", "length")
+    _limit(len(req.cache_salt), limits.max_cache_salt_chars, "cache_salt", "length")
+    _limit(len(req.stop_strings), limits.max_stop_strings, "stop_strings", "count")
     for i, stop in enumerate(req.stop_strings):
-        _limit(len(stop), limits.max_stop_string_chars, f"stop_strings[{i}] length")
-    _limit(len(req.stop_token_ids), limits.max_stop_token_ids, "stop_token_ids count")
-    _limit(len(req.sampling.logit_bias), limits.max_logit_bias, "sampling.logit_bias count")
-    _limit(len(req.sampling.banned_token_ids), limits.max_banned_token_ids, "sampling.banned_token_ids count")
+        _limit(len(stop), limits.max_stop_string_chars, f"stop_strings[{i}]", "length")
+    _limit(len(req.stop_token_ids), limits.max_stop_token_ids, "stop_token_ids", "count")
+    _limit(len(req.sampling.logit_bias), limits.max_logit_bias, "sampling.logit_bias", "count")
+    _limit(
+        len(req.sampling.banned_token_ids), limits.max_banned_token_ids, "sampling.banned_token_ids", "count"
+    )
     match req.WhichOneof("prompt"):
         case "text":
-            _limit(len(req.text), limits.max_prompt_chars, "text length")
+            _limit(len(req.text), limits.max_prompt_chars, "text", "length")
         case "chat":
             check_chat(req.chat, limits)
         case "token_ids":
-            _limit(len(req.token_ids.ids), limits.max_prompt_tokens, "token_ids count")
+            _limit(len(req.token_ids.ids), limits.max_prompt_tokens, "token_ids.ids", "count")
         case _:
-            raise RequestError("prompt: set one of text, chat or token_ids")
+            raise RequestError("prompt: set one of text, chat or token_ids", "prompt")
 
 
 def check_chat(chat: pb.ChatPrompt, limits: Limits) -> None:
     if not chat.messages:
-        raise RequestError("chat.messages must hold at least one message")
-    _limit(len(chat.messages), limits.max_chat_messages, "chat.messages count")
+        raise RequestError("chat.messages must hold at least one message", "chat.messages")
+    _limit(len(chat.messages), limits.max_chat_messages, "chat.messages", "count")
     total = 0
     for i, m in enumerate(chat.messages):
-        _limit(len(m.role), limits.max_role_chars, f"chat.messages[{i}].role length")
+        _limit(len(m.role), limits.max_role_chars, f"chat.messages[{i}].role", "length")
         total += len(m.content)
-    _limit(total, limits.max_prompt_chars, "chat contents length")
+    _limit(total, limits.max_prompt_chars, "chat.messages", "contents length")
 
 
 def check_tokenize_request(req: pb.TokenizeRequest, limits: Limits) -> None:
     match req.WhichOneof("prompt"):
         case "text":
-            _limit(len(req.text), limits.max_prompt_chars, "text length")
+            _limit(len(req.text), limits.max_prompt_chars, "text", "length")
         case "chat":
             check_chat(req.chat, limits)
         case _:
-            raise RequestError("prompt: set one of text or chat")
+            raise RequestError("prompt: set one of text or chat", "prompt")

@@ -11,10 +11,10 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import DyngenError
 from engine.model.tokenizer import ChatMessage, HFTokenizer
 from service.limits import RequestError
-from service.proto.dyngen.v1 import generator_pb2 as pb
 
 # Tokenizing is CPU work; a small pool keeps many large prompts from starving the event loop's
 # own thread, and bounds how many run at once.
@@ -43,13 +43,13 @@ class PromptTokenizer:
                 try:
                     return self.tokenizer.encode_chat(messages)
                 except DyngenError as exc:
-                    raise RequestError(str(exc)) from exc
+                    raise RequestError(str(exc), "chat") from exc
                 except Exception as exc:  # the template's raise_exception(), or a template error
-                    raise RequestError(f"chat: the model's chat template refused it: {exc}") from exc
+                    raise RequestError(f"chat: the model's chat template refused it: {exc}", "chat") from exc
             case "token_ids" if isinstance(prompt, pb.GenerateRequest):
                 return list(prompt.token_ids.ids)
             case _:
-                raise RequestError("prompt: set one of text, chat or token_ids")
+                raise RequestError("prompt: set one of text, chat or token_ids", "prompt")
 
     async def token_ids_async(self, prompt: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
         if prompt.WhichOneof("prompt") == "token_ids":

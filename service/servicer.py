@@ -9,6 +9,8 @@ one job is FAILED_PRECONDITION; a stopped engine or a draining server is UNAVAIL
 job that failed inside the engine ends its stream with the status the engine chose
 (INTERNAL, or INVALID_ARGUMENT for input it could not handle); no credentials with
 authentication on is UNAUTHENTICATED. Messages are written for callers; never a traceback.
+Every one of them also carries a google.rpc.Status in its trailers (service/status_details.py):
+a stable reason, the field to blame, and how long to wait before retrying where that helps.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError, Message
 
+from dyngen_client.errors import ErrorReason
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from service.auth import Authenticator, cache_salt
 from service.engine_client import (
     EngineBusyError,
@@ -32,7 +36,7 @@ from service.engine_client import (
 from service.event_buffer import EngineDownError
 from service.ipc import ErrorCode
 from service.limits import Limits, RequestError, check_job_id, check_request, check_tokenize_request
-from service.proto.dyngen.v1 import generator_pb2 as pb
+from service.status_details import Failure
 
 log = structlog.get_logger("dyngen.service")
 
@@ -43,10 +47,10 @@ Msg = TypeVar("Msg", bound=Message)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 
 _CODES = {
-    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.PROMPT_TOO_LONG: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.INVALID_ARGUMENT: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.INVALID_ARGUMENT),
+    ErrorCode.PROMPT_TOO_LONG: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.PROMPT_TOO_LONG),
+    ErrorCode.QUEUE_FULL: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.QUEUE_FULL),
+    ErrorCode.INTERNAL: (grpc.StatusCode.INTERNAL, ErrorReason.JOB_FAILED),
 }
 _BY_NUMBER = {int(code.value[0]): code for code in grpc.StatusCode}
 
@@ -84,27 +88,39 @@ class GeneratorService:
 
     @staticmethod
     async def _fail(
-        context: grpc.aio.ServicerContext[Req, Resp], code: grpc.StatusCode, text: str
+        context: grpc.aio.ServicerContext[Req, Resp],
+        code: grpc.StatusCode,
+        text: str,
+        reason: ErrorReason,
+        field: str | None = None,
     ) -> NoReturn:
-        await context.abort(code, text)
+        failure = Failure(code, text, reason, field)
+        await context.abort(code, text, failure.trailing_metadata())
         raise AssertionError("abort returned")  # abort always raises
 
     async def _parsed(self, request: Msg | Malformed, context: grpc.aio.ServicerContext[Req, Resp]) -> Msg:
         if isinstance(request, Malformed):
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            await self._fail(
+                context, grpc.StatusCode.INVALID_ARGUMENT, request.message, ErrorReason.MALFORMED_REQUEST
+            )
         return request
 
     async def _tenant(self, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
         tenant = self.auth.tenant(context.invocation_metadata(), context.auth_context())
         if tenant is None:
-            await self._fail(context, grpc.StatusCode.UNAUTHENTICATED, "no valid credentials for this call")
+            await self._fail(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "no valid credentials for this call",
+                ErrorReason.UNAUTHENTICATED,
+            )
         return tenant
 
     async def _job_id(self, job_id: str, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
         try:
             check_job_id(job_id)
         except RequestError as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
         return job_id
 
     async def _open_stream(self, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
@@ -113,6 +129,7 @@ class GeneratorService:
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.open_streams} streams are open, the server's limit; try again later",
+                ErrorReason.TOO_MANY_STREAMS,
             )
         self.open_streams += 1
 
@@ -122,7 +139,12 @@ class GeneratorService:
         """The prompt's ids, after its limits: INVALID_ARGUMENT for a broken limit or a refused chat."""
         prompts = self.engine.prompts
         if prompts is None:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the engine is not running")
+            await self._fail(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine is not running",
+                ErrorReason.ENGINE_UNAVAILABLE,
+            )
         try:
             if isinstance(request, pb.GenerateRequest):
                 check_request(request, self.limits)
@@ -130,7 +152,7 @@ class GeneratorService:
                 check_tokenize_request(request, self.limits)
             return await prompts.token_ids_async(request)
         except RequestError as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
 
     async def _submit(
         self,
@@ -140,9 +162,16 @@ class GeneratorService:
         streamed: bool,
     ) -> JobChannel:
         if self.draining:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            await self._fail(
+                context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down", ErrorReason.DRAINING
+            )
         if not self.engine.ready:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, "the engine is not running")
+            await self._fail(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine is not running",
+                ErrorReason.ENGINE_UNAVAILABLE,
+            )
         ids = await self._token_ids(request, context)
         engine_request = pb.GenerateRequest()
         engine_request.CopyFrom(request)
@@ -151,11 +180,12 @@ class GeneratorService:
         try:
             return await self.engine.submit(engine_request, tenant, streamed)
         except EngineRejectedError as exc:
-            await self._fail(context, _CODES[exc.rejection.code], exc.rejection.message)
+            code, reason = _CODES[exc.rejection.code]
+            await self._fail(context, code, exc.rejection.message, reason)
         except EngineBusyError as exc:
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
         except EngineDownError as exc:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
 
     async def _events(
         self, job: JobChannel, context: grpc.aio.ServicerContext[Req, Resp]
@@ -166,7 +196,9 @@ class GeneratorService:
             while True:
                 item = await job.events.get()
                 if isinstance(item, EngineDownError):
-                    await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(item))
+                    await self._fail(
+                        context, grpc.StatusCode.UNAVAILABLE, str(item), ErrorReason.ENGINE_UNAVAILABLE
+                    )
                 if item.HasField("finished"):
                     f = item.finished
                     log.info(
@@ -182,7 +214,9 @@ class GeneratorService:
                     )
                     if f.stop_reason == pb.STOP_REASON_ERROR:
                         code = _BY_NUMBER.get(f.error_code, grpc.StatusCode.INTERNAL)
-                        await self._fail(context, code, f.error or "the job failed in the engine")
+                        await self._fail(
+                            context, code, f.error or "the job failed in the engine", ErrorReason.JOB_FAILED
+                        )
                     yield item
                     return
                 yield item
@@ -214,9 +248,16 @@ class GeneratorService:
         try:
             job = self.engine.attach(job_id, tenant)
         except ValueError as exc:
-            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await self._fail(
+                context, grpc.StatusCode.FAILED_PRECONDITION, str(exc), ErrorReason.JOB_ALREADY_STREAMED
+            )
         if job is None:
-            await self._fail(context, grpc.StatusCode.NOT_FOUND, "no such job (unknown, or already ended)")
+            await self._fail(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                "no such job (unknown, or already ended)",
+                ErrorReason.JOB_NOT_FOUND,
+            )
         await self._open_stream(context)
         try:
             async for event in self._events(job, context):
@@ -249,7 +290,9 @@ class GeneratorService:
         tenant = await self._tenant(context)
         job = self.engine.lookup(job_id, tenant)
         if job is None or job.finished:
-            await self._fail(context, grpc.StatusCode.NOT_FOUND, "no running job with that id")
+            await self._fail(
+                context, grpc.StatusCode.NOT_FOUND, "no running job with that id", ErrorReason.JOB_NOT_FOUND
+            )
         self.engine.cancel(job)
         return pb.CancelResponse()
 
@@ -263,9 +306,9 @@ class GeneratorService:
         try:
             return await self.engine.info()
         except EngineBusyError as exc:
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
         except EngineDownError as exc:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
 
     async def Tokenize(
         self,

@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from clients.client import Client
-from service.proto.dyngen.v1 import generator_pb2 as pb
+from dyngen_client import Client
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 
 
 def free_port() -> int:

@@ -300,7 +300,7 @@ def test_tiny_model_triton_int8_matches_torch_int8(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_serve_with_int8_kv_cache_reports_it(tmp_path: Path) -> None:
-    from clients.client import Request, collect
+    from dyngen_client import Request, collect
     from tests.service_harness import start_tiny_server
     from tests.tiny_service_model import write_servable_tiny_gguf
 

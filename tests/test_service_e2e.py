@@ -14,12 +14,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from clients.client import AsyncClient, Chat, Client, Request, Result, collect
+from dyngen_client import AsyncClient, Chat, Client, Request, Result, collect
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
-from service.proto.dyngen.v1 import generator_pb2 as pb
 from tests.service_harness import ServerProcess, start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -30,9 +30,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from clients.client import Client
+from dyngen_client import Client
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.model.tokenizer import ChatMessage, HFTokenizer
-from service.proto.dyngen.v1 import generator_pb2 as pb
 from tests.service_harness import ServerProcess, is_idle, log_count, start_tiny_server, wait_pool_idle
 from tests.tiny_service_model import SERVICE_SPEC, write_servable_tiny_gguf
 

@@ -27,14 +27,14 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from clients.client import AsyncClient, Chat, Client, Request, collect, tls_credentials
+from dyngen_client import AsyncClient, Chat, Client, Request, collect, tls_credentials
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from service.auth import AuthConfigError, Authenticator, cache_salt
 from service.config import ServiceConfig
 from service.engine_client import EngineClient, _Process
 from service.event_buffer import EventBuffer
 from service.ipc import Accepted, Message, Submit, Tag, pack_frames
 from service.limits import Limits, RequestError, check_job_id, check_request
-from service.proto.dyngen.v1 import generator_pb2 as pb
 from service.restart_policy import RestartPolicy, RestartTracker
 from tests.certs import CertAuthority
 from tests.service_harness import (

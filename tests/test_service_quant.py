@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.client import Request, collect
+from dyngen_client import Request, collect
 from tests.service_harness import start_tiny_server
 from tests.tiny_service_model import write_servable_tiny_gguf
 

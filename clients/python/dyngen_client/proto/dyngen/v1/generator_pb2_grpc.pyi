@@ -9,8 +9,8 @@ or its deadline passing, cancels the job and frees its pages.
 """
 
 from collections import abc as _abc
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as _generator_pb2
 from grpc import aio as _aio
-from service.proto.dyngen.v1 import generator_pb2 as _generator_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

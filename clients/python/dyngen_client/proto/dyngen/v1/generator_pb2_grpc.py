@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from service.proto.dyngen.v1 import generator_pb2 as service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in service/proto/dyngen/v1/generator_pb2_grpc.py depends on'
+        + ' but the generated code in dyngen_client/proto/dyngen/v1/generator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class GeneratorStub:
         """
         self.Enqueue = channel.unary_unary(
                 '/dyngen.v1.Generator/Enqueue',
-                request_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.EnqueueResponse.FromString,
+                request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.EnqueueResponse.FromString,
                 _registered_method=True)
         self.Stream = channel.unary_stream(
                 '/dyngen.v1.Generator/Stream',
-                request_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.StreamRequest.SerializeToString,
-                response_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.FromString,
+                request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.StreamRequest.SerializeToString,
+                response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.FromString,
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/dyngen.v1.Generator/Cancel',
-                request_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelRequest.SerializeToString,
-                response_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelResponse.FromString,
+                request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelRequest.SerializeToString,
+                response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/dyngen.v1.Generator/Generate',
-                request_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.FromString,
+                request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/dyngen.v1.Generator/GetModelInfo',
-                request_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ModelInfo.FromString,
+                request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/dyngen.v1.Generator/Tokenize',
-                request_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeResponse.FromString,
+                request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
 
 
@@ -114,33 +114,33 @@ def add_GeneratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Enqueue': grpc.unary_unary_rpc_method_handler(
                     servicer.Enqueue,
-                    request_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.FromString,
-                    response_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.EnqueueResponse.SerializeToString,
+                    request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.FromString,
+                    response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.EnqueueResponse.SerializeToString,
             ),
             'Stream': grpc.unary_stream_rpc_method_handler(
                     servicer.Stream,
-                    request_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.StreamRequest.FromString,
-                    response_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.SerializeToString,
+                    request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.StreamRequest.FromString,
+                    response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
-                    request_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelRequest.FromString,
-                    response_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelResponse.SerializeToString,
+                    request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelRequest.FromString,
+                    response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.FromString,
-                    response_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.SerializeToString,
+                    request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.FromString,
+                    response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ModelInfo.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeRequest.FromString,
-                    response_serializer=service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeRequest.FromString,
+                    response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -168,8 +168,8 @@ class Generator:
             request,
             target,
             '/dyngen.v1.Generator/Enqueue',
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.EnqueueResponse.FromString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.EnqueueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -195,8 +195,8 @@ class Generator:
             request,
             target,
             '/dyngen.v1.Generator/Stream',
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.StreamRequest.SerializeToString,
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.FromString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.StreamRequest.SerializeToString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -222,8 +222,8 @@ class Generator:
             request,
             target,
             '/dyngen.v1.Generator/Cancel',
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelRequest.SerializeToString,
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelResponse.FromString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelRequest.SerializeToString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -249,8 +249,8 @@ class Generator:
             request,
             target,
             '/dyngen.v1.Generator/Generate',
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.FromString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateRequest.SerializeToString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -276,8 +276,8 @@ class Generator:
             request,
             target,
             '/dyngen.v1.Generator/GetModelInfo',
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GetModelInfoRequest.SerializeToString,
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ModelInfo.FromString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.GetModelInfoRequest.SerializeToString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -303,8 +303,8 @@ class Generator:
             request,
             target,
             '/dyngen.v1.Generator/Tokenize',
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeRequest.SerializeToString,
-            service_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeResponse.FromString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeRequest.SerializeToString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

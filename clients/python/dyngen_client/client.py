@@ -1,120 +1,23 @@
-"""Typed Python clients of dyngen.v1.Generator: `Client` (blocking) and `AsyncClient` (asyncio).
+"""Typed clients of dyngen.v1.Generator: `Client` (blocking) and `AsyncClient` (asyncio).
 
-`generate()` yields the job's events as typed values; `enqueue/stream/cancel`, `model_info`
-and `tokenize` map one to one onto the RPCs. gRPC errors surface as `grpc.RpcError`
-(sync) or `grpc.aio.AioRpcError` (async) with the server's status code and message.
+`generate()` yields the job's events; `enqueue/stream/cancel`, `model_info` and `tokenize`
+map one to one onto the RPCs. gRPC errors surface as `grpc.RpcError` (sync) or
+`grpc.aio.AioRpcError` (async) with the server's status; `error_details(exc)` reads the
+reason, field violations and retry delay they carry.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from service.proto.dyngen.v1 import generator_pb2 as pb
-from service.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from dyngen_client.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
+from dyngen_client.request import Chat, Request, tokenize_request
+from dyngen_client.result import Event
 
-Event = pb.GenerateEvent  # a oneof of started / prefill / delta / finished
-
-
-@dataclass(frozen=True)
-class Chat:
-    """A prompt as chat messages (role, content), rendered with the model's template."""
-
-    messages: tuple[tuple[str, str], ...]
-
-    @staticmethod
-    def user(text: str) -> Chat:
-        return Chat((("user", text),))
-
-
-Prompt = str | Chat | Sequence[int]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float | None = None  # None: server default (greedy)
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: Prompt
-    max_new_tokens: int | None = None
-    sampling: Sampling = field(default_factory=Sampling)
-    stop_strings: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    return_logprobs: bool = False
-    top_logprobs: int = 0
-    identifier: str = ""
-    cache_salt: str = ""  # prefix-cache isolation: share cached prompt pages only within one salt
-
-    def to_proto(self) -> pb.GenerateRequest:
-        req = pb.GenerateRequest(
-            cache_salt=self.cache_salt,
-            stop_strings=self.stop_strings,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            return_logprobs=self.return_logprobs,
-            top_logprobs=self.top_logprobs,
-            identifier=self.identifier,
-        )
-        if self.max_new_tokens is not None:
-            req.max_new_tokens = self.max_new_tokens
-        match self.prompt:
-            case str():
-                req.text = self.prompt
-            case Chat():
-                req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in self.prompt.messages)
-            case _:
-                req.token_ids.ids.extend(self.prompt)
-        s = self.sampling
-        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"):
-            value = getattr(s, name)
-            if value is not None:
-                setattr(req.sampling, name, value)
-        return req
-
-
-@dataclass(frozen=True)
-class Result:
-    """A whole job's outcome, assembled from its events."""
-
-    job_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    finished: pb.JobFinished
-
-
-def collect(events: Sequence[Event]) -> Result:
-    text: list[str] = []
-    ids: list[int] = []
-    finished = pb.JobFinished()
-    job_id = ""
-    for e in events:
-        job_id = e.job_id
-        if e.HasField("delta"):
-            text.append(e.delta.text)
-            ids.extend(e.delta.token_ids)
-        elif e.HasField("finished"):
-            text.append(e.finished.text)
-            finished = e.finished
-    return Result(job_id, "".join(text), tuple(ids), finished)
-
-
-def _tokenize_request(prompt: str | Chat) -> pb.TokenizeRequest:
-    req = pb.TokenizeRequest()
-    if isinstance(prompt, str):
-        req.text = prompt
-    else:
-        req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in prompt.messages)
-    return req
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # the server's default --max-message-bytes
 
 
 def tls_credentials(
@@ -155,7 +58,7 @@ class Client:
         self,
         target: str,
         credentials: grpc.ChannelCredentials | None = None,
-        max_message_bytes: int = 4 << 20,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
     ) -> None:
         self.metadata = _auth_metadata(token)
@@ -202,7 +105,7 @@ class Client:
 
     def tokenize(self, prompt: str | Chat, timeout: float | None = None) -> list[int]:
         return list(
-            self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout, metadata=self.metadata).token_ids
+            self.stub.Tokenize(tokenize_request(prompt), timeout=timeout, metadata=self.metadata).token_ids
         )
 
 
@@ -213,7 +116,7 @@ class AsyncClient:
         self,
         target: str,
         credentials: grpc.ChannelCredentials | None = None,
-        max_message_bytes: int = 4 << 20,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
     ) -> None:
         self.metadata = _auth_metadata(token)
@@ -262,8 +165,5 @@ class AsyncClient:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     async def tokenize(self, prompt: str | Chat, timeout: float | None = None) -> list[int]:
-        return list(
-            (
-                await self.stub.Tokenize(_tokenize_request(prompt), timeout=timeout, metadata=self.metadata)
-            ).token_ids
-        )
+        response = await self.stub.Tokenize(tokenize_request(prompt), timeout=timeout, metadata=self.metadata)
+        return list(response.token_ids)

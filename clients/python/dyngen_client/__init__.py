@@ -1,0 +1,26 @@
+"""dyngen-client: the torch-free Python client of dyngen's gRPC contract (dyngen.v1.Generator)."""
+
+from dyngen_client.client import AsyncClient, Client, tls_credentials
+from dyngen_client.errors import ErrorDetails, ErrorReason, FieldViolation, error_details
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from dyngen_client.request import Chat, Prompt, Request, Sampling
+from dyngen_client.result import Event, Result, collect, stop_reason_name
+
+__all__ = [
+    "AsyncClient",
+    "Chat",
+    "Client",
+    "ErrorDetails",
+    "ErrorReason",
+    "Event",
+    "FieldViolation",
+    "Prompt",
+    "Request",
+    "Result",
+    "Sampling",
+    "collect",
+    "error_details",
+    "pb",
+    "stop_reason_name",
+    "tls_credentials",
+]

@@ -1,0 +1,1 @@
+"""Generated stubs of protos/ (`python -m dyngen_client.proto.generate`); do not edit them."""

@@ -1,0 +1,1 @@
+"""dyngen.v1 stubs (generated)."""

@@ -1,0 +1,115 @@
+"""What a caller asks for, as typed values: `Request` (a prompt, sampling, stops) -> GenerateRequest."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A prompt as chat messages (role, content), rendered with the model's template."""
+
+    messages: tuple[tuple[str, str], ...]
+
+    @staticmethod
+    def user(text: str) -> Chat:
+        return Chat((("user", text),))
+
+
+Prompt = str | Chat | Sequence[int]  # plain text, chat messages, or token ids
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings; None leaves a setting to the server's default (greedy, filters off)."""
+
+    temperature: float | None = None  # 0 = greedy
+    top_k: int | None = None  # 0 = off
+    top_p: float | None = None  # 1 = off
+    min_p: float | None = None  # 0 = off
+    typical: float | None = None  # 1 = off
+    repetition_penalty: float | None = None  # 1 = off
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    banned_token_ids: tuple[int, ...] = ()
+
+    def to_proto(self) -> pb.SamplingSettings:
+        s = pb.SamplingSettings(
+            logit_bias=[pb.LogitBias(token_id=t, bias=b) for t, b in self.logit_bias],
+            banned_token_ids=self.banned_token_ids,
+        )
+        # Only the settings given are set: proto3 `optional` keeps "unset" apart from 0.
+        if self.temperature is not None:
+            s.temperature = self.temperature
+        if self.top_k is not None:
+            s.top_k = self.top_k
+        if self.top_p is not None:
+            s.top_p = self.top_p
+        if self.min_p is not None:
+            s.min_p = self.min_p
+        if self.typical is not None:
+            s.typical = self.typical
+        if self.repetition_penalty is not None:
+            s.repetition_penalty = self.repetition_penalty
+        if self.frequency_penalty is not None:
+            s.frequency_penalty = self.frequency_penalty
+        if self.presence_penalty is not None:
+            s.presence_penalty = self.presence_penalty
+        if self.seed is not None:
+            s.seed = self.seed
+        return s
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: Prompt
+    max_new_tokens: int | None = None  # None: the server's default (256)
+    sampling: Sampling = field(default_factory=Sampling)
+    min_new_tokens: int = 0
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    decode_special_tokens: bool = False
+    return_logprobs: bool = False
+    top_logprobs: int = 0
+    identifier: str = ""  # echoed in every event
+    cache_salt: str = ""  # prefix-cache isolation: share cached prompt pages only within one salt
+
+    def to_proto(self) -> pb.GenerateRequest:
+        req = pb.GenerateRequest(
+            sampling=self.sampling.to_proto(),
+            min_new_tokens=self.min_new_tokens,
+            stop_strings=self.stop_strings,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            decode_special_tokens=self.decode_special_tokens,
+            return_logprobs=self.return_logprobs,
+            top_logprobs=self.top_logprobs,
+            identifier=self.identifier,
+            cache_salt=self.cache_salt,
+        )
+        if self.max_new_tokens is not None:
+            req.max_new_tokens = self.max_new_tokens
+        match self.prompt:
+            case str():
+                req.text = self.prompt
+            case Chat():
+                req.chat.CopyFrom(chat_proto(self.prompt))
+            case _:
+                req.token_ids.ids.extend(self.prompt)
+        return req
+
+
+def chat_proto(chat: Chat) -> pb.ChatPrompt:
+    return pb.ChatPrompt(messages=[pb.ChatMessage(role=r, content=c) for r, c in chat.messages])
+
+
+def tokenize_request(prompt: str | Chat) -> pb.TokenizeRequest:
+    if isinstance(prompt, str):
+        return pb.TokenizeRequest(text=prompt)
+    return pb.TokenizeRequest(chat=chat_proto(prompt))
