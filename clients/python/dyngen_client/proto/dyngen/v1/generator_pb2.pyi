@@ -6,6 +6,15 @@ dyngen wire contract, version 1: the only thing callers in other languages see.
 A job is enqueued (Enqueue returns its id at once) and its events are read with one
 Stream call; Generate does both in one call. Cancelling a Generate or Stream call,
 or its deadline passing, cancels the job and frees its pages.
+
+Errors: every status the server raises on purpose carries a google.rpc.Status in the
+`grpc-status-details-bin` trailer with an ErrorInfo (domain "dyngen.v1", a stable reason
+such as QUEUE_FULL or LIMIT_EXCEEDED), a BadRequest naming the field to blame for
+INVALID_ARGUMENT where one is, and a RetryInfo (how long to wait) on RESOURCE_EXHAUSTED and
+UNAVAILABLE. docs/CONTRACT.md lists the codes and reasons of each RPC.
+
+Compatibility: this file is checked with `buf breaking` against the last released contract
+(protos/released/); fields and enum values are only ever added, never renumbered or removed.
 """
 
 from collections import abc as _abc
@@ -31,30 +40,37 @@ class _StopReason:
 class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     STOP_REASON_UNSPECIFIED: _StopReason.ValueType  # 0
+    """Never sent by the server (proto3's default for "not set")."""
     STOP_REASON_EOS: _StopReason.ValueType  # 1
-    """the model's end-of-sequence token"""
+    """The model's end-of-sequence token."""
     STOP_REASON_STOP_TOKEN: _StopReason.ValueType  # 2
-    """one of the job's stop token ids"""
+    """One of the job's stop token ids (JobFinished.stop_token says which)."""
     STOP_REASON_STOP_STRING: _StopReason.ValueType  # 3
-    """one of the job's stop strings"""
+    """One of the job's stop strings (JobFinished.stop_string says which)."""
     STOP_REASON_MAX_NEW_TOKENS: _StopReason.ValueType  # 4
+    """max_new_tokens tokens were generated."""
     STOP_REASON_CANCELLED: _StopReason.ValueType  # 5
+    """Cancelled by Cancel, or by the server shutting down."""
     STOP_REASON_ERROR: _StopReason.ValueType  # 6
     """The job failed inside the engine; its stream ends with a gRPC error status (INTERNAL,
     or INVALID_ARGUMENT for input the engine could not handle) and everyone else continues.
     """
 
-class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper): ...
+class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper):
+    """Why a job finished."""
 
 STOP_REASON_UNSPECIFIED: StopReason.ValueType  # 0
+"""Never sent by the server (proto3's default for "not set")."""
 STOP_REASON_EOS: StopReason.ValueType  # 1
-"""the model's end-of-sequence token"""
+"""The model's end-of-sequence token."""
 STOP_REASON_STOP_TOKEN: StopReason.ValueType  # 2
-"""one of the job's stop token ids"""
+"""One of the job's stop token ids (JobFinished.stop_token says which)."""
 STOP_REASON_STOP_STRING: StopReason.ValueType  # 3
-"""one of the job's stop strings"""
+"""One of the job's stop strings (JobFinished.stop_string says which)."""
 STOP_REASON_MAX_NEW_TOKENS: StopReason.ValueType  # 4
+"""max_new_tokens tokens were generated."""
 STOP_REASON_CANCELLED: StopReason.ValueType  # 5
+"""Cancelled by Cancel, or by the server shutting down."""
 STOP_REASON_ERROR: StopReason.ValueType  # 6
 """The job failed inside the engine; its stream ends with a gRPC error status (INTERNAL,
 or INVALID_ARGUMENT for input the engine could not handle) and everyone else continues.
@@ -63,13 +79,16 @@ Global___StopReason: _TypeAlias = StopReason  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):
+    """One message of a chat prompt."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user", "assistant" """
+    """"system", "user" or "assistant" (what the model's chat template knows); at most 64 characters."""
     content: _builtins.str
+    """The message's text. All contents of a chat add up to at most --max-prompt-chars (1 Mi)."""
     def __init__(
         self,
         *,
@@ -86,12 +105,14 @@ Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class ChatPrompt(_message.Message):
+    """A prompt as chat messages, rendered with the model's chat template (generation prompt added)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
-        """rendered with the model's chat template"""
+        """1 to 1024 messages, in order."""
 
     def __init__(
         self,
@@ -108,11 +129,15 @@ Global___ChatPrompt: _TypeAlias = ChatPrompt  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):
+    """A prompt as token ids, used as they are (no BOS added)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """1 to 1 Mi ids, each below the vocabulary size; with max_new_tokens within the context."""
+
     def __init__(
         self,
         *,
@@ -128,13 +153,16 @@ Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
 
 @_typing.final
 class LogitBias(_message.Message):
+    """A bias added to one token's logit before sampling."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     BIAS_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
+    """The token's id, below the vocabulary size."""
     bias: _builtins.float
-    """added to the token's logit"""
+    """Added to the token's logit; in [-100, 100]. -100 all but bans the token."""
     def __init__(
         self,
         *,
@@ -151,8 +179,9 @@ Global___LogitBias: _TypeAlias = LogitBias  # noqa: Y015
 
 @_typing.final
 class SamplingSettings(_message.Message):
-    """Mirrors engine.jobs.SamplingSettings. Unset fields take the engine's defaults
-    (greedy, every filter off); `optional` where 0 is a meaningful value.
+    """How the next token is picked; mirrors engine.jobs.SamplingSettings. An unset field takes the
+    engine's default (greedy, every filter off); fields are `optional` where 0 is meaningful.
+    temperature 0 is greedy: penalties, biases and bans still apply, the filters do not.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -169,25 +198,35 @@ class SamplingSettings(_message.Message):
     BANNED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """0 = greedy (default)"""
+    """Softmax temperature, finite and >= 0. Default 0 (greedy)."""
     top_k: _builtins.int
-    """0 = off (default)"""
+    """Keep the k most likely tokens; 0 = off (default)."""
     top_p: _builtins.float
-    """1 = off (default)"""
+    """Nucleus: keep the most likely tokens up to this probability mass, in (0, 1]; 1 = off (default)."""
     min_p: _builtins.float
-    """0 = off (default)"""
+    """Drop tokens less likely than min_p times the most likely one, in [0, 1); 0 = off (default)."""
     typical: _builtins.float
-    """1 = off (default)"""
+    """Locally typical sampling mass, in (0, 1]; 1 = off (default)."""
     repetition_penalty: _builtins.float
-    """1 = off (default)"""
+    """Divides positive logits (multiplies negative ones) of tokens already in the prompt or the
+    output; > 0, 1 = off (default).
+    """
     frequency_penalty: _builtins.float
+    """Subtracted from a token's logit once per occurrence in the output; finite, default 0."""
     presence_penalty: _builtins.float
+    """Subtracted from a token's logit once if it occurs in the output; finite, default 0."""
     seed: _builtins.int
-    """a seeded job is reproducible whatever runs beside it"""
+    """Seed of the job's own random generator: a seeded job is reproducible whatever runs beside
+    it. Unset: a random seed.
+    """
     @_builtins.property
-    def logit_bias(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogitBias]: ...
+    def logit_bias(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogitBias]:
+        """Biases added to logits; at most 1024 entries."""
+
     @_builtins.property
-    def banned_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def banned_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tokens never sampled; at most 4096, and not the whole vocabulary."""
+
     def __init__(
         self,
         *,
@@ -248,6 +287,8 @@ Global___SamplingSettings: _TypeAlias = SamplingSettings  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
+    """A job: a prompt, how to sample, when to stop."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
@@ -265,32 +306,53 @@ class GenerateRequest(_message.Message):
     IDENTIFIER_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """plain completion (the tokenizer adds BOS if the model wants one)"""
+    """Plain completion; the tokenizer adds BOS if the model wants one. At most
+    --max-prompt-chars (1 Mi) characters.
+    """
     max_new_tokens: _builtins.int
-    """default 256"""
+    """Most tokens to generate, >= 1; default 256. Prompt + max_new_tokens must fit the context
+    (ModelInfo.context_length) and the cache, or the request is INVALID_ARGUMENT.
+    """
     min_new_tokens: _builtins.int
-    """stop tokens and EOS are suppressed until this many exist"""
+    """Stop tokens and EOS are suppressed until this many tokens exist; at most max_new_tokens.
+    Default 0.
+    """
     ignore_eos: _builtins.bool
+    """Keep going past the model's end-of-sequence token (until max_new_tokens or a stop)."""
     decode_special_tokens: _builtins.bool
+    """Include special tokens' text in the streamed text (default: skipped)."""
     return_logprobs: _builtins.bool
+    """Send each generated token's log-probability in TextDelta.logprobs."""
     top_logprobs: _builtins.int
-    """alternatives per token, with return_logprobs (at most 20)"""
+    """Alternatives per token with return_logprobs, most likely first; at most 20. Default 0."""
     identifier: _builtins.str
-    """the caller's own tag, echoed in every event (at most 256 characters)"""
+    """The caller's own tag, echoed in every event; at most 256 characters."""
     cache_salt: _builtins.str
     """Prefix-cache isolation: jobs share cached prompt pages only with jobs of the same salt (and,
     with authentication on, of the same tenant). At most 256 characters; empty = no salt.
     """
     @_builtins.property
-    def chat(self) -> Global___ChatPrompt: ...
+    def chat(self) -> Global___ChatPrompt:
+        """Chat messages, rendered with the model's chat template."""
+
     @_builtins.property
-    def token_ids(self) -> Global___TokenIds: ...
+    def token_ids(self) -> Global___TokenIds:
+        """Token ids, used as they are."""
+
     @_builtins.property
-    def sampling(self) -> Global___SamplingSettings: ...
+    def sampling(self) -> Global___SamplingSettings:
+        """Sampling settings; unset = greedy."""
+
     @_builtins.property
-    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end the job (not included in the output); at most 256, below the vocabulary size."""
+
     @_builtins.property
-    def stop_strings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def stop_strings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Strings that end the job (not included in the text; text that could still become one is
+        held back). At most 16, each 1 to 256 characters.
+        """
+
     def __init__(
         self,
         *,
@@ -326,13 +388,16 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class EnqueueResponse(_message.Message):
+    """The id of an enqueued job."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
-    """128 random bits, hex"""
+    """128 random bits as 32 lowercase hex characters; the key of Stream and Cancel."""
     prompt_tokens: _builtins.int
+    """The prompt's length in tokens, after tokenizing."""
     def __init__(
         self,
         *,
@@ -349,10 +414,13 @@ Global___EnqueueResponse: _TypeAlias = EnqueueResponse  # noqa: Y015
 
 @_typing.final
 class StreamRequest(_message.Message):
+    """Which job to stream."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """A job id from Enqueue: 32 lowercase hex characters."""
     def __init__(
         self,
         *,
@@ -368,10 +436,13 @@ Global___StreamRequest: _TypeAlias = StreamRequest  # noqa: Y015
 
 @_typing.final
 class CancelRequest(_message.Message):
+    """Which job to cancel."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """A job id from Enqueue or any event: 32 lowercase hex characters."""
     def __init__(
         self,
         *,
@@ -387,6 +458,8 @@ Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
 
 @_typing.final
 class CancelResponse(_message.Message):
+    """Cancel's answer: the job was found and is being cancelled."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -402,13 +475,16 @@ Global___CancelResponse: _TypeAlias = CancelResponse  # noqa: Y015
 
 @_typing.final
 class JobStarted(_message.Message):
+    """The job was admitted and its prompt is being computed."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
+    """The prompt's length in tokens."""
     cached_tokens: _builtins.int
-    """prompt tokens found in the prefix cache"""
+    """Prompt tokens found in the prefix cache (not computed again)."""
     def __init__(
         self,
         *,
@@ -425,12 +501,16 @@ Global___JobStarted: _TypeAlias = JobStarted  # noqa: Y015
 
 @_typing.final
 class PrefillProgress(_message.Message):
+    """Progress of a long prompt's computation (sent between prefill chunks)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     DONE_TOKENS_FIELD_NUMBER: _builtins.int
     TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
     done_tokens: _builtins.int
+    """Prompt tokens computed so far."""
     total_tokens: _builtins.int
+    """The prompt's length in tokens."""
     def __init__(
         self,
         *,
@@ -447,12 +527,18 @@ Global___PrefillProgress: _TypeAlias = PrefillProgress  # noqa: Y015
 
 @_typing.final
 class TopLogprob(_message.Message):
+    """One alternative token and its log-probability."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
+    """The token's id."""
     logprob: _builtins.float
+    """Natural-log probability after penalties, biases and temperature (1 for greedy jobs), before
+    the top_k / top_p / typical / min_p filters.
+    """
     def __init__(
         self,
         *,
@@ -469,16 +555,20 @@ Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
 
 @_typing.final
 class TokenLogprob(_message.Message):
+    """A generated token's log-probability, with the most likely alternatives."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
+    """The generated token's id."""
     logprob: _builtins.float
+    """Its natural-log probability (as TopLogprob.logprob)."""
     @_builtins.property
     def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
-        """most likely first"""
+        """top_logprobs alternatives, most likely first."""
 
     def __init__(
         self,
@@ -497,18 +587,22 @@ Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
 
 @_typing.final
 class TextDelta(_message.Message):
+    """New output: text and the tokens behind it. A slow reader may get several merged into one."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
-    """whole UTF-8 characters, never past a stop string"""
+    """Whole UTF-8 characters, never past a stop string (may be empty while text is held back)."""
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The generated token ids this delta covers (stop tokens excluded)."""
+
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
-        """with return_logprobs"""
+        """One per token id, with return_logprobs."""
 
     def __init__(
         self,
@@ -527,17 +621,19 @@ Global___TextDelta: _TypeAlias = TextDelta  # noqa: Y015
 
 @_typing.final
 class Timings(_message.Message):
+    """Where a job's time went, in seconds."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     QUEUED_SECONDS_FIELD_NUMBER: _builtins.int
     PREFILL_SECONDS_FIELD_NUMBER: _builtins.int
     DECODE_SECONDS_FIELD_NUMBER: _builtins.int
     queued_seconds: _builtins.float
-    """enqueue to first scheduled"""
+    """Enqueue to first scheduled, in seconds."""
     prefill_seconds: _builtins.float
-    """first scheduled to first token"""
+    """First scheduled to first token, in seconds."""
     decode_seconds: _builtins.float
-    """first token to finish"""
+    """First token to finish, in seconds."""
     def __init__(
         self,
         *,
@@ -555,6 +651,8 @@ Global___Timings: _TypeAlias = Timings  # noqa: Y015
 
 @_typing.final
 class JobFinished(_message.Message):
+    """The job's last event: why it stopped, what it cost, any text held back until now."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     STOP_REASON_FIELD_NUMBER: _builtins.int
@@ -570,23 +668,31 @@ class JobFinished(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
+    """Why the job stopped."""
     stop_token: _builtins.int
-    """the token that stopped the job (not in the token ids)"""
+    """The token that stopped the job (not in the token ids), with STOP_REASON_STOP_TOKEN."""
     stop_string: _builtins.str
-    """the stop string that matched (not in the text)"""
+    """The stop string that matched (not in the text), with STOP_REASON_STOP_STRING."""
     prompt_tokens: _builtins.int
+    """The prompt's length in tokens."""
     new_tokens: _builtins.int
+    """Tokens generated."""
     cached_tokens: _builtins.int
+    """Prompt tokens found in the prefix cache."""
     text: _builtins.str
-    """held-back text released at the end, if any"""
+    """Held-back text released at the end, if any (append it to the deltas' text)."""
     accepted_draft_tokens: _builtins.int
+    """Draft tokens the model accepted (speculative decoding)."""
     rejected_draft_tokens: _builtins.int
+    """Draft tokens the model rejected (speculative decoding)."""
     error: _builtins.str
-    """with STOP_REASON_ERROR: what went wrong, for the caller"""
+    """With STOP_REASON_ERROR: what went wrong, for the caller."""
     error_code: _builtins.int
-    """with STOP_REASON_ERROR: the gRPC status code (google.rpc.Code) the stream ends with"""
+    """With STOP_REASON_ERROR: the gRPC status code (google.rpc.Code) the stream ends with."""
     @_builtins.property
-    def timings(self) -> Global___Timings: ...
+    def timings(self) -> Global___Timings:
+        """Where the job's time went."""
+
     def __init__(
         self,
         *,
@@ -620,6 +726,8 @@ Global___JobFinished: _TypeAlias = JobFinished  # noqa: Y015
 
 @_typing.final
 class GenerateEvent(_message.Message):
+    """One event of a job's stream."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
@@ -629,15 +737,25 @@ class GenerateEvent(_message.Message):
     DELTA_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    """The job's id."""
     identifier: _builtins.str
+    """The request's identifier, echoed."""
     @_builtins.property
-    def started(self) -> Global___JobStarted: ...
+    def started(self) -> Global___JobStarted:
+        """The job was admitted."""
+
     @_builtins.property
-    def prefill(self) -> Global___PrefillProgress: ...
+    def prefill(self) -> Global___PrefillProgress:
+        """Progress of a long prompt."""
+
     @_builtins.property
-    def delta(self) -> Global___TextDelta: ...
+    def delta(self) -> Global___TextDelta:
+        """New text and tokens."""
+
     @_builtins.property
-    def finished(self) -> Global___JobFinished: ...
+    def finished(self) -> Global___JobFinished:
+        """The last event."""
+
     def __init__(
         self,
         *,
@@ -660,6 +778,8 @@ Global___GenerateEvent: _TypeAlias = GenerateEvent  # noqa: Y015
 
 @_typing.final
 class GetModelInfoRequest(_message.Message):
+    """GetModelInfo takes no arguments."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -675,6 +795,8 @@ Global___GetModelInfoRequest: _TypeAlias = GetModelInfoRequest  # noqa: Y015
 
 @_typing.final
 class ModelInfo(_message.Message):
+    """The served model, the engine's limits and its state."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
@@ -696,30 +818,41 @@ class ModelInfo(_message.Message):
     CPU_FIELD_NUMBER: _builtins.int
     KV_CACHE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """file or folder name"""
+    """The model's file or folder name."""
     vocab_size: _builtins.int
+    """Token ids are below this."""
     context_length: _builtins.int
-    """max prompt + new tokens of one job"""
+    """Most prompt + new tokens of one job, in tokens."""
     page_size: _builtins.int
+    """KV cache page size, in tokens."""
     num_pages: _builtins.int
+    """KV cache size, in pages."""
     max_batch_size: _builtins.int
+    """Most jobs decoding at once."""
     max_queue_size: _builtins.int
+    """Most jobs waiting for admission; past it Enqueue/Generate are RESOURCE_EXHAUSTED."""
     max_chunk_size: _builtins.int
+    """Most tokens in one forward pass."""
     dtype: _builtins.str
+    """The activations' dtype (float32, bfloat16)."""
     queued_jobs: _builtins.int
-    """Engine state at the moment of the call."""
+    """Jobs waiting for admission at the moment of the call."""
     running_jobs: _builtins.int
+    """Jobs admitted and running at the moment of the call."""
     pages_free: _builtins.int
+    """Pages free."""
     pages_cached: _builtins.int
+    """Pages unreferenced but holding a cached prefix."""
     pages_used: _builtins.int
+    """Pages referenced by running jobs."""
     quant: _builtins.str
-    """the --quant mode the server was started with (none, int8, int4, auto)"""
+    """The --quant mode the server was started with (none, int8, int4, auto)."""
     linears: _builtins.str
-    """which linear kernel runs for each projection (what auto chose)"""
+    """Which linear kernel runs for each projection (what auto chose)."""
     cpu: _builtins.str
-    """the CPU features the kernels were chosen for"""
+    """The CPU features the kernels were chosen for."""
     kv_cache: _builtins.str
-    """what the KV cache stores (float in the model's dtype, or int8) and its size"""
+    """What the KV cache stores (float in the model's dtype, or int8) and its size."""
     def __init__(
         self,
         *,
@@ -752,13 +885,18 @@ Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
 
 @_typing.final
 class TokenizeRequest(_message.Message):
+    """A prompt to tokenize."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
     CHAT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
+    """Plain text (BOS added if the model wants one)."""
     @_builtins.property
-    def chat(self) -> Global___ChatPrompt: ...
+    def chat(self) -> Global___ChatPrompt:
+        """Chat messages, rendered with the model's chat template."""
+
     def __init__(
         self,
         *,
@@ -777,11 +915,15 @@ Global___TokenizeRequest: _TypeAlias = TokenizeRequest  # noqa: Y015
 
 @_typing.final
 class TokenizeResponse(_message.Message):
+    """The prompt's token ids."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """What the engine would see for this prompt."""
+
     def __init__(
         self,
         *,

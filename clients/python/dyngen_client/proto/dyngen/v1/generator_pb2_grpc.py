@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class GeneratorStub:
-    """Missing associated documentation comment in .proto file."""
+    """Generates text with the served model for many callers at once (continuous batching).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -67,44 +68,54 @@ class GeneratorStub:
 
 
 class GeneratorServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Generates text with the served model for many callers at once (continuous batching).
+    """
 
     def Enqueue(self, request, context):
-        """Validate and queue a job; returns its id at once. The job must be streamed within
-        the server's grace period or it is cancelled.
+        """Validates and queues a job and returns its id at once. The job must be streamed within
+        the server's grace period (--stream-grace-seconds, default 30 s) or it is cancelled.
+        Errors: INVALID_ARGUMENT (a limit, a bad value, a prompt too long for the context or the
+        cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting), UNAVAILABLE (engine
+        restarting, server draining), UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stream(self, request, context):
-        """The events of one job until it finishes. One stream per job.
+        """The events of one enqueued job until it finishes: started, prefill progress, text deltas,
+        finished. One stream per job (a second is FAILED_PRECONDITION); an unknown job, one that
+        already ended or another tenant's is NOT_FOUND; too many open streams is RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cancels a running or queued job; its stream (if any) ends with a CANCELLED finish event.
+        NOT_FOUND for an unknown job, one that already ended, or another tenant's.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Enqueue and stream in one call.
+        """Enqueue and Stream in one call, with the errors of both. Cancelling the call cancels the job.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The served model, the engine's limits and its state at the moment of the call.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The token ids the server makes of a prompt (the chat template applied for a chat).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -151,7 +162,8 @@ def add_GeneratorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Generator:
-    """Missing associated documentation comment in .proto file."""
+    """Generates text with the served model for many callers at once (continuous batching).
+    """
 
     @staticmethod
     def Enqueue(request,

@@ -6,6 +6,15 @@ dyngen wire contract, version 1: the only thing callers in other languages see.
 A job is enqueued (Enqueue returns its id at once) and its events are read with one
 Stream call; Generate does both in one call. Cancelling a Generate or Stream call,
 or its deadline passing, cancels the job and frees its pages.
+
+Errors: every status the server raises on purpose carries a google.rpc.Status in the
+`grpc-status-details-bin` trailer with an ErrorInfo (domain "dyngen.v1", a stable reason
+such as QUEUE_FULL or LIMIT_EXCEEDED), a BadRequest naming the field to blame for
+INVALID_ARGUMENT where one is, and a RetryInfo (how long to wait) on RESOURCE_EXHAUSTED and
+UNAVAILABLE. docs/CONTRACT.md lists the codes and reasons of each RPC.
+
+Compatibility: this file is checked with `buf breaking` against the last released contract
+(protos/released/); fields and enum values are only ever added, never renumbered or removed.
 """
 
 from collections import abc as _abc
@@ -32,46 +41,77 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class GeneratorStub:
+    """Generates text with the served model for many callers at once (continuous batching)."""
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> GeneratorAsyncStub: ...
     Enqueue: _grpc.UnaryUnaryMultiCallable[_generator_pb2.GenerateRequest, _generator_pb2.EnqueueResponse]
-    """Validate and queue a job; returns its id at once. The job must be streamed within
-    the server's grace period or it is cancelled.
+    """Validates and queues a job and returns its id at once. The job must be streamed within
+    the server's grace period (--stream-grace-seconds, default 30 s) or it is cancelled.
+    Errors: INVALID_ARGUMENT (a limit, a bad value, a prompt too long for the context or the
+    cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting), UNAVAILABLE (engine
+    restarting, server draining), UNAUTHENTICATED.
     """
     Stream: _grpc.UnaryStreamMultiCallable[_generator_pb2.StreamRequest, _generator_pb2.GenerateEvent]
-    """The events of one job until it finishes. One stream per job."""
+    """The events of one enqueued job until it finishes: started, prefill progress, text deltas,
+    finished. One stream per job (a second is FAILED_PRECONDITION); an unknown job, one that
+    already ended or another tenant's is NOT_FOUND; too many open streams is RESOURCE_EXHAUSTED.
+    """
     Cancel: _grpc.UnaryUnaryMultiCallable[_generator_pb2.CancelRequest, _generator_pb2.CancelResponse]
+    """Cancels a running or queued job; its stream (if any) ends with a CANCELLED finish event.
+    NOT_FOUND for an unknown job, one that already ended, or another tenant's.
+    """
     Generate: _grpc.UnaryStreamMultiCallable[_generator_pb2.GenerateRequest, _generator_pb2.GenerateEvent]
-    """Enqueue and stream in one call."""
+    """Enqueue and Stream in one call, with the errors of both. Cancelling the call cancels the job."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_generator_pb2.GetModelInfoRequest, _generator_pb2.ModelInfo]
+    """The served model, the engine's limits and its state at the moment of the call."""
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generator_pb2.TokenizeRequest, _generator_pb2.TokenizeResponse]
+    """The token ids the server makes of a prompt (the chat template applied for a chat)."""
 
 @_typing.type_check_only
 class GeneratorAsyncStub(GeneratorStub):
+    """Generates text with the served model for many callers at once (continuous batching)."""
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     Enqueue: _aio.UnaryUnaryMultiCallable[_generator_pb2.GenerateRequest, _generator_pb2.EnqueueResponse]  # type: ignore[assignment]
-    """Validate and queue a job; returns its id at once. The job must be streamed within
-    the server's grace period or it is cancelled.
+    """Validates and queues a job and returns its id at once. The job must be streamed within
+    the server's grace period (--stream-grace-seconds, default 30 s) or it is cancelled.
+    Errors: INVALID_ARGUMENT (a limit, a bad value, a prompt too long for the context or the
+    cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting), UNAVAILABLE (engine
+    restarting, server draining), UNAUTHENTICATED.
     """
     Stream: _aio.UnaryStreamMultiCallable[_generator_pb2.StreamRequest, _generator_pb2.GenerateEvent]  # type: ignore[assignment]
-    """The events of one job until it finishes. One stream per job."""
+    """The events of one enqueued job until it finishes: started, prefill progress, text deltas,
+    finished. One stream per job (a second is FAILED_PRECONDITION); an unknown job, one that
+    already ended or another tenant's is NOT_FOUND; too many open streams is RESOURCE_EXHAUSTED.
+    """
     Cancel: _aio.UnaryUnaryMultiCallable[_generator_pb2.CancelRequest, _generator_pb2.CancelResponse]  # type: ignore[assignment]
+    """Cancels a running or queued job; its stream (if any) ends with a CANCELLED finish event.
+    NOT_FOUND for an unknown job, one that already ended, or another tenant's.
+    """
     Generate: _aio.UnaryStreamMultiCallable[_generator_pb2.GenerateRequest, _generator_pb2.GenerateEvent]  # type: ignore[assignment]
-    """Enqueue and stream in one call."""
+    """Enqueue and Stream in one call, with the errors of both. Cancelling the call cancels the job."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_generator_pb2.GetModelInfoRequest, _generator_pb2.ModelInfo]  # type: ignore[assignment]
+    """The served model, the engine's limits and its state at the moment of the call."""
     Tokenize: _aio.UnaryUnaryMultiCallable[_generator_pb2.TokenizeRequest, _generator_pb2.TokenizeResponse]  # type: ignore[assignment]
+    """The token ids the server makes of a prompt (the chat template applied for a chat)."""
 
 class GeneratorServicer(metaclass=_abc_1.ABCMeta):
+    """Generates text with the served model for many callers at once (continuous batching)."""
+
     @_abc_1.abstractmethod
     def Enqueue(
         self,
         request: _generator_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generator_pb2.EnqueueResponse, _abc.Awaitable[_generator_pb2.EnqueueResponse]]:
-        """Validate and queue a job; returns its id at once. The job must be streamed within
-        the server's grace period or it is cancelled.
+        """Validates and queues a job and returns its id at once. The job must be streamed within
+        the server's grace period (--stream-grace-seconds, default 30 s) or it is cancelled.
+        Errors: INVALID_ARGUMENT (a limit, a bad value, a prompt too long for the context or the
+        cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting), UNAVAILABLE (engine
+        restarting, server draining), UNAUTHENTICATED.
         """
 
     @_abc_1.abstractmethod
@@ -80,14 +120,20 @@ class GeneratorServicer(metaclass=_abc_1.ABCMeta):
         request: _generator_pb2.StreamRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_generator_pb2.GenerateEvent], _abc.AsyncIterator[_generator_pb2.GenerateEvent]]:
-        """The events of one job until it finishes. One stream per job."""
+        """The events of one enqueued job until it finishes: started, prefill progress, text deltas,
+        finished. One stream per job (a second is FAILED_PRECONDITION); an unknown job, one that
+        already ended or another tenant's is NOT_FOUND; too many open streams is RESOURCE_EXHAUSTED.
+        """
 
     @_abc_1.abstractmethod
     def Cancel(
         self,
         request: _generator_pb2.CancelRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_generator_pb2.CancelResponse, _abc.Awaitable[_generator_pb2.CancelResponse]]: ...
+    ) -> _typing.Union[_generator_pb2.CancelResponse, _abc.Awaitable[_generator_pb2.CancelResponse]]:
+        """Cancels a running or queued job; its stream (if any) ends with a CANCELLED finish event.
+        NOT_FOUND for an unknown job, one that already ended, or another tenant's.
+        """
 
     @_abc_1.abstractmethod
     def Generate(
@@ -95,20 +141,22 @@ class GeneratorServicer(metaclass=_abc_1.ABCMeta):
         request: _generator_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_generator_pb2.GenerateEvent], _abc.AsyncIterator[_generator_pb2.GenerateEvent]]:
-        """Enqueue and stream in one call."""
+        """Enqueue and Stream in one call, with the errors of both. Cancelling the call cancels the job."""
 
     @_abc_1.abstractmethod
     def GetModelInfo(
         self,
         request: _generator_pb2.GetModelInfoRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_generator_pb2.ModelInfo, _abc.Awaitable[_generator_pb2.ModelInfo]]: ...
+    ) -> _typing.Union[_generator_pb2.ModelInfo, _abc.Awaitable[_generator_pb2.ModelInfo]]:
+        """The served model, the engine's limits and its state at the moment of the call."""
 
     @_abc_1.abstractmethod
     def Tokenize(
         self,
         request: _generator_pb2.TokenizeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_generator_pb2.TokenizeResponse, _abc.Awaitable[_generator_pb2.TokenizeResponse]]: ...
+    ) -> _typing.Union[_generator_pb2.TokenizeResponse, _abc.Awaitable[_generator_pb2.TokenizeResponse]]:
+        """The token ids the server makes of a prompt (the chat template applied for a chat)."""
 
 def add_GeneratorServicer_to_server(servicer: GeneratorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

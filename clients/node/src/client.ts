@@ -1,0 +1,138 @@
+// A small typed wrapper over the dyngen.v1.Generator stub that @grpc/proto-loader builds from
+// protos/ at run time. The request and event types are generated from the same .proto
+// (`npm run gen-types`, into src/generated/), so a field the contract lacks does not compile.
+import * as path from "node:path";
+import * as grpc from "@grpc/grpc-js";
+import * as protoLoader from "@grpc/proto-loader";
+
+import type { ProtoGrpcType } from "./generated/generator";
+import type { ChatMessage } from "./generated/dyngen/v1/ChatMessage";
+import type { EnqueueResponse__Output } from "./generated/dyngen/v1/EnqueueResponse";
+import type { GenerateEvent__Output } from "./generated/dyngen/v1/GenerateEvent";
+import type { GenerateRequest } from "./generated/dyngen/v1/GenerateRequest";
+import type { GeneratorClient } from "./generated/dyngen/v1/Generator";
+import type { JobFinished__Output } from "./generated/dyngen/v1/JobFinished";
+import type { ModelInfo__Output } from "./generated/dyngen/v1/ModelInfo";
+import type { TokenizeRequest } from "./generated/dyngen/v1/TokenizeRequest";
+
+export type { GenerateEvent__Output as GenerateEvent } from "./generated/dyngen/v1/GenerateEvent";
+export type { GenerateRequest } from "./generated/dyngen/v1/GenerateRequest";
+export type { JobFinished__Output as JobFinished } from "./generated/dyngen/v1/JobFinished";
+export type { ModelInfo__Output as ModelInfo } from "./generated/dyngen/v1/ModelInfo";
+
+// The options the generated types assume: field names as in the .proto, 64-bit integers as
+// strings, enums as their names, defaults filled in, `event`/`prompt` naming the set oneof member.
+export const LOADER_OPTIONS: protoLoader.Options = {
+  keepCase: true,
+  longs: String,
+  enums: String,
+  defaults: true,
+  oneofs: true,
+};
+
+// protos/ of the repository this package sits in (dist/src/ -> clients/node -> repository root).
+export function defaultProtoPath(): string {
+  return path.resolve(__dirname, "..", "..", "..", "..", "protos", "dyngen", "v1", "generator.proto");
+}
+
+export interface ClientOptions {
+  readonly credentials?: grpc.ChannelCredentials; // default: plaintext
+  readonly token?: string; // bearer token sent with every call
+  readonly protoPath?: string; // default: defaultProtoPath()
+}
+
+export interface CallOptions {
+  readonly deadline?: grpc.Deadline;
+}
+
+// One user message, rendered with the model's chat template.
+export function chat(text: string): GenerateRequest["chat"] {
+  const message: ChatMessage = { role: "user", content: text };
+  return { messages: [message] };
+}
+
+export interface Result {
+  readonly jobId: string;
+  readonly text: string;
+  readonly tokenIds: readonly number[];
+  readonly finished: JobFinished__Output | null; // null: the stream ended without a finish event
+}
+
+// A whole job's outcome from the events of its stream.
+export async function collect(
+  events: AsyncIterable<GenerateEvent__Output> | Iterable<GenerateEvent__Output>,
+): Promise<Result> {
+  let jobId = "";
+  let text = "";
+  const tokenIds: number[] = [];
+  let finished: JobFinished__Output | null = null;
+  for await (const event of events) {
+    jobId = event.job_id;
+    if (event.delta) {
+      text += event.delta.text;
+      tokenIds.push(...event.delta.token_ids);
+    } else if (event.finished) {
+      text += event.finished.text;
+      finished = event.finished;
+    }
+  }
+  return { jobId, text, tokenIds, finished };
+}
+
+export class DyngenClient {
+  private readonly stub: GeneratorClient;
+  private readonly metadata: grpc.Metadata;
+
+  constructor(target: string, options: ClientOptions = {}) {
+    const definition = protoLoader.loadSync(options.protoPath ?? defaultProtoPath(), LOADER_OPTIONS);
+    const proto = grpc.loadPackageDefinition(definition) as unknown as ProtoGrpcType;
+    this.stub = new proto.dyngen.v1.Generator(target, options.credentials ?? grpc.credentials.createInsecure());
+    this.metadata = new grpc.Metadata();
+    if (options.token) {
+      this.metadata.set("authorization", `Bearer ${options.token}`);
+    }
+  }
+
+  // The job's events; `call.cancel()` (or breaking out of a for-await loop) cancels the job.
+  generate(request: GenerateRequest, options: CallOptions = {}): grpc.ClientReadableStream<GenerateEvent__Output> {
+    return this.stub.Generate(request, this.metadata.clone(), options);
+  }
+
+  stream(jobId: string, options: CallOptions = {}): grpc.ClientReadableStream<GenerateEvent__Output> {
+    return this.stub.Stream({ job_id: jobId }, this.metadata.clone(), options);
+  }
+
+  enqueue(request: GenerateRequest, options: CallOptions = {}): Promise<EnqueueResponse__Output> {
+    return new Promise((resolve, reject) => {
+      this.stub.Enqueue(request, this.metadata.clone(), options, (error, response) =>
+        error || !response ? reject(error) : resolve(response),
+      );
+    });
+  }
+
+  cancel(jobId: string, options: CallOptions = {}): Promise<void> {
+    return new Promise((resolve, reject) => {
+      this.stub.Cancel({ job_id: jobId }, this.metadata.clone(), options, (error) => (error ? reject(error) : resolve()));
+    });
+  }
+
+  modelInfo(options: CallOptions = {}): Promise<ModelInfo__Output> {
+    return new Promise((resolve, reject) => {
+      this.stub.GetModelInfo({}, this.metadata.clone(), options, (error, response) =>
+        error || !response ? reject(error) : resolve(response),
+      );
+    });
+  }
+
+  tokenize(request: TokenizeRequest, options: CallOptions = {}): Promise<number[]> {
+    return new Promise((resolve, reject) => {
+      this.stub.Tokenize(request, this.metadata.clone(), options, (error, response) =>
+        error || !response ? reject(error) : resolve(response.token_ids),
+      );
+    });
+  }
+
+  close(): void {
+    this.stub.close();
+  }
+}

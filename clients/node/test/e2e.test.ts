@@ -1,0 +1,91 @@
+// End to end against a real `dyngen serve` started by tests/test_client_node.py, which passes its
+// address in DYNGEN_TARGET and starts it with --max-streams 1 so a second open stream is refused.
+// The tests run in order; the one that leaves a stream cancelled (freed asynchronously) is last.
+import assert from "node:assert/strict";
+import { after, test } from "node:test";
+
+import { chat, collect, DyngenClient, errorDetails, isServiceError, type GenerateEvent } from "../src/index";
+
+const target = process.env.DYNGEN_TARGET;
+if (!target) {
+  throw new Error("DYNGEN_TARGET (host:port of a running dyngen server) is not set");
+}
+const client = new DyngenClient(target);
+after(() => client.close());
+
+const LONG = { chat: chat("Tell me a very long story."), max_new_tokens: 4000, ignore_eos: true };
+
+test("streams a chat completion", async () => {
+  const events: GenerateEvent[] = [];
+  for await (const event of client.generate({ chat: chat("What is the capital of France?"), max_new_tokens: 16, ignore_eos: true })) {
+    events.push(event);
+  }
+  assert.equal(events[0]?.event, "started");
+  assert.ok(events.some((e) => e.event === "delta" && (e.delta?.token_ids.length ?? 0) > 0));
+  const result = await collect(events);
+  assert.equal(result.finished?.stop_reason, "STOP_REASON_MAX_NEW_TOKENS");
+  assert.equal(result.finished?.new_tokens, 16);
+  assert.equal(result.tokenIds.length, 16);
+  assert.match(result.jobId, /^[0-9a-f]{32}$/);
+});
+
+test("cancels an enqueued job while streaming it", async () => {
+  const { job_id } = await client.enqueue(LONG);
+  let deltas = 0;
+  let stopReason = "";
+  for await (const event of client.stream(job_id) as AsyncIterable<GenerateEvent>) {
+    if (event.delta && ++deltas === 3) {
+      await client.cancel(job_id);
+    }
+    if (event.finished) {
+      stopReason = event.finished.stop_reason;
+    }
+  }
+  assert.equal(stopReason, "STOP_REASON_CANCELLED");
+  assert.ok(deltas < 200, `${deltas} deltas after the cancel`);
+  await assert.rejects(client.cancel(job_id), (error: unknown) => {
+    assert.ok(isServiceError(error));
+    const details = errorDetails(error);
+    assert.equal(details.codeName, "NOT_FOUND");
+    assert.equal(details.reason, "JOB_NOT_FOUND");
+    return true;
+  });
+});
+
+test("a request past a limit is INVALID_ARGUMENT naming the field", async () => {
+  const tooMany = Array.from({ length: 17 }, (_, i) => `stop${i}`);
+  await assert.rejects(collect(client.generate({ text: "Hi", stop_strings: tooMany })), (error: unknown) => {
+    assert.ok(isServiceError(error));
+    const details = errorDetails(error);
+    assert.equal(details.codeName, "INVALID_ARGUMENT");
+    assert.equal(details.reason, "LIMIT_EXCEEDED");
+    assert.deepEqual(
+      details.fieldViolations.map((v) => v.field),
+      ["stop_strings"],
+    );
+    assert.equal(details.retryDelaySeconds, undefined);
+    return true;
+  });
+});
+
+test("a stream past the server's limit is RESOURCE_EXHAUSTED with a RetryInfo", async () => {
+  const open = client.generate(LONG);
+  const first = await new Promise<GenerateEvent>((resolve, reject) => {
+    open.once("data", resolve);
+    open.once("error", reject);
+  });
+  assert.equal(first.event, "started");
+  try {
+    await assert.rejects(collect(client.generate(LONG)), (error: unknown) => {
+      assert.ok(isServiceError(error));
+      const details = errorDetails(error);
+      assert.equal(details.codeName, "RESOURCE_EXHAUSTED");
+      assert.equal(details.reason, "TOO_MANY_STREAMS");
+      assert.ok(details.retryDelaySeconds !== undefined && details.retryDelaySeconds > 0);
+      return true;
+    });
+  } finally {
+    open.on("error", () => {}); // the CANCELLED status of our own cancel
+    open.cancel();
+  }
+});
