@@ -21,10 +21,12 @@ import logging
 import re
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.constraints import GrammarCompiler, MaskWorker
 from engine.errors import DyngenError, ErrorKind, InvalidRequestError, JobNotFoundError, PromptTooLongError
 from engine.forward_batch import SequenceInput
 from engine.job_state import JobState
@@ -147,6 +149,9 @@ class Completion:
     finished: JobFinished
 
 
+_Masks = dict[JobId, torch.Tensor]  # a constrained job's token bitmask for this step
+
+
 class DynamicGenerator:
     def __init__(
         self,
@@ -170,6 +175,8 @@ class DynamicGenerator:
             model.config.vocab_size, c.sampling_threads, c.min_sampling_threads, c.sampler_mode
         )
         self.jobs: dict[JobId, JobState] = {}
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
+        self._masks: MaskWorker | None = None  # its thread starts with the first constrained job
         self._eos = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
         self._orders = 0
         self._iterations = 0
@@ -217,6 +224,8 @@ class DynamicGenerator:
                 f"tokens exceeds the whole KV cache of {capacity} tokens "
                 f"({self.pool.num_pages} pages of {self.pool.page_size})"
             )
+        # Compiled (or taken from the cache) here: a bad schema is the caller's error, at enqueue.
+        constraint = self.grammars.compile(spec.response_format) if spec.response_format is not None else None
         if job_id is None:
             job_id = new_job_id()
         job = JobState(
@@ -227,6 +236,7 @@ class DynamicGenerator:
             enqueued_at=time.perf_counter(),
             order=0,
             tokens=list(spec.prompt_ids),
+            constraint=constraint,
         )
         self.scheduler.submit(job)
         self.jobs[job_id] = job
@@ -285,6 +295,7 @@ class DynamicGenerator:
         if not staged:
             return events
         self._iterations += 1
+        masks = self._start_masks(staged)
         sampled: list[_StepOutput] = []
         for out in self._forward(staged, events):
             job, seq = out.chunk.job, out.seq
@@ -304,8 +315,34 @@ class DynamicGenerator:
             except Exception as exc:
                 self._contain(job, "taking its step's results", exc, events)
         if sampled:
-            self._sample(sampled, events)
+            self._sample(sampled, events, masks)
+        elif masks is not None:
+            masks.result()  # nobody samples after all (failed forwards): let the worker finish
         return events
+
+    def _start_masks(self, staged: list[tuple[ScheduledChunk, SequenceInput]]) -> Future[_Masks] | None:
+        """Start computing the token masks of the constrained jobs that sample after this forward."""
+        jobs = [
+            c.job for c, seq in staged if seq.want_logits and not c.draft and c.job.constraint is not None
+        ]
+        if not jobs:
+            return None
+        if self._masks is None:
+            self._masks = MaskWorker(self.model.config.vocab_size)
+        constraints = [j.constraint for j in jobs if j.constraint is not None]
+        future = self._masks.start(constraints)
+        result: Future[_Masks] = Future()
+
+        def done(f: Future[torch.Tensor]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                result.set_exception(exc)
+            else:
+                bitmask = f.result()
+                result.set_result({j.job_id: bitmask[i] for i, j in enumerate(jobs)})
+
+        future.add_done_callback(done)
+        return result
 
     def _stage(self, c: ScheduledChunk, now: float, events: list[JobEvent]) -> SequenceInput:
         """The model input of one chunk (and the job's start event, the first time it runs)."""
@@ -361,12 +398,24 @@ class DynamicGenerator:
             for (c, seq), row in zip(staged, result.first_rows, strict=True)
         ]
 
-    def _sample(self, sampled: list[_StepOutput], events: list[JobEvent]) -> None:
+    def _sample(
+        self, sampled: list[_StepOutput], events: list[JobEvent], masks: Future[_Masks] | None = None
+    ) -> None:
         """Sample the next token of every job whose chunk reached its last token, then take it."""
         ready: list[tuple[_StepOutput, SampleRequest]] = []
+        allowed: _Masks = {}
+        if masks is not None:
+            try:
+                allowed = masks.result()  # computed while the forward ran
+            except Exception as exc:
+                for out in sampled:
+                    if out.chunk.job.constraint is not None:
+                        self._contain(out.chunk.job, "computing its grammar's token mask", exc, events)
+                sampled = [o for o in sampled if o.chunk.job.constraint is None]
         for out in sampled:
             try:
-                ready.append((out, self._sample_request(out.chunk.job)))
+                job = out.chunk.job
+                ready.append((out, self._sample_request(job, allowed=allowed.get(job.job_id))))
             except Exception as exc:
                 self._contain(out.chunk.job, "preparing its sampling", exc, events)
         if not ready:
@@ -408,6 +457,7 @@ class DynamicGenerator:
             and s.repetition_penalty == 1.0
             and s.frequency_penalty == 0.0
             and s.presence_penalty == 0.0
+            and job.constraint is None  # drafts would need checking against the grammar
         )
 
     def _plan_speculation(self) -> None:
@@ -481,13 +531,18 @@ class DynamicGenerator:
         job.computed = base + 1 + accepted
         self._register_full_pages(job)
 
-    def _sample_request(self, job: JobState, ahead: int = 0) -> SampleRequest:
-        """The request for the job's next token (`ahead` tokens further on, when verifying drafts)."""
+    def _sample_request(
+        self, job: JobState, ahead: int = 0, allowed: torch.Tensor | None = None
+    ) -> SampleRequest:
+        """The request for the job's next token (`ahead` tokens further on, when verifying drafts);
+        `allowed`: its grammar's token mask."""
         spec = job.spec
         banned: frozenset[int] = frozenset()
         if job.new_tokens + ahead < spec.min_new_tokens:
             banned = spec.stop_token_ids | (frozenset() if spec.ignore_eos else self._eos)
-        return SampleRequest(job.sampler, banned, spec.return_logprobs, spec.top_logprobs)
+        if job.constraint is not None and allowed is None:
+            raise RuntimeError("a constrained job must not sample without its token mask")
+        return SampleRequest(job.sampler, banned, spec.return_logprobs, spec.top_logprobs, allowed)
 
     def _accept(
         self, job: JobState, token: int, logprob: TokenLogprob | None, events: list[JobEvent]
@@ -501,6 +556,8 @@ class DynamicGenerator:
             reason = StopReason.STOP_TOKEN if token in spec.stop_token_ids else StopReason.EOS
             events.append(self._finish(job, reason, token, None, job.text.finish()))
             return
+        if job.constraint is not None:
+            job.constraint.accept(token)
         job.tokens.append(token)
         job.sampler.accept(token)
         delta = job.text.push([token])
@@ -508,6 +565,8 @@ class DynamicGenerator:
         events.append(TokensGenerated(job.job_id, spec.identifier, delta.text, (token,), logprobs))
         if delta.stop_string is not None:
             events.append(self._finish(job, StopReason.STOP_STRING, None, delta.stop_string, ""))
+        elif job.constraint is not None and job.constraint.complete:
+            events.append(self._finish(job, StopReason.GRAMMAR, None, None, job.text.finish()))
         elif job.new_tokens >= spec.max_new_tokens:
             events.append(self._finish(job, StopReason.MAX_NEW_TOKENS, None, None, job.text.finish()))
 
@@ -626,3 +685,5 @@ class DynamicGenerator:
 
     def close(self) -> None:
         self.sampler.close()
+        if self._masks is not None:
+            self._masks.close()

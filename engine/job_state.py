@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from engine.constraints import Constraint
 from engine.ids import PageId
 from engine.jobs import JobId, JobSpec, JobStage
 from engine.sampler import SamplerState
@@ -46,6 +47,7 @@ class JobState:
     page_hashes: list[int] = field(default_factory=list)
     # (page index, hash) of prompt pages this job is computing that queued jobs may wait for.
     inflight: list[tuple[int, int]] = field(default_factory=list)
+    constraint: Constraint | None = None  # the response_format's grammar state
     prefix_copy: PrefixCopy | None = None  # set at admission, done by the generator before the forward
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
     skips: int = 0  # times smaller jobs were admitted past this one

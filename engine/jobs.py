@@ -12,6 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import NewType
 
+from engine.constraints import ResponseFormat
 from engine.errors import ErrorKind, InvalidRequestError
 
 JobId = NewType("JobId", str)
@@ -31,6 +32,7 @@ class StopReason(enum.Enum):
     MAX_NEW_TOKENS = "max_new_tokens"
     CANCELLED = "cancelled"
     ERROR = "error"  # the engine failed this job (JobFinished.error says why); other jobs went on
+    GRAMMAR = "grammar"  # the output is complete under the job's response_format (no token may follow)
 
 
 class JobStage(enum.Enum):
@@ -107,6 +109,9 @@ class JobSpec:
     # Prefix-cache isolation: jobs share cached prompt pages only with jobs of the same salt
     # (e.g. one salt per tenant); "" shares with every other unsalted job.
     cache_salt: str = ""
+    # Constrained decoding: the output must be a JSON value of this schema, match this regex, or
+    # be a sentence of this grammar (engine/constraints.py). Such a job does not speculate.
+    response_format: ResponseFormat | None = None
 
     def validate(self, vocab_size: int) -> None:
         _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
@@ -128,6 +133,8 @@ class JobSpec:
             f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}",
         )
         self.sampling.validate(vocab_size)
+        if self.response_format is not None:
+            self.response_format.validate()
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,8 @@ class SampleRequest:
     banned_extra: frozenset[int] = frozenset()
     want_logprobs: bool = False
     top_n: int = 0  # alternatives to report with the logprob
+    # The job's grammar: int32 bitmask [ceil(vocab / 32)], bit t set = token t allowed (None: all).
+    allowed: torch.Tensor | None = None
 
     @property
     def plain_greedy(self) -> bool:
@@ -251,6 +253,7 @@ class Sampler:
         self._check(logits, requests)
         if len({id(r.state) for r in requests}) != len(requests):
             raise ValueError("a job may have only one row per sample call (its RNG draws would interleave)")
+        logits = _constrained(logits, requests)
         if all(r.plain_greedy for r in requests):
             return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]
         block = self._dispatch(logits, requests, draw=True)
@@ -262,7 +265,7 @@ class Sampler:
         Uses no randomness; for speculative decoding's rejection sampling.
         """
         self._check(logits, requests)
-        probs = self._dispatch(logits, requests, draw=False).probs
+        probs = self._dispatch(_constrained(logits, requests), requests, draw=False).probs
         assert probs is not None
         return probs
 
@@ -554,6 +557,24 @@ class Sampler:
             ]
             alts.sort(key=lambda a: (-a[1], a[0]))
             out[i] = TokenLogprob(tokens[i], chosen[j], tuple(alts))
+
+
+def _constrained(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+    """The logits with each grammar's disallowed tokens at -inf (a copy; the input is untouched).
+
+    Applied first, like a ban: penalties, temperature and truncation then see only allowed tokens.
+    """
+    rows = [i for i, r in enumerate(requests) if r.allowed is not None]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[1]
+    masks = torch.stack([m for r in requests if (m := r.allowed) is not None])
+    bits = (masks.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()
+    index = torch.tensor(rows)
+    out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    return out
 
 
 def _take_rows(x: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

@@ -165,6 +165,9 @@ class Counting:
     def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         return self.inner.encode_chat(messages, add_generation_prompt)
 
+    def backend_json(self) -> str:
+        return self.inner.backend_json()
+
 
 @pytest.mark.slow
 def test_decode_window_stays_small(real: HFTokenizer) -> None:

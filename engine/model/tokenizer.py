@@ -8,6 +8,7 @@ exactly; dyngen hand-writes none of it.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ class Tokenizer(Protocol):
     def encode_chat(
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
     ) -> list[int]: ...
+
+    def backend_json(self) -> str:
+        """The tokenizer as the Hugging Face tokenizers library serializes it (for the grammar engine)."""
+        ...
 
 
 class HFTokenizer:
@@ -75,6 +80,12 @@ class HFTokenizer:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self._eos
+
+    def backend_json(self) -> str:
+        backend = copy.copy(self._tok.backend_tokenizer)  # padding and truncation off on a copy only
+        backend.no_padding()
+        backend.no_truncation()
+        return str(backend.to_str())
 
     @property
     def has_chat_template(self) -> bool:
