@@ -9,6 +9,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.constraints import GrammarKind, ResponseFormat
 from engine.errors import (
     DyngenError,
     ErrorKind,
@@ -51,6 +52,7 @@ STOP_REASONS = {
     StopReason.MAX_NEW_TOKENS: pb.STOP_REASON_MAX_NEW_TOKENS,
     StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
     StopReason.ERROR: pb.STOP_REASON_ERROR,
+    StopReason.GRAMMAR: pb.STOP_REASON_GRAMMAR,
 }
 
 # The status a failed job's stream ends with (google.rpc.Code numbers, as grpc.StatusCode has them).
@@ -61,6 +63,21 @@ ERROR_STATUS = {
     ErrorKind.UNSUPPORTED: 12,
     ErrorKind.INTERNAL: 13,
 }
+
+
+def _response_format(req: pb.GenerateRequest) -> ResponseFormat | None:
+    if not req.HasField("response_format"):
+        return None
+    f = req.response_format
+    match f.WhichOneof("format"):
+        case "json_schema":
+            return ResponseFormat(GrammarKind.JSON_SCHEMA, f.json_schema)
+        case "regex":
+            return ResponseFormat(GrammarKind.REGEX, f.regex)
+        case "lark_grammar":
+            return ResponseFormat(GrammarKind.LARK, f.lark_grammar)
+        case _:
+            raise InvalidRequestError("response_format: set one of json_schema, regex or lark_grammar")
 
 
 class EngineLoop:
@@ -224,6 +241,7 @@ class EngineLoop:
             identifier=req.identifier or None,
             cache_salt=req.cache_salt,
             sampling=sampling,
+            response_format=_response_format(req),
         )
 
     def _info(self) -> pb.ModelInfo:

@@ -25,6 +25,7 @@ class Limits:
     max_role_chars: int = 64
     max_identifier_chars: int = 256
     max_cache_salt_chars: int = 256
+    max_response_format_chars: int = 64 * 1024  # a schema, regex or grammar
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256
@@ -65,6 +66,14 @@ def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
     """Raise RequestError for the first limit `req` breaks."""
     _limit(len(req.identifier), limits.max_identifier_chars, "identifier", "length")
     _limit(len(req.cache_salt), limits.max_cache_salt_chars, "cache_salt", "length")
+    if req.HasField("response_format"):
+        which = req.response_format.WhichOneof("format")
+        if which is None:
+            raise RequestError(
+                "response_format: set one of json_schema, regex or lark_grammar", "response_format"
+            )
+        source = getattr(req.response_format, which)
+        _limit(len(source), limits.max_response_format_chars, f"response_format.{which}", "length")
     _limit(len(req.stop_strings), limits.max_stop_strings, "stop_strings", "count")
     for i, stop in enumerate(req.stop_strings):
         _limit(len(stop), limits.max_stop_string_chars, f"stop_strings[{i}]", "length")

@@ -3,7 +3,16 @@
 from dyngen_client.client import AsyncClient, Client, tls_credentials
 from dyngen_client.errors import ErrorDetails, ErrorReason, FieldViolation, error_details
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from dyngen_client.request import Chat, Prompt, Request, Sampling
+from dyngen_client.request import (
+    Chat,
+    JsonSchema,
+    LarkGrammar,
+    Prompt,
+    Regex,
+    Request,
+    ResponseFormat,
+    Sampling,
+)
 from dyngen_client.result import Event, Result, collect, stop_reason_name
 
 __all__ = [
@@ -14,8 +23,12 @@ __all__ = [
     "ErrorReason",
     "Event",
     "FieldViolation",
+    "JsonSchema",
+    "LarkGrammar",
     "Prompt",
+    "Regex",
     "Request",
+    "ResponseFormat",
     "Result",
     "Sampling",
     "collect",

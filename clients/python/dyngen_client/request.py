@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -66,6 +67,30 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class JsonSchema:
+    """Structured output: the text is one JSON value of this schema (a dict, or its JSON text)."""
+
+    schema: dict[str, object] | str
+
+
+@dataclass(frozen=True)
+class Regex:
+    """Structured output: the whole text matches this regular expression."""
+
+    pattern: str
+
+
+@dataclass(frozen=True)
+class LarkGrammar:
+    """Structured output: the text is a sentence of this Lark grammar (`start` is the root rule)."""
+
+    grammar: str
+
+
+ResponseFormat = JsonSchema | Regex | LarkGrammar
+
+
+@dataclass(frozen=True)
 class Request:
     prompt: Prompt
     max_new_tokens: int | None = None  # None: the server's default (256)
@@ -79,6 +104,7 @@ class Request:
     top_logprobs: int = 0
     identifier: str = ""  # echoed in every event
     cache_salt: str = ""  # prefix-cache isolation: share cached prompt pages only within one salt
+    response_format: ResponseFormat | None = None  # None: free text
 
     def to_proto(self) -> pb.GenerateRequest:
         req = pb.GenerateRequest(
@@ -95,6 +121,17 @@ class Request:
         )
         if self.max_new_tokens is not None:
             req.max_new_tokens = self.max_new_tokens
+        match self.response_format:
+            case JsonSchema(schema=str() as text):
+                req.response_format.json_schema = text
+            case JsonSchema(schema=schema):
+                req.response_format.json_schema = json.dumps(schema)
+            case Regex(pattern=pattern):
+                req.response_format.regex = pattern
+            case LarkGrammar(grammar=grammar):
+                req.response_format.lark_grammar = grammar
+            case None:
+                pass
         match self.prompt:
             case str():
                 req.text = self.prompt

@@ -55,6 +55,8 @@ class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason
     """The job failed inside the engine; its stream ends with a gRPC error status (INTERNAL,
     or INVALID_ARGUMENT for input the engine could not handle) and everyone else continues.
     """
+    STOP_REASON_GRAMMAR: _StopReason.ValueType  # 7
+    """The output completed the job's response_format: no further token could follow."""
 
 class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper):
     """Why a job finished."""
@@ -75,6 +77,8 @@ STOP_REASON_ERROR: StopReason.ValueType  # 6
 """The job failed inside the engine; its stream ends with a gRPC error status (INTERNAL,
 or INVALID_ARGUMENT for input the engine could not handle) and everyone else continues.
 """
+STOP_REASON_GRAMMAR: StopReason.ValueType  # 7
+"""The output completed the job's response_format: no further token could follow."""
 Global___StopReason: _TypeAlias = StopReason  # noqa: Y015
 
 @_typing.final
@@ -305,6 +309,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     IDENTIFIER_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Plain completion; the tokenizer adds BOS if the model wants one. At most
     --max-prompt-chars (1 Mi) characters.
@@ -353,6 +358,14 @@ class GenerateRequest(_message.Message):
         held back). At most 16, each 1 to 256 characters.
         """
 
+    @_builtins.property
+    def response_format(self) -> Global___ResponseFormat:
+        """Structured output: the text must be a JSON value of a schema, match a regex, or be a
+        sentence of a grammar. Unset = free text. A constrained job ends with
+        STOP_REASON_GRAMMAR once its output is complete (or at max_new_tokens, EOS and stops as
+        usual), and does not speculate. A format the compiler refuses is INVALID_ARGUMENT.
+        """
+
     def __init__(
         self,
         *,
@@ -370,10 +383,11 @@ class GenerateRequest(_message.Message):
         top_logprobs: _builtins.int = ...,
         identifier: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
+        response_format: Global___ResponseFormat | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
@@ -385,6 +399,43 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ResponseFormat(_message.Message):
+    """What a constrained job's output must be; exactly one must be set. Each is at most 64 Ki
+    characters. Compiled formats are cached by content, so repeating one costs nothing.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    LARK_GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON Schema, as JSON text. The output is one JSON value of it, on one line with ", "
+    and ": " separators; properties not listed are allowed unless additionalProperties is
+    false (as JSON Schema says).
+    """
+    regex: _builtins.str
+    """A regular expression (Rust regex syntax) that the whole output matches."""
+    lark_grammar: _builtins.str
+    """A Lark grammar (llguidance's dialect, which reads plain Lark); `start` is the root rule."""
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        lark_grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "json_schema", b"json_schema", "lark_grammar", b"lark_grammar", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "json_schema", b"json_schema", "lark_grammar", b"lark_grammar", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_format: _TypeAlias = _typing.Literal["json_schema", "regex", "lark_grammar"]  # noqa: Y015
+    _WhichOneofArgType_format: _TypeAlias = _typing.Literal["format", b"format"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_format) -> _WhichOneofReturnType_format | None: ...
+
+Global___ResponseFormat: _TypeAlias = ResponseFormat  # noqa: Y015
 
 @_typing.final
 class EnqueueResponse(_message.Message):

