@@ -8,7 +8,7 @@ reason, field violations and retry delay they carry.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Generator
 
 import grpc
 
@@ -79,8 +79,8 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def generate(self, request: Request, timeout: float | None = None) -> Iterator[Event]:
-        """The job's events; leaving the loop early cancels the call and so the job."""
+    def generate(self, request: Request, timeout: float | None = None) -> Generator[Event, None, None]:
+        """The job's events; leaving the loop early (or close()) cancels the call and so the job."""
         call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self.metadata)
         try:
             yield from call
@@ -90,7 +90,7 @@ class Client:
     def enqueue(self, request: Request, timeout: float | None = None) -> str:
         return str(self.stub.Enqueue(request.to_proto(), timeout=timeout, metadata=self.metadata).job_id)
 
-    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[Event]:
+    def stream(self, job_id: str, timeout: float | None = None) -> Generator[Event, None, None]:
         call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
         try:
             yield from call
@@ -137,7 +137,8 @@ class AsyncClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def generate(self, request: Request, timeout: float | None = None) -> AsyncIterator[Event]:
+    async def generate(self, request: Request, timeout: float | None = None) -> AsyncGenerator[Event, None]:
+        """The job's events; aclose() (or leaving the loop and dropping it) cancels the call."""
         call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self.metadata)
         try:
             async for event in call:
@@ -150,7 +151,7 @@ class AsyncClient:
             (await self.stub.Enqueue(request.to_proto(), timeout=timeout, metadata=self.metadata)).job_id
         )
 
-    async def stream(self, job_id: str, timeout: float | None = None) -> AsyncIterator[Event]:
+    async def stream(self, job_id: str, timeout: float | None = None) -> AsyncGenerator[Event, None]:
         call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
         try:
             async for event in call:
