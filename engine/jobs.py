@@ -139,9 +139,14 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class TokenLogprob:
+    """A sampled token's likelihood, twice: `logprob`/`top` before the truncating filters (top_k,
+    top_p, typical, min_p) and `final_prob`/`final_top` after them, the distribution it was drawn from."""
+
     token_id: int
-    logprob: float
+    logprob: float  # log-probability after penalties, biases, bans and temperature, before truncation
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    final_prob: float | None = None  # its probability after every filter (1.0 for greedy jobs)
+    final_top: tuple[tuple[int, float], ...] = ()  # (token id, probability) after the filters, > 0 only
 
 
 @dataclass(frozen=True)

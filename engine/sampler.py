@@ -213,6 +213,11 @@ class SampleResult:
     logprob: TokenLogprob | None = None
 
 
+_Final = tuple[
+    float, tuple[tuple[int, float], ...]
+]  # the chosen token's final probability, top after filters
+
+
 @dataclass
 class _Block:
     tokens: list[int]
@@ -356,12 +361,15 @@ class Sampler:
             for i, t in zip(greedy, best.tolist(), strict=True):
                 tokens[i] = t
         sampled = [i for i, r in enumerate(reqs) if not r.state.settings.greedy]
+        finals: dict[int, _Final] = {
+            i: (1.0, ((tokens[i], 1.0),) if reqs[i].top_n else ()) for i in greedy if reqs[i].want_logprobs
+        }
         if sampled:
-            self._sample_rows(x, sampled, reqs, tokens, probs)
+            self._sample_rows(x, sampled, reqs, tokens, probs, finals)
 
         logprobs: list[TokenLogprob | None] = [None] * n
         if draw:
-            self._logprobs(x, reqs, tokens, logprobs)
+            self._logprobs(x, reqs, tokens, logprobs, finals)
         return _Block(tokens, logprobs, probs)
 
     def _apply_processors(self, logits: torch.Tensor, reqs: Sequence[SampleRequest]) -> torch.Tensor:
@@ -403,6 +411,7 @@ class Sampler:
         reqs: Sequence[SampleRequest],
         tokens: list[int],
         probs: torch.Tensor | None,
+        finals: dict[int, _Final],
     ) -> None:
         """Group sampled rows by the candidate set their filters need, then filter and draw per group."""
         vocab = self.vocab_size
@@ -428,7 +437,9 @@ class Sampler:
                 if len(keep) < len(group):
                     sel = torch.tensor(keep)
                     vals, ids = vals.index_select(0, sel), ids.index_select(0, sel)
-                self._finish(vals[:, :k], ids[:, :k], None, [group[j] for j in keep], reqs, tokens, probs)
+                self._finish(
+                    vals[:, :k], ids[:, :k], None, [group[j] for j in keep], reqs, tokens, probs, finals
+                )
 
         if nucleus:
             # The nucleus is usually within the best few hundred tokens: find its mass among the
@@ -451,6 +462,7 @@ class Sampler:
                     reqs,
                     tokens,
                     probs,
+                    finals,
                 )
 
         if dense:
@@ -463,7 +475,7 @@ class Sampler:
                         xs = x.clone()  # x may be the caller's logits
                     kth = xs[j].topk(k).values[-1]
                     xs[j] = xs[j].masked_fill(xs[j] < kth, _NEG_INF)
-            self._finish(xs, None, None, dense, reqs, tokens, probs)
+            self._finish(xs, None, None, dense, reqs, tokens, probs, finals)
 
     def _finish(
         self,
@@ -474,6 +486,7 @@ class Sampler:
         reqs: Sequence[SampleRequest],
         tokens: list[int],
         probs: torch.Tensor | None,
+        finals: dict[int, _Final],
     ) -> None:
         """Steps 5-9 and the draw for one group. vals: [n, W] logits after 1-4 (and top_k);
         ids: their token ids ([n, W]), or None when W is the whole vocabulary (column = id)."""
@@ -529,6 +542,17 @@ class Sampler:
         chosen = pos if ids is None else ids.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
         for i, t in zip(rows, chosen.tolist(), strict=True):
             tokens[i] = t
+        wanted = [j for j, i in enumerate(rows) if reqs[i].want_logprobs]
+        for j in wanted:  # the drawn-from distribution, for the callers who asked
+            i = rows[j]
+            n_top = min(reqs[i].top_n, width)
+            tv, ti = final[j].topk(n_top) if n_top else (final[j][:0], pos[:0])
+            top_ids = (ti if ids is None else ids[j].gather(0, ti)).tolist()
+            top = sorted(
+                ((t, v) for t, v in zip(top_ids, tv.tolist(), strict=True) if v > 0),
+                key=lambda a: (-a[1], a[0]),
+            )
+            finals[i] = (float(final[j, pos[j]]), tuple(top))
 
     def _logprobs(
         self,
@@ -536,6 +560,7 @@ class Sampler:
         reqs: Sequence[SampleRequest],
         tokens: list[int],
         out: list[TokenLogprob | None],
+        finals: dict[int, _Final],
     ) -> None:
         rows = [i for i, r in enumerate(reqs) if r.want_logprobs]
         if not rows:
@@ -556,7 +581,8 @@ class Sampler:
                 (t, v) for t, v in zip(top_ids[j][:n_alt], top_vals[j][:n_alt], strict=True) if v != _NEG_INF
             ]
             alts.sort(key=lambda a: (-a[1], a[0]))
-            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(alts))
+            final_prob, final_top = finals.get(i, (None, ()))
+            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(alts), final_prob, final_top)
 
 
 def _constrained(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:

@@ -288,6 +288,8 @@ def event_to_proto(event: JobEvent) -> pb.GenerateEvent:
                         token_id=lp.token_id,
                         logprob=lp.logprob,
                         top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+                        final_prob=lp.final_prob,
+                        final_top=[pb.TopProb(token_id=t, prob=p) for t, p in lp.final_top],
                     )
                 )
         case JobFinished():

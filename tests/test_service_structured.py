@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -100,3 +101,23 @@ def test_grpcurl_gets_schema_valid_json(server: ServerProcess) -> None:
     text = "".join(e.get("delta", {}).get("text", "") for e in events)
     jsonschema.validate(json.loads(text), CITY)
     assert "STOP_REASON_GRAMMAR" in out
+
+
+def test_token_probabilities_before_and_after_the_filters(server: ServerProcess) -> None:
+    with server.client() as client:
+        req = Request(
+            Chat.user("Name a colour."),
+            max_new_tokens=6,
+            ignore_eos=True,
+            return_logprobs=True,
+            top_logprobs=3,
+            sampling=Sampling(temperature=0.9, top_k=3, seed=5),
+        )
+        lps = [lp for e in client.generate(req) if e.HasField("delta") for lp in e.delta.logprobs]
+        assert len(lps) == 6
+        for lp in lps:
+            assert lp.HasField("final_prob") and 0 < lp.final_prob <= 1
+            assert 1 <= len(lp.final_top) <= 3 and abs(sum(t.prob for t in lp.final_top) - 1) < 1e-4
+            # Truncation renormalises over the survivors: a surviving token's probability only grows.
+            assert math.exp(lp.logprob) <= lp.final_prob + 1e-5
+            assert lp.token_id in [t.token_id for t in lp.final_top]

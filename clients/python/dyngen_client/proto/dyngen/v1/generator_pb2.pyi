@@ -605,21 +605,61 @@ class TopLogprob(_message.Message):
 Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
 
 @_typing.final
+class TopProb(_message.Message):
+    """A token's probability after every filter (top_k, top_p, typical, min_p): the distribution
+    the token was drawn from.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    PROB_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The token's id."""
+    prob: _builtins.float
+    """Its probability in [0, 1] after the filters (1 for greedy jobs' choice)."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        prob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prob", b"prob", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopProb: _TypeAlias = TopProb  # noqa: Y015
+
+@_typing.final
 class TokenLogprob(_message.Message):
-    """A generated token's log-probability, with the most likely alternatives."""
+    """A generated token's log-probability, with the most likely alternatives, before the truncating
+    filters (logprob, top) and after them (final_prob, final_top).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_FIELD_NUMBER: _builtins.int
+    FINAL_PROB_FIELD_NUMBER: _builtins.int
+    FINAL_TOP_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     """The generated token's id."""
     logprob: _builtins.float
-    """Its natural-log probability (as TopLogprob.logprob)."""
+    """Its natural-log probability (as TopLogprob.logprob): before the truncating filters."""
+    final_prob: _builtins.float
+    """Its probability after every filter, the one it was drawn with (1 for greedy jobs)."""
     @_builtins.property
     def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
-        """top_logprobs alternatives, most likely first."""
+        """top_logprobs alternatives before the filters, most likely first."""
+
+    @_builtins.property
+    def final_top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopProb]:
+        """Up to top_logprobs tokens that survived the filters, most likely first, with their
+        probabilities after the filters (they sum to 1 when all survivors fit).
+        """
 
     def __init__(
         self,
@@ -627,12 +667,16 @@ class TokenLogprob(_message.Message):
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
         top: _abc.Iterable[Global___TopLogprob] | None = ...,
+        final_prob: _builtins.float | None = ...,
+        final_top: _abc.Iterable[Global___TopProb] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_final_prob", b"_final_prob", "final_prob", b"final_prob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_final_prob", b"_final_prob", "final_prob", b"final_prob", "final_top", b"final_top", "logprob", b"logprob", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__final_prob: _TypeAlias = _typing.Literal["final_prob"]  # noqa: Y015
+    _WhichOneofArgType__final_prob: _TypeAlias = _typing.Literal["_final_prob", b"_final_prob"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__final_prob) -> _WhichOneofReturnType__final_prob | None: ...
 
 Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
 
