@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import llguidance
-import llguidance.torch
 import torch
 
 from engine.errors import InvalidRequestError
@@ -94,8 +93,15 @@ class Constraint:
         self._m = matcher
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of an int32 [rows, words] bitmask."""
-        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        """Write the allowed next tokens into row `row` of a contiguous int32 [rows, words] bitmask.
+
+        Straight into the tensor's memory. (Not through llguidance.torch: importing it runs a
+        torch.compile decorator, which imports Triton before the tests can ask for its interpreter.)
+        """
+        if bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.device.type != "cpu":
+            raise ValueError("a token bitmask is a contiguous int32 CPU tensor")
+        target = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token; a token the mask did not allow is an engine bug."""

@@ -155,15 +155,22 @@ def measure(candidates: Mapping[LinearKind, Linear]) -> Choice:
                 t0 = time.perf_counter()
                 lin(x)
                 best[kind] = min(best.get(kind, float("inf")), time.perf_counter() - t0)
-        fastest = min(best.values())
-        # Within the margin, fewer weight bytes win: a lone call times a weight in isolation, but
-        # in a forward every layer's weights stream from memory one after another, so bytes cost
-        # more there than here (measured: cold single calls picked int8 kinds at one row where
-        # int4_q8 made the whole decode step 15% faster).
-        margin = BYTES_MARGIN_ONE_ROW if rows == 1 else BYTES_MARGIN
-        close = [k for k in best if best[k] <= fastest * (1 + margin)]
-        choice[rows] = min(close, key=lambda k: (candidates[k].weight_bytes(), best[k]))
+        choice[rows] = choose(best, {k: lin.weight_bytes() for k, lin in candidates.items()}, rows)
     return choice
+
+
+def choose(
+    seconds: Mapping[LinearKind, float], weight_bytes: Mapping[LinearKind, int], rows: int
+) -> LinearKind:
+    """The kind to run at `rows` rows given each kind's best time: the fastest, except that within
+    the margin fewer weight bytes win. A lone call times a weight in isolation, but in a forward
+    every layer's weights stream from memory one after another, so bytes cost more there than
+    here (measured: cold single calls picked int8 kinds at one row where int4_q8 made the whole
+    decode step 15% faster)."""
+    fastest = min(seconds.values())
+    margin = BYTES_MARGIN_ONE_ROW if rows == 1 else BYTES_MARGIN
+    close = [k for k in seconds if seconds[k] <= fastest * (1 + margin)]
+    return min(close, key=lambda k: (weight_bytes[k], seconds[k]))
 
 
 class TunedLinear:

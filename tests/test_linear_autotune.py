@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -43,33 +42,17 @@ def test_tuned_linear_calls_its_buckets_winner() -> None:
         assert torch.equal(tuned(x), lin(x))
 
 
-class _Timed:
-    """A linear that takes `seconds` per call and says it holds `nbytes` of weight."""
-
-    def __init__(self, kind: LinearKind, seconds: float, nbytes: int) -> None:
-        self.kind, self.seconds, self.nbytes = kind, seconds, nbytes
-        self.in_features = self.out_features = 8
-
-    def describe(self) -> str:
-        return self.kind.value
-
-    def weight_bytes(self) -> int:
-        return self.nbytes
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        end = time.perf_counter() + self.seconds
-        while time.perf_counter() < end:
-            pass
-        return x
-
-
-def test_near_ties_go_to_the_kind_with_fewer_weight_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autotune, "_evictor", lambda: torch.zeros(1))
-    fast = _Timed(LinearKind.FLOAT, 0.002, 4000)
-    small = _Timed(LinearKind.INT4_Q8, 0.0026, 1000)  # 30% slower alone, a quarter of the bytes
-    choice = autotune.measure({LinearKind.FLOAT: fast, LinearKind.INT4_Q8: small})
+def test_near_ties_go_to_the_kind_with_fewer_weight_bytes() -> None:
+    seconds = {LinearKind.FLOAT: 0.0020, LinearKind.INT4_Q8: 0.0026}  # 30% slower alone...
+    nbytes = {LinearKind.FLOAT: 4000, LinearKind.INT4_Q8: 1000}  # ...with a quarter of the bytes
     # One row: within the wide one-row margin, bytes win; more rows: 30% is no tie.
-    assert choice == {1: LinearKind.INT4_Q8, 8: LinearKind.FLOAT, 64: LinearKind.FLOAT}
+    assert autotune.choose(seconds, nbytes, 1) is LinearKind.INT4_Q8
+    assert autotune.choose(seconds, nbytes, 8) is LinearKind.FLOAT
+    assert autotune.choose(seconds, nbytes, 64) is LinearKind.FLOAT
+    # Within the narrow margin at any row count.
+    close = {LinearKind.FLOAT: 0.0020, LinearKind.INT4_Q8: 0.0022}
+    assert autotune.choose(close, nbytes, 64) is LinearKind.INT4_Q8
+    assert autotune.choose({**close, LinearKind.INT4_Q8: 0.0031}, nbytes, 1) is LinearKind.FLOAT
 
 
 def _key(cpu: CpuFeatures | None = None) -> TuneKey:
