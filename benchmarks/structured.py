@@ -28,11 +28,13 @@ from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
 from kernels.cpu_features import cpu_features
 
-# A simple schema whose one string may run the whole token budget, as the free jobs do.
+# A simple schema that keeps a job writing for the whole token budget, as the free jobs do
+# (ignore_eos): its one string must be longer than 128 tokens can spell, so the comparison
+# is per token, not cut short by completed outputs.
 SCHEMA = {
     "type": "object",
-    "properties": {"title": {"type": "string", "maxLength": 40}, "story": {"type": "string"}},
-    "required": ["title", "story"],
+    "properties": {"story": {"type": "string", "minLength": 1000}},
+    "required": ["story"],
     "additionalProperties": False,
 }
 
