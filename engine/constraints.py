@@ -108,6 +108,11 @@ class Constraint:
         if not self._m.consume_token(token):
             raise RuntimeError(f"the grammar rejected token {token}: {self._m.get_error()}")
 
+    def rollback(self, tokens: int) -> None:
+        """Take back the last `tokens` accepted tokens (a banned string's rewind)."""
+        if tokens and not self._m.rollback(tokens):
+            raise RuntimeError(f"the grammar could not take back {tokens} tokens: {self._m.get_error()}")
+
     @property
     def complete(self) -> bool:
         """The output is a whole sentence of the grammar and nothing may follow."""
@@ -133,7 +138,7 @@ class GrammarCompiler:
         """Compiled grammars held."""
         return len(self._cache)
 
-    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll is None:
             eos = sorted(self._tokenizer.eos_token_ids)
             self._ll = llguidance.LLTokenizer(
@@ -156,7 +161,7 @@ class GrammarCompiler:
             return Constraint(template.deep_copy())
 
     def _build(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
-        tokenizer = self._ll_tokenizer()
+        tokenizer = self.ll_tokenizer()
         try:
             match fmt.kind:
                 case GrammarKind.JSON_SCHEMA:

@@ -17,6 +17,7 @@ Not thread-safe: one thread (the engine loop) owns a generator.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -26,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.constraints import GrammarCompiler, MaskWorker
+from engine.constraints import GrammarCompiler, MaskWorker, mask_words
 from engine.errors import DyngenError, ErrorKind, InvalidRequestError, JobNotFoundError, PromptTooLongError
 from engine.forward_batch import SequenceInput
-from engine.job_state import JobState
+from engine.job_state import HeldToken, JobState
 from engine.jobs import (
     JobError,
     JobEvent,
@@ -70,11 +71,16 @@ from engine.speculative import (
     accept_greedy,
     accept_sampled,
 )
-from engine.text_stream import TextStream
+from engine.text_stream import BannedMatch, TextStream
+from engine.token_healing import TokenHealer
 
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 200
+
+# A job whose banned strings keep matching gives up (StopReason.ERROR) after this many rewinds:
+# each costs a sampler call, and a model set on a banned string could otherwise loop for long.
+MAX_REWINDS = 256
 
 # Ids appear in logs and metrics: printable, bounded, no separators to forge.
 _JOB_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -176,6 +182,7 @@ class DynamicGenerator:
         )
         self.jobs: dict[JobId, JobState] = {}
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
+        self.healer = TokenHealer(tokenizer, model.config.vocab_size, self.grammars.ll_tokenizer)
         self._masks: MaskWorker | None = None  # its thread starts with the first constrained job
         self._eos = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
         self._orders = 0
@@ -226,17 +233,28 @@ class DynamicGenerator:
             )
         # Compiled (or taken from the cache) here: a bad schema is the caller's error, at enqueue.
         constraint = self.grammars.compile(spec.response_format) if spec.response_format is not None else None
+        heal = self.healer.plan(spec.prompt_ids) if spec.token_healing else None
+        if heal is not None:  # the job runs on the prompt less its last token
+            spec = dataclasses.replace(spec, prompt_ids=heal.prompt_ids)
         if job_id is None:
             job_id = new_job_id()
         job = JobState(
             job_id=job_id,
             spec=spec,
             sampler=SamplerState(spec.sampling, spec.prompt_ids, self.model.config.vocab_size),
-            text=TextStream(self.tokenizer, spec.stop_strings, not spec.decode_special_tokens),
+            text=TextStream(
+                self.tokenizer,
+                spec.stop_strings,
+                not spec.decode_special_tokens,
+                spec.banned_strings,
+                heal.removed_text if heal is not None else "",
+            ),
             enqueued_at=time.perf_counter(),
             order=0,
             tokens=list(spec.prompt_ids),
             constraint=constraint,
+            heal=heal,
+            healing=heal.removed if heal is not None else b"",
         )
         self.scheduler.submit(job)
         self.jobs[job_id] = job
@@ -441,7 +459,7 @@ class DynamicGenerator:
                     self._contain(out.chunk.job, "sampling", exc, events)
         for out, result in taken:
             try:
-                self._accept(out.chunk.job, result.token_id, result.logprob, events)
+                self._accept(out.chunk.job, result.token_id, result.logprob, events, out.logits[out.row])
             except Exception as exc:
                 self._contain(out.chunk.job, "taking its sampled token", exc, events)
 
@@ -458,6 +476,8 @@ class DynamicGenerator:
             and s.frequency_penalty == 0.0
             and s.presence_penalty == 0.0
             and job.constraint is None  # drafts would need checking against the grammar
+            and not job.spec.banned_strings  # a rewind needs each held token's own logits row
+            and not job.healing  # its next token is held to the prompt's taken-back text
         )
 
     def _plan_speculation(self) -> None:
@@ -537,38 +557,183 @@ class DynamicGenerator:
         """The request for the job's next token (`ahead` tokens further on, when verifying drafts);
         `allowed`: its grammar's token mask."""
         spec = job.spec
+        position = job.new_tokens + ahead
         banned: frozenset[int] = frozenset()
-        if job.new_tokens + ahead < spec.min_new_tokens:
+        if position < spec.min_new_tokens:
             banned = spec.stop_token_ids | (frozenset() if spec.ignore_eos else self._eos)
+        if job.position_bans:
+            banned |= job.position_bans.get(position, frozenset())
         if job.constraint is not None and allowed is None:
             raise RuntimeError("a constrained job must not sample without its token mask")
+        if job.healing:
+            if ahead:
+                raise RuntimeError("a job still healing its prompt's last word must not verify drafts")
+            allowed = self.healer.mask(job.healing)
         return SampleRequest(job.sampler, banned, spec.return_logprobs, spec.top_logprobs, allowed)
 
     def _accept(
-        self, job: JobState, token: int, logprob: TokenLogprob | None, events: list[JobEvent]
+        self,
+        job: JobState,
+        token: int,
+        logprob: TokenLogprob | None,
+        events: list[JobEvent],
+        logits: torch.Tensor | None = None,
     ) -> None:
-        """Take one new token of the job: stream its text, or finish the job on a stop condition."""
+        """Take one new token of the job (`logits`: the row it was sampled from): stream its text,
+        finish the job on a stop condition, or rewind past a banned string and take another."""
+        again = self._take(job, token, logprob, logits, events)
+        while again is not None:
+            again = self._take(job, *again, events)
+
+    def _take(
+        self,
+        job: JobState,
+        token: int,
+        logprob: TokenLogprob | None,
+        logits: torch.Tensor | None,
+        events: list[JobEvent],
+    ) -> tuple[int, TokenLogprob | None, torch.Tensor] | None:
+        """`_accept` for one token; returns the token sampled again after a rewind, if there was one."""
         spec = job.spec
         now = time.perf_counter()
         if job.first_token_at is None:
             job.first_token_at = now
         if token in spec.stop_token_ids or (not spec.ignore_eos and token in self._eos):
             reason = StopReason.STOP_TOKEN if token in spec.stop_token_ids else StopReason.EOS
-            events.append(self._finish(job, reason, token, None, job.text.finish()))
-            return
+            self._finish_releasing(job, reason, token, events)
+            return None
         if job.constraint is not None:
             job.constraint.accept(token)
         job.tokens.append(token)
         job.sampler.accept(token)
+        if job.healing:
+            job.healing = self.healer.remaining(job.healing, (token,))
         delta = job.text.push([token])
-        logprobs = (logprob,) if logprob is not None else ()
-        events.append(TokensGenerated(job.job_id, spec.identifier, delta.text, (token,), logprobs))
+        if delta.banned is not None:
+            return self._rewind(job, delta.banned, token, logits)
+        # Tokens are streamed with their text: the stream releases the oldest `released` of the
+        # tokens it holds (this one included, unless it may be the start of a banned string).
+        held = job.text.held > 0 and logits is not None
+        job.held.append(HeldToken(token, logprob, logits.clone() if held and logits is not None else None))
+        out = job.held[: delta.released]
+        del job.held[: delta.released]
+        if out or delta.text:
+            events.append(
+                TokensGenerated(
+                    job.job_id,
+                    spec.identifier,
+                    delta.text,
+                    tuple(h.token for h in out),
+                    tuple(h.logprob for h in out if h.logprob is not None),
+                )
+            )
         if delta.stop_string is not None:
             events.append(self._finish(job, StopReason.STOP_STRING, None, delta.stop_string, ""))
         elif job.constraint is not None and job.constraint.complete:
-            events.append(self._finish(job, StopReason.GRAMMAR, None, None, job.text.finish()))
+            self._finish_releasing(job, StopReason.GRAMMAR, None, events)
         elif job.new_tokens >= spec.max_new_tokens:
-            events.append(self._finish(job, StopReason.MAX_NEW_TOKENS, None, None, job.text.finish()))
+            self._finish_releasing(job, StopReason.MAX_NEW_TOKENS, None, events)
+        return None
+
+    def _finish_releasing(
+        self, job: JobState, reason: StopReason, token: int | None, events: list[JobEvent]
+    ) -> None:
+        """Finish a job that no stop string ended: its held text, and held tokens, are final now."""
+        text = job.text.finish()
+        if job.held:
+            held, job.held = job.held, []
+            events.append(
+                TokensGenerated(
+                    job.job_id,
+                    job.spec.identifier,
+                    text,
+                    tuple(h.token for h in held),
+                    tuple(h.logprob for h in held if h.logprob is not None),
+                )
+            )
+            text = ""
+        events.append(self._finish(job, reason, token, None, text))
+
+    def _rewind(
+        self, job: JobState, match: BannedMatch, token: int, logits: torch.Tensor | None
+    ) -> tuple[int, TokenLogprob | None, torch.Tensor]:
+        """A banned string completed: take the job back to before output token `match.token`, ban
+        that token at that position, and sample the position again from its kept logits row."""
+        if job.rewinds >= MAX_REWINDS:
+            raise InvalidRequestError(
+                f"banned strings: gave up after {MAX_REWINDS} rewinds (the model keeps writing "
+                f"{match.string!r}); remove the ban or change the prompt"
+            )
+        job.rewinds += 1
+        position = match.token
+        # The stream holds job.held plus `token` (pushed last, not in job.held yet).
+        k = position - (job.new_tokens - len(job.held) - 1)
+        if k == len(job.held):
+            first, row = token, logits
+        else:
+            first, row = job.held[k].token, job.held[k].logits
+        if row is None:
+            raise RuntimeError("a banned string matched at a token sampled without its logits row")
+        keep = job.prompt_len + position
+        dropped = len(job.tokens) - keep
+        job.text.rewind(position)
+        del job.held[k:]
+        del job.tokens[keep:]
+        job.sampler.rewind(job.tokens[job.prompt_len :])
+        if job.heal is not None:
+            job.healing = self.healer.remaining(job.heal.removed, job.tokens[job.prompt_len :])
+        if job.constraint is not None:
+            job.constraint.rollback(dropped)
+        self._truncate_cache(job, keep)
+        # Bans further on were made after another prefix: they no longer apply.
+        bans = {p: b for p, b in job.position_bans.items() if p < position}
+        bans[position] = job.position_bans.get(position, frozenset()) | {first}
+        job.position_bans = bans
+        allowed = None
+        if job.constraint is not None:
+            bitmask = torch.zeros((1, mask_words(self.model.config.vocab_size)), dtype=torch.int32)
+            job.constraint.fill(bitmask, 0)
+            allowed = bitmask[0]
+        request = self._sample_request(job, allowed=allowed)
+        (result,) = self.sampler.sample(row.unsqueeze(0), [request])
+        t = result.token_id
+        # With every token banned or masked, the sampler falls back past the bans (or to token 0).
+        if t in bans[position] or (
+            request.allowed is not None and not int(request.allowed[t // 32]) >> (t % 32) & 1
+        ):
+            raise InvalidRequestError(
+                f"banned strings leave no token to write at output position {position} "
+                f"(every allowed token starts {match.string!r})"
+            )
+        return result.token_id, result.logprob, row
+
+    def _truncate_cache(self, job: JobState, keep: int) -> None:
+        """Make the job's K/V hold at most its first `keep` tokens and its pages writable past them.
+
+        Pages registered in the pool are read-only: one the job holds alone is unregistered, a
+        shared one is copied (the kept slots) into a fresh page. No page to copy into: the job is
+        preempted, and its re-admission recomputes what it keeps (mostly prefix hits).
+        """
+        ps = self.pool.page_size
+        job.computed = min(job.computed, keep)
+        first = keep // ps
+        for i in range(first, job.registered):
+            page = job.pages[i]
+            if self.pool.ref_count(page) == 1:
+                self.pool.unregister(page)
+                continue
+            fresh = self.pool.allocate(1)
+            if fresh is None:
+                self.scheduler.preempt(job)
+                self._on_preempt(job)
+                break
+            if i == first and keep % ps:
+                self.cache.copy_prefix(page, fresh[0], keep % ps)
+            self.pool.release([page])
+            job.pages[i] = fresh[0]
+        job.registered = min(job.registered, first)
+        del job.page_hashes[first:]
+        self._forget_drafts(job)  # its drafter state saw the tokens taken back
 
     def _register_full_pages(self, job: JobState) -> None:
         """Make every newly filled page findable; switch to an identical page if one exists."""

@@ -9,11 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import torch
+
 from engine.constraints import Constraint
 from engine.ids import PageId
-from engine.jobs import JobId, JobSpec, JobStage
+from engine.jobs import JobId, JobSpec, JobStage, TokenLogprob
 from engine.sampler import SamplerState
 from engine.text_stream import TextStream
+from engine.token_healing import HealPlan
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,16 @@ class PrefixCopy:
     source: PageId
     target: PageId
     tokens: int
+
+
+@dataclass(frozen=True)
+class HeldToken:
+    """An output token whose text may still become a banned string: not streamed yet. `logits` is
+    the row it was sampled from, kept so a rewind can sample that position again without a forward."""
+
+    token: int
+    logprob: TokenLogprob | None
+    logits: torch.Tensor | None
 
 
 # eq=False: a job is itself, compared by identity. The generated __eq__ compared every field,
@@ -48,6 +61,12 @@ class JobState:
     # (page index, hash) of prompt pages this job is computing that queued jobs may wait for.
     inflight: list[tuple[int, int]] = field(default_factory=list)
     constraint: Constraint | None = None  # the response_format's grammar state
+    heal: HealPlan | None = None  # token healing: the prompt tokens taken back and their text
+    healing: bytes = b""  # of that text, what the output has yet to spell (b"": healed)
+    held: list[HeldToken] = field(default_factory=list)  # the text stream's held tokens, oldest first
+    # Output position -> tokens banned there because a banned string started with them.
+    position_bans: dict[int, frozenset[int]] = field(default_factory=dict)
+    rewinds: int = 0
     prefix_copy: PrefixCopy | None = None  # set at admission, done by the generator before the forward
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
     skips: int = 0  # times smaller jobs were admitted past this one

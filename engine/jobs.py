@@ -112,6 +112,12 @@ class JobSpec:
     # Constrained decoding: the output must be a JSON value of this schema, match this regex, or
     # be a sentence of this grammar (engine/constraints.py). Such a job does not speculate.
     response_format: ResponseFormat | None = None
+    # Strings that must never appear in the output: text that may become one is held back, and if
+    # one completes, generation rewinds to the token it started in and bans that token there.
+    banned_strings: tuple[str, ...] = ()
+    # Take the prompt's last token back and regenerate it among the tokens whose text starts with
+    # its text, so a prompt that ends mid-word continues the word; the output starts after that text.
+    token_healing: bool = False
 
     def validate(self, vocab_size: int) -> None:
         _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
@@ -126,6 +132,12 @@ class JobSpec:
         )
         _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         _check(all(s for s in self.stop_strings), "stop strings must not be empty")
+        _check(all(s for s in self.banned_strings), "banned strings must not be empty")
+        _check(
+            not (self.token_healing and self.response_format is not None),
+            "token_healing cannot be combined with response_format (the healed text is the prompt's, "
+            "not the output's)",
+        )
         for token in self.stop_token_ids:
             _check(0 <= token < vocab_size, f"stop token id {token} is outside [0, {vocab_size})")
         _check(

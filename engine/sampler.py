@@ -105,7 +105,8 @@ class SamplerState:
 
         self._track_seen = settings.repetition_penalty != 1.0
         self._track_output = settings.frequency_penalty != 0.0 or settings.presence_penalty != 0.0
-        self._seen: set[int] = set(prompt_ids) if self._track_seen else set()
+        self._prompt_ids = frozenset(prompt_ids) if self._track_seen else frozenset()
+        self._seen: set[int] = set(self._prompt_ids)
         self._seen_ids = array("q", sorted(self._seen))
         self._seen_tensor: torch.Tensor | None = None
         self._out_pos: dict[int, int] = {}
@@ -155,6 +156,18 @@ class SamplerState:
             else:
                 self._out_counts[pos] += 1.0
             self._out_tensors = None
+
+    def rewind(self, output: Sequence[int]) -> None:
+        """Forget the output tokens past `output` (what the job keeps after a rewind); O(output),
+        for the rare rewind only."""
+        self.num_output_tokens = 0
+        self._seen = set(self._prompt_ids)
+        self._seen_ids = array("q", sorted(self._seen))
+        self._seen_tensor = None
+        self._out_pos, self._out_ids, self._out_counts = {}, array("q"), array("f")
+        self._out_tensors = None
+        for token in output:
+            self.accept(token)
 
     @property
     def needs_processing(self) -> bool:

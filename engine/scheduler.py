@@ -280,6 +280,11 @@ class Scheduler:
                 return False
         return True
 
+    def preempt(self, job: JobState) -> None:
+        """Send a running job back to the head of the queue, its pages released (its output kept)."""
+        if job in self.running:
+            self._preempt(job)
+
     def _preempt(self, job: JobState) -> None:
         self.running.remove(job)
         self._release(job)

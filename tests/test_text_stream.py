@@ -202,9 +202,9 @@ def test_stop_string_across_token_boundaries(real: HFTokenizer) -> None:
     stream = TextStream(real, ["Paris."], skip_special_tokens=True)
     before = [stream.push([t]) for t in ids[: ids.index(par)]]
     assert joined(before) == "Answer:"
-    assert stream.push([par]) == TextDelta("", None, 1)  # "Par" could start "Paris.": held
-    assert stream.push([is_]) == TextDelta("", None, 1)
-    assert stream.push([dot]) == TextDelta("", "Paris.", 1)
+    assert stream.push([par]) == TextDelta("", None, 1, 1)  # "Par" could start "Paris.": held
+    assert stream.push([is_]) == TextDelta("", None, 1, 1)
+    assert stream.push([dot]) == TextDelta("", "Paris.", 1, 1)
     assert stream.finish() == ""  # nothing after a stop string is ever emitted
     with pytest.raises(RuntimeError):
         stream.push(ids[-1:])
@@ -214,7 +214,7 @@ def test_stop_string_across_token_boundaries(real: HFTokenizer) -> None:
 def test_stop_string_at_the_very_start(real: HFTokenizer) -> None:
     ids = enc(real, "Hello world")
     deltas, tail = run(real, ids, stops=["Hello"])
-    assert deltas == [TextDelta("", "Hello", 1)]
+    assert deltas == [TextDelta("", "Hello", 1, 1)]
     assert tail == ""
 
 
@@ -224,24 +224,24 @@ def test_several_tokens_at_once_with_the_match_in_the_middle(real: HFTokenizer) 
     head = enc(real, "Answer:")
     ids = [*head, par, is_, dot, *enc(real, " More text")]
     stream = TextStream(real, ["Paris."], skip_special_tokens=True)
-    assert stream.push(ids) == TextDelta("Answer:", "Paris.", len(head) + 3)
+    assert stream.push(ids) == TextDelta("Answer:", "Paris.", len(head) + 3, len(head) + 3)
     # The same, with the tokens of the match split over two pushes.
     stream = TextStream(real, ["Paris."], skip_special_tokens=True)
-    assert stream.push([*head, par]) == TextDelta("Answer:", None, len(head) + 1)
-    assert stream.push([is_, dot, *enc(real, " More")]) == TextDelta("", "Paris.", 2)
+    assert stream.push([*head, par]) == TextDelta("Answer:", None, len(head) + 1, len(head) + 1)
+    assert stream.push([is_, dot, *enc(real, " More")]) == TextDelta("", "Paris.", 2, 2)
 
 
 @pytest.mark.slow
 def test_held_text_is_released_when_the_candidate_fails(real: HFTokenizer) -> None:
     par = one_token(real, "Par")
     stream = TextStream(real, ["Paris."], skip_special_tokens=True)
-    assert stream.push([par]) == TextDelta("", None, 1)
+    assert stream.push([par]) == TextDelta("", None, 1, 1)
     rest = enc(real, "ty time")
-    assert stream.push(rest) == TextDelta("Party time", None, len(rest))
+    assert stream.push(rest) == TextDelta("Party time", None, len(rest), len(rest))
     # Held text at the end of the job comes out of finish().
     stream = TextStream(real, ["Paris."], skip_special_tokens=True)
     ids = [*enc(real, "Go to "), par, one_token(real, "is")]
-    assert stream.push(ids) == TextDelta("Go to ", None, len(ids))
+    assert stream.push(ids) == TextDelta("Go to ", None, len(ids), len(ids))
     assert stream.finish() == "Paris"
 
 
@@ -251,11 +251,11 @@ def test_overlapping_candidates(real: HFTokenizer) -> None:
     # "ab" completes before "abc" can: it wins, one token at a time or all at once.
     stream = TextStream(real, ["abc", "ab"], skip_special_tokens=True)
     assert [stream.push([t]) for t in chars[:3]] == [
-        TextDelta("x", None, 1),
-        TextDelta("", None, 1),
-        TextDelta("", "ab", 1),
+        TextDelta("x", None, 1, 1),
+        TextDelta("", None, 1, 1),
+        TextDelta("", "ab", 1, 1),
     ]
-    assert run(real, chars, stops=["abc", "ab"], chunks=[4])[0] == [TextDelta("x", "ab", 3)]
+    assert run(real, chars, stops=["abc", "ab"], chunks=[4])[0] == [TextDelta("x", "ab", 3, 3)]
     # A failed candidate whose tail starts a new one: "ab|a" -> release "ab", keep "a".
     ids = [one_token(real, c) for c in "ababc"]
     stream = TextStream(real, ["abc"], skip_special_tokens=True)
@@ -325,7 +325,7 @@ def test_stop_string_matches_the_eos_text_when_special_tokens_are_decoded(real: 
     assert real.decode([eos]) == "<|im_end|>"
     ids = [*enc(real, "Hi there"), eos, *enc(real, "more")]
     deltas, tail = run(real, ids, stops=["<|im_end|>"], skip=False, chunks=[len(ids)])
-    assert deltas == [TextDelta("Hi there", "<|im_end|>", len(ids) - 1)]
+    assert deltas == [TextDelta("Hi there", "<|im_end|>", len(ids) - 1, len(ids) - 1)]
     assert tail == ""
     # Skipped, the EOS has no text, so the stop string cannot match it.
     deltas, tail = run(real, ids, stops=["<|im_end|>"], skip=True)
@@ -344,9 +344,9 @@ def test_special_tokens_between_words(tiny: HFTokenizer) -> None:
     # Skipped, "</s>" is no text: a stop string on it never matches, one across it does.
     deltas, _ = run(tiny, ids, stops=["</s>"], skip=True)
     assert all(d.stop_string is None for d in deltas)
-    assert run(tiny, ids, stops=["w1 w2"], skip=True, chunks=[6])[0] == [TextDelta("", "w1 w2", 3)]
+    assert run(tiny, ids, stops=["w1 w2"], skip=True, chunks=[6])[0] == [TextDelta("", "w1 w2", 3, 3)]
     # Decoded, it is text like any other.
-    assert run(tiny, ids, stops=["</s>"], skip=False, chunks=[6])[0] == [TextDelta("w1 ", "</s>", 2)]
+    assert run(tiny, ids, stops=["</s>"], skip=False, chunks=[6])[0] == [TextDelta("w1 ", "</s>", 2, 2)]
 
 
 def test_long_run_of_skipped_special_tokens(tiny: HFTokenizer) -> None:
@@ -376,7 +376,7 @@ def test_special_tokens_inside_a_split_character(real: HFTokenizer, skip: bool) 
 
 def test_api_edges(tiny: HFTokenizer) -> None:
     stream = TextStream(tiny, ["w2"], skip_special_tokens=True)
-    assert stream.push([]) == TextDelta("", None, 0)
+    assert stream.push([]) == TextDelta("", None, 0, 0)
     assert stream.finish() == ""
     assert stream.finish() == ""
     with pytest.raises(RuntimeError):
@@ -386,4 +386,4 @@ def test_api_edges(tiny: HFTokenizer) -> None:
     with pytest.raises(TypeError):
         TextStream(tiny, "w1", skip_special_tokens=True)
     # Duplicate stop strings are harmless.
-    assert run(tiny, enc(tiny, "w1 w2"), stops=["w2", "w2"])[0][-1] == TextDelta(" ", "w2", 1)
+    assert run(tiny, enc(tiny, "w1 w2"), stops=["w2", "w2"])[0][-1] == TextDelta(" ", "w2", 1, 1)
