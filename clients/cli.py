@@ -123,6 +123,8 @@ def run_generate(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
             stop_strings=tuple(args.stop),
             sampling=sampling,
+            banned_strings=tuple(args.ban),
+            token_healing=args.heal,
         )
         for t in texts
     ]

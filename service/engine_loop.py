@@ -242,6 +242,8 @@ class EngineLoop:
             cache_salt=req.cache_salt,
             sampling=sampling,
             response_format=_response_format(req),
+            banned_strings=tuple(req.banned_strings),
+            token_healing=req.token_healing,
         )
 
     def _info(self) -> pb.ModelInfo:

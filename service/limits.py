@@ -29,6 +29,8 @@ class Limits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256
+    max_banned_strings: int = 64
+    max_banned_string_chars: int = 256
     max_logit_bias: int = 1024
     max_banned_token_ids: int = 4096
 
@@ -77,6 +79,9 @@ def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
     _limit(len(req.stop_strings), limits.max_stop_strings, "stop_strings", "count")
     for i, stop in enumerate(req.stop_strings):
         _limit(len(stop), limits.max_stop_string_chars, f"stop_strings[{i}]", "length")
+    _limit(len(req.banned_strings), limits.max_banned_strings, "banned_strings", "count")
+    for i, ban in enumerate(req.banned_strings):
+        _limit(len(ban), limits.max_banned_string_chars, f"banned_strings[{i}]", "length")
     _limit(len(req.stop_token_ids), limits.max_stop_token_ids, "stop_token_ids", "count")
     _limit(len(req.sampling.logit_bias), limits.max_logit_bias, "sampling.logit_bias", "count")
     _limit(

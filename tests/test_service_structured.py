@@ -121,3 +121,30 @@ def test_token_probabilities_before_and_after_the_filters(server: ServerProcess)
             # Truncation renormalises over the survivors: a surviving token's probability only grows.
             assert math.exp(lp.logprob) <= lp.final_prob + 1e-5
             assert lp.token_id in [t.token_id for t in lp.final_top]
+
+
+def test_banned_strings_and_token_healing_through_the_client(server: ServerProcess) -> None:
+    with server.client() as client:
+        question = Chat.user("What is the capital of France?")
+        free = collect(client.generate(Request(question, max_new_tokens=24)))
+        ban = next(w for w in free.text.split() if len(w) >= 4)  # greedy writes it
+        events = list(client.generate(Request(question, max_new_tokens=24, banned_strings=(ban,))))
+        deltas = [e.delta.text for e in events if e.HasField("delta")]
+        assert deltas and all(ban not in d for d in deltas)
+        assert ban not in "".join(deltas) + events[-1].finished.text
+        healed = collect(
+            client.generate(
+                Request("The quick brown fox jumps over the la", max_new_tokens=4, token_healing=True)
+            )
+        )
+        assert healed.text.startswith("zy")
+        with pytest.raises(grpc.RpcError) as info:
+            collect(client.generate(Request("Hi", banned_strings=tuple(f"b{i}" for i in range(65)))))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "banned_strings" in str(
+            info.value.details()
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            collect(client.generate(Request("Hi there", token_healing=True, response_format=Regex("a"))))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_healing" in str(
+            info.value.details()
+        )

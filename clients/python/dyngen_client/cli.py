@@ -63,6 +63,12 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
+        "--ban", action="append", default=[], help="banned string, never in the output (repeatable)"
+    )
+    parser.add_argument(
+        "--heal", action="store_true", help="token healing: a prompt cut mid-word continues the word"
+    )
+    parser.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -192,6 +198,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 sampling=sampling,
                 stop_strings=tuple(args.stop),
                 ignore_eos=args.ignore_eos,
+                banned_strings=tuple(args.ban),
+                token_healing=args.heal,
             )
             return collect(client.generate(request))
 

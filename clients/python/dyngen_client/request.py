@@ -105,6 +105,8 @@ class Request:
     identifier: str = ""  # echoed in every event
     cache_salt: str = ""  # prefix-cache isolation: share cached prompt pages only within one salt
     response_format: ResponseFormat | None = None  # None: free text
+    banned_strings: tuple[str, ...] = ()  # never in the text: generation rewinds past them
+    token_healing: bool = False  # a prompt cut mid-word continues the word (not with response_format)
 
     def to_proto(self) -> pb.GenerateRequest:
         req = pb.GenerateRequest(
@@ -118,6 +120,8 @@ class Request:
             top_logprobs=self.top_logprobs,
             identifier=self.identifier,
             cache_salt=self.cache_salt,
+            banned_strings=self.banned_strings,
+            token_healing=self.token_healing,
         )
         if self.max_new_tokens is not None:
             req.max_new_tokens = self.max_new_tokens

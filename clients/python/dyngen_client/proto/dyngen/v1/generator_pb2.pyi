@@ -310,6 +310,8 @@ class GenerateRequest(_message.Message):
     IDENTIFIER_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
+    BANNED_STRINGS_FIELD_NUMBER: _builtins.int
+    TOKEN_HEALING_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Plain completion; the tokenizer adds BOS if the model wants one. At most
     --max-prompt-chars (1 Mi) characters.
@@ -335,6 +337,13 @@ class GenerateRequest(_message.Message):
     cache_salt: _builtins.str
     """Prefix-cache isolation: jobs share cached prompt pages only with jobs of the same salt (and,
     with authentication on, of the same tenant). At most 256 characters; empty = no salt.
+    """
+    token_healing: _builtins.bool
+    """Token healing: the prompt's trailing word fragment (its last token, and up to 3 before it
+    that continue the same word) is taken back and the output must spell it again first, so a
+    prompt that ends mid-word ("...over the la") continues the word as the whole word would.
+    The text leaves the taken-back part out ("zy dog", not " lazy dog"); prompt_tokens does not
+    count it and the token ids re-spell it. Not with response_format.
     """
     @_builtins.property
     def chat(self) -> Global___ChatPrompt:
@@ -366,6 +375,14 @@ class GenerateRequest(_message.Message):
         usual), and does not speculate. A format the compiler refuses is INVALID_ARGUMENT.
         """
 
+    @_builtins.property
+    def banned_strings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Strings that must never appear in the text. Text that could still become one is held back
+        (with its tokens); if one completes, the job rewinds to the token it started in, bans that
+        token there and goes on, so no part of it is ever streamed. Checked before stop strings. A
+        job with banned strings does not speculate. At most 64, each 1 to 256 characters.
+        """
+
     def __init__(
         self,
         *,
@@ -384,10 +401,12 @@ class GenerateRequest(_message.Message):
         identifier: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
         response_format: Global___ResponseFormat | None = ...,
+        banned_strings: _abc.Iterable[_builtins.str] | None = ...,
+        token_healing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "banned_strings", b"banned_strings", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_healing", b"token_healing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
