@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from engine.constraints import GrammarKind, ResponseFormat
 from engine.errors import InvalidRequestError
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.jobs import JobFinished, JobSpec, SamplingSettings, StopReason, TokensGenerated
+from engine.job_state import JobState
+from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage, HFTokenizer
 from engine.scheduler import SchedulerConfig
@@ -253,3 +254,33 @@ def test_banned_strings_with_stop_strings_and_sampling(smollm: LoadedModel, gen:
 def test_validation(smollm: LoadedModel, gen: DynamicGenerator) -> None:
     with pytest.raises(InvalidRequestError, match="banned strings"):
         gen.enqueue(JobSpec((1, 2), banned_strings=("",)))
+
+
+def test_banned_jobs_under_preemption_match_an_unpressed_run(smollm: LoadedModel) -> None:
+    """A pool too small for all jobs preempts some mid-hold and mid-rewind; their texts are the
+    same as with room to spare, and no page leaks."""
+    questions = [
+        "What is the capital of France?",
+        "Name three colours.",
+        "Who wrote Hamlet?",
+        "Count to ten.",
+    ]
+    bans = ("Paris", "red", "Shakespeare", "five", " the ")
+    specs = [JobSpec(_prompt(smollm, q), max_new_tokens=40, banned_strings=bans) for q in questions]
+    roomy = DynamicGenerator(smollm.model, smollm.tokenizer, GeneratorConfig(4, 512))
+    want = [_text(*r) for r in _run(roomy, specs)]
+    tight = DynamicGenerator(smollm.model, smollm.tokenizer, GeneratorConfig(4, 30))
+    preempted: list[JobId] = []
+    preempt = tight.scheduler._preempt
+
+    def counting(job: JobState) -> None:
+        preempted.append(job.job_id)
+        preempt(job)
+
+    setattr(tight.scheduler, "_preempt", counting)  # noqa: B010 (a method assignment mypy refuses)
+    got = [_text(*r) for r in _run(tight, specs)]
+    assert preempted, "the pool was meant to be too small"
+    assert got == want
+    assert all(b not in t for t in got for b in bans)
+    stats = tight.stats()
+    assert stats.pages_used == 0 and stats.running == 0
