@@ -22,12 +22,12 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.constraints import GrammarCompiler, MaskWorker, mask_words
+from engine.constraints import GrammarCompiler, MaskOverlap, MaskWorker, mask_words
 from engine.errors import DyngenError, ErrorKind, InvalidRequestError, JobNotFoundError, PromptTooLongError
 from engine.forward_batch import SequenceInput
 from engine.job_state import HeldToken, JobState
@@ -100,6 +100,8 @@ class GeneratorConfig:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     # INT8: K/V stored as int8 with a float16 scale per token and head (the draft model's cache stays float).
     kv_cache: KVCacheKind = KVCacheKind.FLOAT
+    # Constrained jobs' masks: beside the forward with a core to spare, else just before it.
+    mask_overlap: MaskOverlap = MaskOverlap.AUTO
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.num_pages < 1:
@@ -184,6 +186,7 @@ class DynamicGenerator:
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
         self.healer = TokenHealer(tokenizer, model.config.vocab_size, self.grammars.ll_tokenizer)
         self._masks: MaskWorker | None = None  # its thread starts with the first constrained job
+        self.mask_overlap = c.mask_overlap.resolve()
         self._eos = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
         self._orders = 0
         self._iterations = 0
@@ -314,6 +317,8 @@ class DynamicGenerator:
             return events
         self._iterations += 1
         masks = self._start_masks(staged)
+        if masks is not None and self.mask_overlap is MaskOverlap.BEFORE:
+            wait([masks])  # no core to spare: the worker would stall the forward's threads
         sampled: list[_StepOutput] = []
         for out in self._forward(staged, events):
             job, seq = out.chunk.job, out.seq
@@ -440,7 +445,11 @@ class DynamicGenerator:
             return
         taken: list[tuple[_StepOutput, SampleResult]] = []
         try:
-            results = self.sampler.sample(_logit_rows([o for o, _ in ready]), [r for _, r in ready])
+            # overwrite: the masks go into the forward's own rows (a masked row stays right for a
+            # rewind: the grammar is in the same state when that position is sampled again).
+            results = self.sampler.sample(
+                _logit_rows([o for o, _ in ready]), [r for _, r in ready], overwrite=True
+            )
             taken = list(zip((o for o, _ in ready), results, strict=True))
         except Exception as exc:
             if len(ready) == 1:

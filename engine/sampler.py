@@ -263,15 +263,18 @@ class Sampler:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+    def sample(
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest], overwrite: bool = False
+    ) -> list[SampleResult]:
         """One token per row; row i of logits (float32 [N, vocab]) belongs to requests[i].
 
-        Each sampled row draws one uniform from its job's generator. Logits are not modified.
+        Each sampled row draws one uniform from its job's generator. Logits are not modified,
+        unless `overwrite`: then the rows with a grammar mask get it in place (no copy of the batch).
         """
         self._check(logits, requests)
         if len({id(r.state) for r in requests}) != len(requests):
             raise ValueError("a job may have only one row per sample call (its RNG draws would interleave)")
-        logits = _constrained(logits, requests)
+        logits = _constrained(logits, requests, overwrite)
         if all(r.plain_greedy for r in requests):
             return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]
         block = self._dispatch(logits, requests, draw=True)
@@ -598,21 +601,32 @@ class Sampler:
             out[i] = TokenLogprob(tokens[i], chosen[j], tuple(alts), final_prob, final_top)
 
 
-def _constrained(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
-    """The logits with each grammar's disallowed tokens at -inf (a copy; the input is untouched).
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+_NEG_INF_BITS = -8388608  # 0xFF800000 as int32: float32 -inf
+
+
+def _constrained(
+    logits: torch.Tensor, requests: Sequence[SampleRequest], overwrite: bool = False
+) -> torch.Tensor:
+    """The logits with each grammar's disallowed tokens at -inf (a copy, or the input itself with
+    `overwrite`: a copy of a 64-row batch costs more than the masks, ~1.7 ms per step).
 
     Applied first, like a ban: penalties, temperature and truncation then see only allowed tokens.
     """
     rows = [i for i, r in enumerate(requests) if r.allowed is not None]
     if not rows:
         return logits
-    out = logits.clone()
+    out = logits if overwrite else logits.clone()
     vocab = logits.shape[1]
     masks = torch.stack([m for r in requests if (m := r.allowed) is not None])
-    bits = (masks.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()
-    index = torch.tensor(rows)
-    out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    bits = (masks.unsqueeze(-1) >> _BIT_SHIFTS) & 1
+    # An additive mask built in integers: bit 1 -> 0x00000000 (+0.0), bit 0 -> 0xFF800000 (-inf).
+    # x + 0.0 is x exactly, so one add per row does what masked_fill does, ~3x faster on the CPU
+    # (W1 with 32 constrained jobs: 6.7 ms of every step went here).
+    bias = ((bits - 1) & _NEG_INF_BITS).view(torch.float32).reshape(len(rows), -1)[:, :vocab]
+    with torch.inference_mode(out.is_inference()):  # the forward's logits are inference tensors
+        for j, i in enumerate(rows):
+            out[i].add_(bias[j])
     return out
 
 

@@ -448,3 +448,54 @@ def test_extreme_settings_keep_a_token(data: st.DataObject, vocab: int, mode: Sa
     )
     if moderate and len(s.banned_token_ids | extra) < vocab:
         assert token.token_id not in extra
+
+
+def test_grammar_masks_in_place_or_on_a_copy_give_the_same_tokens() -> None:
+    """overwrite=True writes the masks into the caller's rows instead of copying the batch; the
+    tokens and probabilities are the same, and only the masked rows change (to -inf outside)."""
+    from engine.constraints import mask_words
+
+    vocab, rows = 100, 6
+    torch.manual_seed(3)
+    logits = torch.randn(rows, vocab)
+    masks: list[torch.Tensor | None] = []
+    for i in range(rows):
+        if i % 2:
+            masks.append(None)
+            continue
+        allowed = torch.zeros(mask_words(vocab), dtype=torch.int64)
+        for t in torch.randperm(vocab)[: 5 + i].tolist():
+            allowed[t // 32] |= 1 << (t % 32)
+        masks.append(torch.where(allowed >= 2**31, allowed - 2**32, allowed).to(torch.int32))
+
+    def requests() -> list[SampleRequest]:
+        return [
+            SampleRequest(SamplerState(SamplingSettings(temperature=0.7, seed=i), [], vocab), allowed=m)
+            for i, m in enumerate(masks)
+        ]
+
+    with Sampler(vocab) as sampler:
+        copy_in = logits.clone()
+        on_copy = sampler.sample(copy_in, requests())
+        assert torch.equal(copy_in, logits)
+        in_place = logits.clone()
+        overwritten = sampler.sample(in_place, requests(), overwrite=True)
+    assert [r.token_id for r in on_copy] == [r.token_id for r in overwritten]
+    for i, m in enumerate(masks):
+        if m is None:
+            assert torch.equal(in_place[i], logits[i])
+            continue
+        ok = torch.tensor([bool(int(m[t // 32]) >> (t % 32) & 1) for t in range(vocab)])
+        assert torch.equal(in_place[i][ok], logits[i][ok]) and bool((in_place[i][~ok] == -math.inf).all())
+        assert ok[on_copy[i].token_id]
+
+
+def test_mask_overlap_follows_the_spare_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.constraints import MaskOverlap
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(threads)))
+    assert MaskOverlap.AUTO.resolve() is MaskOverlap.BEFORE
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(threads + 1)))
+    assert MaskOverlap.AUTO.resolve() is MaskOverlap.BESIDE
+    assert MaskOverlap.BEFORE.resolve() is MaskOverlap.BEFORE
