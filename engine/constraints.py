@@ -109,6 +109,10 @@ class Constraint:
         if not self._m.consume_token(token):
             raise RuntimeError(f"the grammar rejected token {token}: {self._m.get_error()}")
 
+    def try_accept(self, token: int) -> bool:
+        """Advance past `token` if the grammar allows it; False (and no change) if not."""
+        return bool(self._m.try_consume_tokens([token]) == 1)
+
     def rollback(self, tokens: int) -> None:
         """Take back the last `tokens` accepted tokens (a banned string's rewind)."""
         if tokens and not self._m.rollback(tokens):

@@ -484,7 +484,6 @@ class DynamicGenerator:
             and s.repetition_penalty == 1.0
             and s.frequency_penalty == 0.0
             and s.presence_penalty == 0.0
-            and job.constraint is None  # drafts would need checking against the grammar
             and not job.spec.banned_strings  # a rewind needs each held token's own logits row
             and not job.healing  # its next token is held to the prompt's taken-back text
         )
@@ -537,7 +536,12 @@ class DynamicGenerator:
         self, job: JobState, draft: tuple[int, ...], logits: torch.Tensor, events: list[JobEvent]
     ) -> None:
         """Keep the acceptable prefix of `draft` plus one token of the target's own."""
-        requests = [self._sample_request(job, ahead=i) for i in range(len(draft) + 1)]
+        drafted = len(draft)
+        masks: list[torch.Tensor | None] = [None] * (drafted + 1)
+        if job.constraint is not None:
+            draft, masks = self._grammar_masks(job, draft)
+            logits = logits[: len(draft) + 1]
+        requests = [self._sample_request(job, ahead=i, allowed=masks[i]) for i in range(len(draft) + 1)]
         probs = self.sampler.processed_probs(logits, requests)
         if job.spec.sampling.greedy:
             choice = probs.argmax(dim=-1).tolist()
@@ -547,9 +551,9 @@ class DynamicGenerator:
             accepted, dist = accept_sampled(probs, Draft(draft), job.sampler.generator)
             bonus = self.sampler.draw(dist, job.sampler)
         job.accepted_drafts += accepted
-        job.rejected_drafts += len(draft) - accepted
+        job.rejected_drafts += drafted - accepted
         self._accepted_drafts += accepted
-        self._rejected_drafts += len(draft) - accepted
+        self._rejected_drafts += drafted - accepted
         base = job.computed
         for token in (*draft[:accepted], bonus):
             self._accept(job, token, None, events)
@@ -559,6 +563,28 @@ class DynamicGenerator:
         # later, and no page holding it is registered before then.
         job.computed = base + 1 + accepted
         self._register_full_pages(job)
+
+    def _grammar_masks(
+        self, job: JobState, draft: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], list[torch.Tensor | None]]:
+        """A constrained job's draft cut where its grammar refuses a token, and the grammar's mask
+        at each position of what is left (plus the bonus position). The matcher walks the draft
+        and is rolled back: only tokens taken by `_accept` advance it."""
+        c = job.constraint
+        assert c is not None
+        bitmask = torch.zeros((len(draft) + 1, mask_words(self.model.config.vocab_size)), dtype=torch.int32)
+        c.fill(bitmask, 0)
+        taken = 0
+        for token in draft:
+            if not c.try_accept(token):
+                break
+            taken += 1
+            if c.complete:  # the job ends with this token; the bonus is never taken
+                bitmask[taken] = -1
+                break
+            c.fill(bitmask, taken)
+        c.rollback(taken)
+        return draft[:taken], list(bitmask[: taken + 1])
 
     def _sample_request(
         self, job: JobState, ahead: int = 0, allowed: torch.Tensor | None = None

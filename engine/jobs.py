@@ -110,7 +110,7 @@ class JobSpec:
     # (e.g. one salt per tenant); "" shares with every other unsalted job.
     cache_salt: str = ""
     # Constrained decoding: the output must be a JSON value of this schema, match this regex, or
-    # be a sentence of this grammar (engine/constraints.py). Such a job does not speculate.
+    # be a sentence of this grammar (engine/constraints.py). Its drafts are checked against it.
     response_format: ResponseFormat | None = None
     # Strings that must never appear in the output: text that may become one is held back, and if
     # one completes, generation rewinds to the token it started in and bans that token there.

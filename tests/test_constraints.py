@@ -273,3 +273,37 @@ def test_a_constrained_job_survives_preemption(smollm: LoadedModel) -> None:
         assert reasons[i] is StopReason.GRAMMAR
         jsonschema.validate(json.loads(texts[i]), schema)
     gen.close()
+
+
+def test_constrained_jobs_speculate_with_drafts_checked_against_the_grammar(smollm: LoadedModel) -> None:
+    """N-gram drafts for schema-held jobs: drafts the grammar refuses are cut before verification,
+    the matcher is rolled back after walking them, and the outputs are the ones without speculation
+    (greedy), or valid (sampled)."""
+    from engine.speculative import DrafterKind, SpeculationConfig
+
+    names = ["person", "order", "event", "product"]
+    specs = [
+        JobSpec(
+            _prompt(smollm, f"Give an example {name} record as JSON."),
+            max_new_tokens=160,
+            response_format=ResponseFormat.json_schema(SCHEMAS[name]),
+            sampling=SamplingSettings(temperature=0.0 if i < 2 else 0.8, seed=i),
+        )
+        for i, name in enumerate(names)
+    ]
+    plain = _generator(smollm).generate(specs)
+    spec = SpeculationConfig(DrafterKind.NGRAM, num_draft_tokens=4, max_batch_size=4)
+    gen = DynamicGenerator(
+        smollm.model,
+        smollm.tokenizer,
+        GeneratorConfig(64, 320, scheduler=SchedulerConfig(max_batch_size=64), speculation=spec),
+    )
+    fast = gen.generate(specs)
+    for i, (a, b) in enumerate(zip(plain, fast, strict=True)):
+        assert b.finished.stop_reason is StopReason.GRAMMAR, b.text
+        jsonschema.validate(json.loads(b.text), SCHEMAS[names[i]])
+        if i < 2:
+            assert a.text == b.text
+    assert sum(r.finished.accepted_draft_tokens for r in fast) > 0
+    assert sum(r.finished.rejected_draft_tokens for r in fast) > 0
+    gen.close()

@@ -372,7 +372,8 @@ class GenerateRequest(_message.Message):
         """Structured output: the text must be a JSON value of a schema, match a regex, or be a
         sentence of a grammar. Unset = free text. A constrained job ends with
         STOP_REASON_GRAMMAR once its output is complete (or at max_new_tokens, EOS and stops as
-        usual), and does not speculate. A format the compiler refuses is INVALID_ARGUMENT.
+        usual). With speculative decoding on, its drafts are cut where the grammar refuses a
+        token. A format the compiler refuses is INVALID_ARGUMENT.
         """
 
     @_builtins.property
