@@ -178,10 +178,12 @@ def test_a_sampler_fault_for_one_job_fails_only_that_job(
     real = gen.sampler.sample
     bad: list[object] = []
 
-    def sample(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+    def sample(
+        logits: torch.Tensor, requests: Sequence[SampleRequest], overwrite: bool = False
+    ) -> list[SampleResult]:
         if any(r.state in bad for r in requests):
             raise RuntimeError("injected sampler fault")
-        return real(logits, requests)
+        return real(logits, requests, overwrite)
 
     monkeypatch.setattr(gen.sampler, "sample", sample)
 
