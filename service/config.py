@@ -26,6 +26,10 @@ class ServiceConfig:
     sampling_threads: int = 2
     torch_threads: int = 0  # 0 = one per core
     omp_wait_policy: str = "active"  # active (dedicated machine) or passive (CPU shared with others)
+    # With active waiting: how long an OpenMP worker spins after a parallel region before it sleeps
+    # (GOMP_SPINCOUNT). Unbounded, an idle server kept a core at 100%; 1e6 spins are ~25 ms here,
+    # far longer than any gap between a step's parallel regions.
+    omp_spin_count: int = 1_000_000
     metrics_port: int = 0  # 0 = no metrics endpoint
     metrics_host: str | None = None  # default: the same address as the gRPC port
     reflection: bool = True  # gRPC server reflection (grpcurl and ghz without .proto files)
@@ -41,6 +45,10 @@ class ServiceConfig:
     max_connection_age_seconds: float = 0.0  # 0 = unlimited; else connections are recycled (balancers)
     stream_grace_seconds: float = 30.0  # an enqueued job not streamed by then is cancelled
     shutdown_grace_seconds: float = 30.0  # SIGTERM: running jobs get this long to finish
+    # SIGTERM: health NOT_SERVING at once, but new jobs are still admitted this long, so a load
+    # balancer's health checks take the replica out before it starts refusing (0: refuse at once).
+    drain_delay_seconds: float = 0.0
+    replica_id: str = ""  # named in JobFinished and ModelInfo; "" = "<hostname>:<port>"
     watchdog_seconds: float = 3.0  # no engine heartbeat this long: health NOT_SERVING
     hang_seconds: float = 30.0  # no heartbeat this long: kill and restart
     # No engine loop pass this long (heartbeats still coming): a wedged loop, killed and restarted.
@@ -135,6 +143,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         d.omp_wait_policy,
         "OpenMP waiting: active (own machine) or passive (shared CPU)",
     )
+    opt(
+        "omp_spin_count",
+        int,
+        d.omp_spin_count,
+        "with active waiting, spins before an idle OpenMP worker sleeps (GOMP_SPINCOUNT; 0 = forever)",
+    )
     opt("metrics_port", int, d.metrics_port, "Prometheus metrics HTTP port (0 = off)")
     opt("metrics_host", str, d.metrics_host, "address of the metrics endpoint (default: --host)")
     opt("reflection", _flag, d.reflection, "serve gRPC reflection: true or false")
@@ -151,6 +165,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("stream_grace_seconds", float, d.stream_grace_seconds, "cancel an enqueued job not streamed by then")
     opt("shutdown_grace_seconds", float, d.shutdown_grace_seconds, "SIGTERM: time running jobs get to finish")
     opt("watchdog_seconds", float, d.watchdog_seconds, "engine silent this long: NOT_SERVING")
+    opt(
+        "drain_delay_seconds",
+        float,
+        d.drain_delay_seconds,
+        "SIGTERM: keep admitting this long while health says NOT_SERVING (for balancers' checks)",
+    )
+    opt("replica_id", str, d.replica_id, "this replica's name in results (default: <hostname>:<port>)")
     opt("hang_seconds", float, d.hang_seconds, "engine silent this long: restart it")
     opt("loop_stall_seconds", float, d.loop_stall_seconds, "engine loop stuck this long: restart it")
     opt("engine_call_timeout_seconds", float, d.engine_call_timeout_seconds, "engine answer timeout")

@@ -86,6 +86,7 @@ class JobChannel:
     finished: bool = False
     cancel_sent: bool = False
     grace_timer: asyncio.TimerHandle | None = None
+    affinity: str = ""  # the request's prefix-affinity key (dyngen_client.affinity), for the logs
 
 
 StateListener = Callable[[bool], None]
@@ -112,6 +113,8 @@ class EngineClient:
         self.config = config
         self.loop = loop
         self.jobs: dict[str, JobChannel] = {}
+        # Named in every JobFinished and ModelInfo; the server sets "<hostname>:<port>" once bound.
+        self.replica = config.replica_id
         self.model_name = ""
         self.context_length = 0
         self.prompts: PromptTokenizer | None = None
@@ -338,6 +341,8 @@ class EngineClient:
         job = self.jobs.get(event.job_id)
         if job is None:
             return  # its stream is gone and the job was cancelled: nobody to tell
+        if event.HasField("finished"):
+            event.finished.replica = self.replica
         for listener in self.on_event:
             listener(job, event)
         job.events.put(event)
@@ -458,7 +463,9 @@ class EngineClient:
             self.cancel(job)
 
     async def info(self) -> pb.ModelInfo:
-        return pb.ModelInfo.FromString((await self._call(Tag.INFO, b"")).payload)
+        info = pb.ModelInfo.FromString((await self._call(Tag.INFO, b"")).payload)
+        info.replica = self.replica
+        return info
 
     def kill_engine(self) -> None:
         """For tests and operators: end the engine process abruptly (it is restarted)."""

@@ -49,6 +49,10 @@ def run(config_json: str, commands: Connection, events: Connection, runtime_dir:
     # in-process W1 with ACTIVE vs 0.83x with PASSIVE); under outside CPU load they stall every
     # parallel region and PASSIVE measured 3.7x faster. The environment's OMP_WAIT_POLICY wins.
     os.environ.setdefault("OMP_WAIT_POLICY", config.omp_wait_policy.upper())
+    # Active waiting is bounded, so an idle engine's workers go to sleep: unbounded (libgomp's
+    # default under ACTIVE, ~30e9 spins), an idle server held a core at 100%.
+    if config.omp_spin_count > 0:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(config.omp_spin_count))
     if config.torch_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(config.torch_threads)
     import torch

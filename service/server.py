@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 
 import grpc
@@ -88,11 +89,13 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
         engine, auth, Limits(max_prompt_chars=config.max_prompt_chars), config.max_streams
     )
 
+    leaving = asyncio.Event()  # SIGTERM seen: health stays NOT_SERVING whatever the engine does
+
     def set_health(up: bool) -> None:
         metrics.engine_state(up)
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if up and not service.draining
+            if up and not service.draining and not leaving.is_set()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", SERVICE_NAME):
@@ -123,6 +126,7 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
         )
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+    engine.replica = config.replica_id or f"{socket.gethostname()}:{port}"
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.metrics_port:
@@ -160,11 +164,16 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
         engine.stop()
         return 1
 
+    # Leave the balancer first: NOT_SERVING at once, still admitting while its health checks see it.
+    leaving.set()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if config.drain_delay_seconds > 0:
+        log.info("leaving", delay_seconds=config.drain_delay_seconds)
+        await asyncio.sleep(config.drain_delay_seconds)
     # Drain: admit nothing new, let running jobs finish within the grace period, cancel the rest.
     service.draining = True
     log.info("draining", open_jobs=len(engine.jobs), grace_seconds=config.shutdown_grace_seconds)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     deadline = time.monotonic() + config.shutdown_grace_seconds
     while engine.jobs and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

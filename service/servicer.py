@@ -23,8 +23,10 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError, Message
 
+from dyngen_client.affinity import AFFINITY_HEADER, affinity_key
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from dyngen_client.request import Chat
 from service.auth import Authenticator, cache_salt
 from service.engine_client import (
     EngineBusyError,
@@ -178,7 +180,9 @@ class GeneratorService:
         engine_request.token_ids.ids[:] = ids  # sets the oneof: the engine never tokenizes
         engine_request.cache_salt = cache_salt(tenant, request.cache_salt)
         try:
-            return await self.engine.submit(engine_request, tenant, streamed)
+            job = await self.engine.submit(engine_request, tenant, streamed)
+            job.affinity = _affinity(request, context)
+            return job
         except EngineRejectedError as exc:
             code, reason = _CODES[exc.rejection.code]
             await self._fail(context, code, exc.rejection.message, reason)
@@ -204,6 +208,7 @@ class GeneratorService:
                     log.info(
                         "job_finished",
                         job=short_id(job.job_id),
+                        affinity=job.affinity,
                         stop_reason=pb.StopReason.Name(f.stop_reason),
                         prompt_tokens=f.prompt_tokens,
                         cached_tokens=f.cached_tokens,
@@ -360,3 +365,17 @@ def generic_handler(service: GeneratorService) -> grpc.GenericRpcHandler:
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _affinity(request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
+    """The caller's x-dyngen-affinity header, or the key its client would have sent (same rule)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == AFFINITY_HEADER and isinstance(value, str):
+            return value[:64]
+    match request.WhichOneof("prompt"):
+        case "text":
+            return affinity_key(request.text)
+        case "chat":
+            return affinity_key(Chat(tuple((m.role, m.content) for m in request.chat.messages)))
+        case _:
+            return affinity_key(list(request.token_ids.ids))

@@ -1,5 +1,6 @@
 """dyngen-client: the torch-free Python client of dyngen's gRPC contract (dyngen.v1.Generator)."""
 
+from dyngen_client.affinity import AFFINITY_HEADER, affinity_key
 from dyngen_client.client import AsyncClient, Client, tls_credentials
 from dyngen_client.errors import ErrorDetails, ErrorReason, FieldViolation, error_details
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
@@ -16,6 +17,7 @@ from dyngen_client.request import (
 from dyngen_client.result import Event, Result, collect, stop_reason_name
 
 __all__ = [
+    "AFFINITY_HEADER",
     "AsyncClient",
     "Chat",
     "Client",
@@ -31,6 +33,7 @@ __all__ = [
     "ResponseFormat",
     "Result",
     "Sampling",
+    "affinity_key",
     "collect",
     "error_details",
     "pb",

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator, Generator
 
 import grpc
 
+from dyngen_client.affinity import DEFAULT_AFFINITY_CHARS, affinity_metadata
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
 from dyngen_client.request import Chat, Request, tokenize_request
@@ -60,8 +61,11 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
+        affinity_chars: int | None = DEFAULT_AFFINITY_CHARS,
     ) -> None:
         self.metadata = _auth_metadata(token)
+        # Generate and Enqueue carry the prefix-affinity key of their prompt (None: no key).
+        self.affinity_chars = affinity_chars
         opts = _options(max_message_bytes)
         self.channel = (
             grpc.secure_channel(target, credentials, opts)
@@ -76,19 +80,26 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _job_metadata(self, request: Request) -> tuple[tuple[str, str], ...]:
+        return self.metadata + affinity_metadata(request.prompt, self.affinity_chars)
+
     def close(self) -> None:
         self.channel.close()
 
     def generate(self, request: Request, timeout: float | None = None) -> Generator[Event, None, None]:
         """The job's events; leaving the loop early (or close()) cancels the call and so the job."""
-        call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self.metadata)
+        call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self._job_metadata(request))
         try:
             yield from call
         finally:
             call.cancel()
 
     def enqueue(self, request: Request, timeout: float | None = None) -> str:
-        return str(self.stub.Enqueue(request.to_proto(), timeout=timeout, metadata=self.metadata).job_id)
+        return str(
+            self.stub.Enqueue(
+                request.to_proto(), timeout=timeout, metadata=self._job_metadata(request)
+            ).job_id
+        )
 
     def stream(self, job_id: str, timeout: float | None = None) -> Generator[Event, None, None]:
         call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
@@ -118,8 +129,11 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
+        affinity_chars: int | None = DEFAULT_AFFINITY_CHARS,
     ) -> None:
         self.metadata = _auth_metadata(token)
+        # Generate and Enqueue carry the prefix-affinity key of their prompt (None: no key).
+        self.affinity_chars = affinity_chars
         opts = _options(max_message_bytes)
         self.channel = (
             grpc.aio.secure_channel(target, credentials, opts)
@@ -134,12 +148,15 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _job_metadata(self, request: Request) -> tuple[tuple[str, str], ...]:
+        return self.metadata + affinity_metadata(request.prompt, self.affinity_chars)
+
     async def close(self) -> None:
         await self.channel.close()
 
     async def generate(self, request: Request, timeout: float | None = None) -> AsyncGenerator[Event, None]:
         """The job's events; aclose() (or leaving the loop and dropping it) cancels the call."""
-        call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self.metadata)
+        call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self._job_metadata(request))
         try:
             async for event in call:
                 yield event
@@ -148,7 +165,11 @@ class AsyncClient:
 
     async def enqueue(self, request: Request, timeout: float | None = None) -> str:
         return str(
-            (await self.stub.Enqueue(request.to_proto(), timeout=timeout, metadata=self.metadata)).job_id
+            (
+                await self.stub.Enqueue(
+                    request.to_proto(), timeout=timeout, metadata=self._job_metadata(request)
+                )
+            ).job_id
         )
 
     async def stream(self, job_id: str, timeout: float | None = None) -> AsyncGenerator[Event, None]:

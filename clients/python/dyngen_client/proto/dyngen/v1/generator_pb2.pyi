@@ -782,6 +782,7 @@ class JobFinished(_message.Message):
     REJECTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
     """Why the job stopped."""
     stop_token: _builtins.int
@@ -804,6 +805,8 @@ class JobFinished(_message.Message):
     """With STOP_REASON_ERROR: what went wrong, for the caller."""
     error_code: _builtins.int
     """With STOP_REASON_ERROR: the gRPC status code (google.rpc.Code) the stream ends with."""
+    replica: _builtins.str
+    """The replica (server) the job ran on: its --replica-id, by default "<hostname>:<port>"."""
     @_builtins.property
     def timings(self) -> Global___Timings:
         """Where the job's time went."""
@@ -823,10 +826,11 @@ class JobFinished(_message.Message):
         rejected_draft_tokens: _builtins.int = ...,
         error: _builtins.str = ...,
         error_code: _builtins.int = ...,
+        replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string", "_stop_token", b"_stop_token", "stop_string", b"stop_string", "stop_token", b"stop_token", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string", "_stop_token", b"_stop_token", "accepted_draft_tokens", b"accepted_draft_tokens", "cached_tokens", b"cached_tokens", "error", b"error", "error_code", b"error_code", "new_tokens", b"new_tokens", "prompt_tokens", b"prompt_tokens", "rejected_draft_tokens", b"rejected_draft_tokens", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token", b"stop_token", "text", b"text", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string", "_stop_token", b"_stop_token", "accepted_draft_tokens", b"accepted_draft_tokens", "cached_tokens", b"cached_tokens", "error", b"error", "error_code", b"error_code", "new_tokens", b"new_tokens", "prompt_tokens", b"prompt_tokens", "rejected_draft_tokens", b"rejected_draft_tokens", "replica", b"replica", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token", b"stop_token", "text", b"text", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stop_string: _TypeAlias = _typing.Literal["stop_string"]  # noqa: Y015
     _WhichOneofArgType__stop_string: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string"]  # noqa: Y015
@@ -932,6 +936,7 @@ class ModelInfo(_message.Message):
     LINEARS_FIELD_NUMBER: _builtins.int
     CPU_FIELD_NUMBER: _builtins.int
     KV_CACHE_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model's file or folder name."""
     vocab_size: _builtins.int
@@ -968,6 +973,8 @@ class ModelInfo(_message.Message):
     """The CPU features the kernels were chosen for."""
     kv_cache: _builtins.str
     """What the KV cache stores (float in the model's dtype, or int8) and its size."""
+    replica: _builtins.str
+    """This replica's name (--replica-id, by default "<hostname>:<port>"), as JobFinished.replica."""
     def __init__(
         self,
         *,
@@ -989,10 +996,11 @@ class ModelInfo(_message.Message):
         linears: _builtins.str = ...,
         cpu: _builtins.str = ...,
         kv_cache: _builtins.str = ...,
+        replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "dtype", b"dtype", "kv_cache", b"kv_cache", "linears", b"linears", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "dtype", b"dtype", "kv_cache", b"kv_cache", "linears", b"linears", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "replica", b"replica", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
