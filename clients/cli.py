@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the model over gRPC (health, reflection, metrics)")
     add_serve_arguments(serve)
+    from service.cluster import add_cluster_arguments
+
+    cluster = sub.add_parser("cluster", help="N serve replicas behind HAProxy on this machine (a local try)")
+    add_cluster_arguments(cluster)
     return parser
 
 
@@ -162,6 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from service.server import main as serve_main
 
             return serve_main(config_from_args(args))
+        if args.command == "cluster":
+            from service.cluster import run_cluster
+
+            return run_cluster(args)
         return run_generate(args)
     except (DyngenError, CliError) as exc:
         print(f"dyngen: error: {exc}", file=sys.stderr)

@@ -1,0 +1,190 @@
+"""`dyngen cluster`: N `dyngen serve` replicas and HAProxy in front of them, on one machine.
+
+For a local try of the scale-out path (docs/SCALING.md) and for its tests; in production the
+replicas are separate machines or pods and HAProxy (or Envoy) is the operator's (deploy/).
+Each replica gets its own port, `--replica-id replica-<i>` and a drain delay as long as HAProxy
+needs to see it leave, so SIGTERM takes it out of the ring before it refuses anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from service.haproxy_config import Backend, BalancerConfig, render
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ClusterError(Exception):
+    """The cluster cannot start (no haproxy binary, a bad configuration)."""
+
+
+class Cluster:
+    """Replicas as child processes and HAProxy in front; start(), then stop() (or use `with`)."""
+
+    def __init__(
+        self,
+        replicas: int,
+        serve_flags: Sequence[str] = (),
+        front_port: int = 0,
+        affinity: bool = True,
+        check_interval_ms: int = 1000,
+        host: str = "127.0.0.1",
+        workdir: Path | None = None,
+        replica_stderr: int | None = None,
+    ) -> None:
+        if replicas < 1:
+            raise ClusterError(f"replicas must be >= 1, got {replicas}")
+        haproxy = shutil.which("haproxy")
+        if haproxy is None:
+            raise ClusterError("haproxy is not installed (Debian: apt-get install haproxy)")
+        self.haproxy_bin = haproxy
+        self.host = host
+        self.serve_flags = tuple(serve_flags)
+        self.backends = tuple(Backend(f"replica-{i}", host, free_port(host)) for i in range(replicas))
+        self.config = BalancerConfig(
+            self.backends,
+            front_host=host,
+            front_port=front_port or free_port(host),
+            affinity=affinity,
+            check_interval_ms=check_interval_ms,
+        )
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="dyngen-cluster-"))
+        self.replica_stderr = replica_stderr
+        self.processes: list[subprocess.Popen[bytes] | None] = [None] * replicas
+        self.balancer: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.config.front_port}"
+
+    def replica_target(self, i: int) -> str:
+        return f"{self.host}:{self.backends[i].port}"
+
+    def start_replica(self, i: int) -> None:
+        b = self.backends[i]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self.processes[i] = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "clients.cli", "serve", "--host", b.host, "--port", str(b.port)),
+                *("--replica-id", b.name, "--drain-delay-seconds", str(self.config.leave_seconds)),
+                *self.serve_flags,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.replica_stderr,
+        )
+
+    def signal_replica(self, i: int, sig: signal.Signals) -> None:
+        p = self.processes[i]
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+
+    def wait_replica(self, i: int, timeout: float) -> int:
+        p = self.processes[i]
+        return 0 if p is None else p.wait(timeout)
+
+    def start_balancer(self) -> None:
+        cfg = self.workdir / "haproxy.cfg"
+        cfg.write_text(render(self.config))
+        check = subprocess.run(
+            [self.haproxy_bin, "-c", "-q", "-f", str(cfg)], check=False, capture_output=True, text=True
+        )
+        if check.returncode != 0:
+            raise ClusterError(f"haproxy refused {cfg}: {check.stderr.strip()}")
+        self.balancer = subprocess.Popen([self.haproxy_bin, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        for i in range(len(self.backends)):
+            self.start_replica(i)
+        self.start_balancer()
+
+    def stop(self, grace: float = 60.0) -> None:
+        """SIGTERM every replica (each drains), then stop HAProxy."""
+        for i in range(len(self.backends)):
+            self.signal_replica(i, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.processes:
+            if p is None:
+                continue
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        if self.balancer is not None and self.balancer.poll() is None:
+            self.balancer.terminate()
+            try:
+                self.balancer.wait(10)
+            except subprocess.TimeoutExpired:
+                self.balancer.kill()
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, default=2, help="dyngen serve processes")
+    parser.add_argument("--host", default="127.0.0.1", help="address of HAProxy and the replicas")
+    parser.add_argument("--port", type=int, default=50051, help="HAProxy's gRPC port")
+    parser.add_argument(
+        "--no-affinity", action="store_true", help="round robin instead of hashing on x-dyngen-affinity"
+    )
+    parser.add_argument("--check-interval-ms", type=int, default=1000, help="HAProxy's health check interval")
+    parser.add_argument(
+        "serve_flags", nargs=argparse.REMAINDER, help="after --: flags for every `dyngen serve` replica"
+    )
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """Start the cluster, restart replicas that die, stop everything on SIGINT/SIGTERM."""
+    flags = [f for f in args.serve_flags if f != "--"]
+    try:
+        cluster = Cluster(
+            args.replicas, flags, args.port, not args.no_affinity, args.check_interval_ms, args.host
+        )
+        cluster.start()
+    except ClusterError as exc:
+        print(f"dyngen: error: {exc}", file=sys.stderr)
+        return 2
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    replicas = ", ".join(f"{b.name} {b.host}:{b.port}" for b in cluster.backends)
+    print(f"dyngen cluster: HAProxy on {cluster.target} -> {replicas}", file=sys.stderr, flush=True)
+    try:
+        while not stopping:
+            for i, p in enumerate(cluster.processes):
+                if p is not None and p.poll() is not None:
+                    print(f"dyngen cluster: replica-{i} exited ({p.returncode}); restarting", file=sys.stderr)
+                    cluster.start_replica(i)
+            if cluster.balancer is not None and cluster.balancer.poll() is not None:
+                print("dyngen cluster: haproxy exited; stopping", file=sys.stderr)
+                break
+            time.sleep(0.5)
+    finally:
+        cluster.stop()
+    return 0

@@ -1,0 +1,169 @@
+"""Scale-out: two `dyngen serve` replicas behind HAProxy (service/cluster.py), on loopback.
+
+The replicas run the tiny random-weight model: the point is routing, health and draining, not
+the text. Prefix-cache hit rate (cached_tokens / prompt_tokens) is deterministic for sequential
+requests, so it can be asserted: hashing on the affinity header keeps each system prompt on one
+replica (as good as one replica), round robin computes each prompt once per replica.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dyngen_client import Chat, Client, Request, Result, collect
+from service.cluster import Cluster
+from service.haproxy_config import example_config, render
+from tests.service_harness import TINY_SERVER_FLAGS
+from tests.tiny_service_model import write_servable_tiny_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+
+needs_haproxy = pytest.mark.skipif(
+    shutil.which("haproxy") is None, reason="haproxy not installed (.ci/run installs it)"
+)
+
+
+def test_the_shipped_haproxy_config_is_the_generators() -> None:
+    assert (ROOT / "deploy" / "haproxy" / "haproxy.cfg").read_text() == render(example_config())
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    folder = tmp_path_factory.mktemp("cluster")
+    model = write_servable_tiny_gguf(folder / "tiny.gguf")
+    c = Cluster(2, ["--model", str(model), *TINY_SERVER_FLAGS], check_interval_ms=300, workdir=folder)
+    c.start()
+    try:
+        _wait_both_up(c)
+        yield c
+    finally:
+        c.stop()
+
+
+def _generate(client: Client, request: Request, timeout: float = 30) -> Result:
+    return collect(client.generate(request, timeout=timeout))
+
+
+def _wait_both_up(c: Cluster, timeout: float = 90) -> None:
+    """Until requests through HAProxy have reached both replicas."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    with Client(c.target, affinity_chars=None) as client:  # round robin
+        while seen != {"replica-0", "replica-1"}:
+            assert time.monotonic() < deadline, f"replicas seen: {seen}"
+            try:
+                seen.add(_generate(client, Request("hi", max_new_tokens=1), 5).finished.replica)
+            except grpc.RpcError:
+                time.sleep(0.3)
+
+
+def _system_prompt(tag: str) -> str:
+    return " ".join(f"{tag} rule {i}: answer briefly and politely." for i in range(30))
+
+
+def _hit_rate(target: str, tag: str, affinity: bool) -> tuple[float, set[str]]:
+    """A W2-like run: 4 system prompts x 16 questions, in order; cached / prompt tokens."""
+    cached = total = 0
+    replicas: set[str] = set()
+    with Client(target, affinity_chars=2048 if affinity else None) as client:
+        for q in range(16):
+            for p in range(4):
+                chat = Chat((("system", _system_prompt(f"{tag}{p}")), ("user", f"question {q}?")))
+                r = _generate(client, Request(chat, max_new_tokens=1))
+                cached += r.finished.cached_tokens
+                total += r.finished.prompt_tokens
+                replicas.add(r.finished.replica)
+    return cached / total, replicas
+
+
+@needs_haproxy
+@pytest.mark.timeout(300)
+def test_affinity_keeps_the_hit_rate_of_one_replica(cluster: Cluster) -> None:
+    single, on = _hit_rate(cluster.replica_target(0), "single", affinity=True)
+    affine, _ = _hit_rate(cluster.target, "affine", affinity=True)
+    robin, spread = _hit_rate(cluster.target, "robin", affinity=False)
+    print(f"hit rate: one replica {single:.3f}, 2 with affinity {affine:.3f}, 2 round robin {robin:.3f}")
+    assert on == {"replica-0"}
+    assert spread == {"replica-0", "replica-1"}
+    assert affine >= 0.9 * single
+    assert robin < affine - 0.02  # each replica computes each system prompt once
+
+
+def _replica_of(client: Client, chat: Chat) -> str:
+    return _generate(client, Request(chat, max_new_tokens=1)).finished.replica
+
+
+@needs_haproxy
+@pytest.mark.timeout(300)
+def test_a_killed_replica_leaves_the_ring_and_rejoins(cluster: Cluster) -> None:
+    chat = Chat((("system", _system_prompt("kill")), ("user", "go")))
+    with Client(cluster.target) as client:
+        victim = int(_replica_of(client, chat).removeprefix("replica-"))
+        outcome: dict[str, object] = {}
+
+        def long_job() -> None:
+            try:
+                _generate(client, Request(chat, max_new_tokens=2500, ignore_eos=True), timeout=120)
+                outcome["status"] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                outcome["status"] = exc.code()
+
+        t = threading.Thread(target=long_job)
+        t.start()
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        cluster.signal_replica(victim, signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive(), "the in-flight call on the dead replica hung"
+        # HAProxy 2.6 ends it without gRPC trailers: the client sees the stream cut, never a hang.
+        assert outcome["status"] != grpc.StatusCode.OK
+        # The same key now goes to the survivor, once the health checks have seen the death.
+        survivor = f"replica-{1 - victim}"
+        while True:
+            try:
+                if _replica_of(client, chat) == survivor:
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() - killed_at < 10 * cluster.config.leave_seconds
+            time.sleep(0.1)
+        cluster.start_replica(victim)
+        deadline = time.monotonic() + 90
+        while _replica_of(client, chat) != f"replica-{victim}":  # consistent hashing: its keys return
+            assert time.monotonic() < deadline, "the restarted replica did not rejoin the ring"
+            time.sleep(0.3)
+
+
+@needs_haproxy
+@pytest.mark.timeout(300)
+def test_sigterm_drains_a_replica(cluster: Cluster) -> None:
+    chat = Chat((("system", _system_prompt("drain")), ("user", "go")))
+    with Client(cluster.target) as client:
+        victim = int(_replica_of(client, chat).removeprefix("replica-"))
+        results: list[Result] = []
+        t = threading.Thread(
+            target=lambda: results.append(
+                _generate(client, Request(chat, max_new_tokens=600, ignore_eos=True), timeout=120)
+            )
+        )
+        t.start()
+        time.sleep(0.5)
+        cluster.signal_replica(victim, signal.SIGTERM)
+        # New requests keep succeeding, on the other replica once HAProxy has seen it leave.
+        deadline = time.monotonic() + 5 * cluster.config.leave_seconds
+        while _replica_of(client, chat) != f"replica-{1 - victim}":
+            assert time.monotonic() < deadline
+        t.join(120)
+        assert results and results[0].finished.replica == f"replica-{victim}"
+        assert len(results[0].token_ids) == 600  # the running job finished in full
+        assert cluster.wait_replica(victim, 60) == 0
+        cluster.start_replica(victim)
+        _wait_both_up(cluster)
