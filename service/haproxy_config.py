@@ -3,7 +3,12 @@
 HTTP/2 in front (h2c, or TLS if the operator adds it) and to each replica. Requests that carry
 the prefix-affinity header (`x-dyngen-affinity`, dyngen_client.affinity) are hashed on it over
 a consistent-hash ring, so one prompt prefix keeps going to one replica and hits its page cache;
-requests without it are balanced round robin (HAProxy's fallback for an absent header).
+requests without it are balanced round robin (HAProxy's fallback for an absent header). The
+hashing is bounded-load: a replica already running `balance_factor`% of the average number of
+streams passes new ones to the next replica on the ring, so one hot prefix cannot pile onto one
+replica while the others idle. A request whose replica refuses the connection (dead, not yet
+seen by the checks) is sent to another one (`retries`, `option redispatch`): nothing had reached
+the dead replica, so the retry is safe.
 
 Health: every `check_interval_ms` HAProxy calls grpc.health.v1.Health/Check on each replica
 over HTTP/2 (health_check_bytes) and wants the SERVING answer in the reply. A replica that is NOT_SERVING (starting, its engine down, or
@@ -33,6 +38,7 @@ class BalancerConfig:
     front_host: str = "127.0.0.1"
     front_port: int = 50051
     affinity: bool = True  # hash on the affinity header; False: round robin for everyone
+    balance_factor: int = 150  # bounded load: at most 1.5x the average streams per replica (0: off)
     check_interval_ms: int = 1000
     fall: int = 2
     rise: int = 2
@@ -45,7 +51,8 @@ class BalancerConfig:
         return (self.fall + 1) * self.check_interval_ms / 1000 + 1.0
 
 
-def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+def h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    """One HTTP/2 frame: 24-bit length, type, flags, stream id, payload."""
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
 
 
@@ -82,9 +89,9 @@ def health_check_bytes() -> bytes:
     return b"".join(
         (
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
-            _frame(0x4, 0, 0, b""),  # SETTINGS
-            _frame(0x1, 0x4, 1, headers),  # HEADERS, END_HEADERS
-            _frame(0x0, 0x1, 1, b"\x00\x00\x00\x00\x00"),  # DATA, END_STREAM
+            h2_frame(0x4, 0, 0, b""),  # SETTINGS
+            h2_frame(0x1, 0x4, 1, headers),  # HEADERS, END_HEADERS
+            h2_frame(0x0, 0x1, 1, b"\x00\x00\x00\x00\x00"),  # DATA, END_STREAM
         )
     )
 
@@ -94,7 +101,10 @@ SERVING_MESSAGE = b"\x00\x00\x00\x00\x02\x08\x01"
 
 
 def render(config: BalancerConfig) -> str:
+    if config.balance_factor and config.balance_factor <= 100:
+        raise ValueError(f"balance_factor is a percentage above 100 (or 0: off), got {config.balance_factor}")
     balance = f"hdr({AFFINITY_HEADER})" if config.affinity else "roundrobin"
+    bounded = f"\n    hash-balance-factor {config.balance_factor}" if config.balance_factor else ""
     servers = "\n".join(f"    server {b.name} {b.host}:{b.port}" for b in config.backends)
     t = config.timeout_seconds
     return f"""\
@@ -120,7 +130,10 @@ frontend grpc_in
 backend dyngen
     # Consistent hashing on the prefix-affinity header; round robin for requests without it.
     balance {balance}
-    hash-type consistent
+    hash-type consistent{bounded}
+    # A refused connection (a dead replica the checks have not caught yet): try another.
+    retries 2
+    option redispatch 1
     # grpc.health.v1.Health/Check over HTTP/2, written out (health_check_bytes); up = SERVING.
     option tcp-check
     tcp-check connect

@@ -1,7 +1,8 @@
 """The Node.js client (clients/node) against a real `dyngen serve`: its e2e test (clients/node/test/)
 streams a chat completion, cancels a job, and reads INVALID_ARGUMENT's field violation and
 RESOURCE_EXHAUSTED's RetryInfo from the status details. The server is the tiny model with
---max-streams 1, so a second open stream is refused."""
+--max-streams 1, so a second open stream is refused. Its scale-out test checks the affinity key's
+test vectors and meets a stream cut without a status (tests/stream_cut_server.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.service_harness import start_tiny_server
+from tests.stream_cut_server import StreamCutServer
 from tests.tiny_service_model import write_servable_tiny_gguf
 
 NODE_DIR = Path(__file__).resolve().parent.parent / "clients" / "node"
@@ -27,17 +29,18 @@ def test_node_client_against_the_real_server(tmp_path: Path) -> None:
     assert (NODE_DIR / "node_modules").is_dir(), "run: npm ci --prefix clients/node"
     server = start_tiny_server(write_servable_tiny_gguf(tmp_path / "tiny.gguf"), "--max-streams", "1")
     try:
-        # `npm test` generates the types from protos/, type-checks and compiles, then runs node --test.
-        done = subprocess.run(
-            ["npm", "test", "--silent"],
-            check=False,
-            cwd=NODE_DIR,
-            env=dict(os.environ, DYNGEN_TARGET=server.target),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-        assert "# fail 0" in done.stdout and "# pass 4" in done.stdout, done.stdout[-3000:]
+        with StreamCutServer() as cut:
+            # `npm test` generates the types from protos/, type-checks and compiles, then runs node --test.
+            done = subprocess.run(
+                ["npm", "test", "--silent"],
+                check=False,
+                cwd=NODE_DIR,
+                env=dict(os.environ, DYNGEN_TARGET=server.target, DYNGEN_CUT_TARGET=cut.target),
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+            assert "# fail 0" in done.stdout and "# pass 6" in done.stdout, done.stdout[-3000:]
     finally:
         assert server.stop() == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from dyngen_client import Chat, Client, Request, Result, collect
+from dyngen_client import Chat, Client, ErrorReason, Request, Result, collect, error_details
 from service.cluster import Cluster
 from service.haproxy_config import example_config, render
 from tests.service_harness import TINY_SERVER_FLAGS
@@ -97,6 +97,31 @@ def test_affinity_keeps_the_hit_rate_of_one_replica(cluster: Cluster) -> None:
     assert robin < affine - 0.02  # each replica computes each system prompt once
 
 
+@needs_haproxy
+@pytest.mark.timeout(300)
+def test_bounded_load_spills_a_hot_prefix_to_the_other_replica(cluster: Cluster) -> None:
+    """Six concurrent streams with one key: hash-balance-factor 150 caps a replica at 1.5x the
+    average, so the key's replica takes about 4 and the next one on the ring the rest."""
+    chat = Chat((("system", _system_prompt("hot")), ("user", "go")))
+    results: list[Result] = []
+    with Client(cluster.target) as client:
+        home = _replica_of(client, chat)
+
+        def job() -> None:
+            results.append(_generate(client, Request(chat, max_new_tokens=400, ignore_eos=True), timeout=120))
+
+        threads = [threading.Thread(target=job) for _ in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(120)
+    where = [r.finished.replica for r in results]
+    assert len(where) == 6
+    assert 2 <= where.count(home) <= 5, where
+    assert set(where) == {"replica-0", "replica-1"}
+
+
 def _replica_of(client: Client, chat: Chat) -> str:
     return _generate(client, Request(chat, max_new_tokens=1)).finished.replica
 
@@ -115,6 +140,7 @@ def test_a_killed_replica_leaves_the_ring_and_rejoins(cluster: Cluster) -> None:
                 outcome["status"] = grpc.StatusCode.OK
             except grpc.RpcError as exc:
                 outcome["status"] = exc.code()
+                outcome["reason"] = error_details(exc).reason
 
         t = threading.Thread(target=long_job)
         t.start()
@@ -123,8 +149,8 @@ def test_a_killed_replica_leaves_the_ring_and_rejoins(cluster: Cluster) -> None:
         cluster.signal_replica(victim, signal.SIGKILL)
         t.join(30)
         assert not t.is_alive(), "the in-flight call on the dead replica hung"
-        # HAProxy 2.6 ends it without gRPC trailers: the client sees the stream cut, never a hang.
-        assert outcome["status"] != grpc.StatusCode.OK
+        # HAProxy 2.6 ends it without gRPC trailers; the client raises that as UNAVAILABLE.
+        assert outcome == {"status": grpc.StatusCode.UNAVAILABLE, "reason": ErrorReason.REPLICA_LOST}
         # The same key now goes to the survivor, once the health checks have seen the death.
         survivor = f"replica-{1 - victim}"
         while True:

@@ -14,6 +14,8 @@ import type { GeneratorClient } from "./generated/dyngen/v1/Generator";
 import type { JobFinished__Output } from "./generated/dyngen/v1/JobFinished";
 import type { ModelInfo__Output } from "./generated/dyngen/v1/ModelInfo";
 import type { TokenizeRequest } from "./generated/dyngen/v1/TokenizeRequest";
+import { AFFINITY_HEADER, affinityKey, DEFAULT_AFFINITY_CHARS } from "./affinity";
+import { markStreamCut } from "./errors";
 
 export type { GenerateEvent__Output as GenerateEvent } from "./generated/dyngen/v1/GenerateEvent";
 export type { GenerateRequest } from "./generated/dyngen/v1/GenerateRequest";
@@ -38,6 +40,8 @@ export function defaultProtoPath(): string {
 export interface ClientOptions {
   readonly credentials?: grpc.ChannelCredentials; // default: plaintext
   readonly token?: string; // bearer token sent with every call
+  // Generate and Enqueue carry the prompt's prefix-affinity key (null: no key).
+  readonly affinityChars?: number | null; // default DEFAULT_AFFINITY_CHARS
   readonly protoPath?: string; // default: defaultProtoPath()
 }
 
@@ -82,6 +86,7 @@ export async function collect(
 export class DyngenClient {
   private readonly stub: GeneratorClient;
   private readonly metadata: grpc.Metadata;
+  private readonly affinityChars: number | null;
 
   constructor(target: string, options: ClientOptions = {}) {
     const definition = protoLoader.loadSync(options.protoPath ?? defaultProtoPath(), LOADER_OPTIONS);
@@ -91,20 +96,37 @@ export class DyngenClient {
     if (options.token) {
       this.metadata.set("authorization", `Bearer ${options.token}`);
     }
+    this.affinityChars = options.affinityChars === undefined ? DEFAULT_AFFINITY_CHARS : options.affinityChars;
+  }
+
+  private jobMetadata(request: GenerateRequest): grpc.Metadata {
+    const metadata = this.metadata.clone();
+    const key = this.affinityChars === null ? undefined : affinityKey(request, this.affinityChars);
+    if (key !== undefined) {
+      metadata.set(AFFINITY_HEADER, key);
+    }
+    return metadata;
+  }
+
+  // A stream cut without a status (its replica died behind a balancer) fails as UNAVAILABLE,
+  // reason REPLICA_LOST: the error is rewritten before any listener of the caller sees it.
+  private static marked<T>(call: grpc.ClientReadableStream<T>): grpc.ClientReadableStream<T> {
+    call.prependListener("error", markStreamCut);
+    return call;
   }
 
   // The job's events; `call.cancel()` (or breaking out of a for-await loop) cancels the job.
   generate(request: GenerateRequest, options: CallOptions = {}): grpc.ClientReadableStream<GenerateEvent__Output> {
-    return this.stub.Generate(request, this.metadata.clone(), options);
+    return DyngenClient.marked(this.stub.Generate(request, this.jobMetadata(request), options));
   }
 
   stream(jobId: string, options: CallOptions = {}): grpc.ClientReadableStream<GenerateEvent__Output> {
-    return this.stub.Stream({ job_id: jobId }, this.metadata.clone(), options);
+    return DyngenClient.marked(this.stub.Stream({ job_id: jobId }, this.metadata.clone(), options));
   }
 
   enqueue(request: GenerateRequest, options: CallOptions = {}): Promise<EnqueueResponse__Output> {
     return new Promise((resolve, reject) => {
-      this.stub.Enqueue(request, this.metadata.clone(), options, (error, response) =>
+      this.stub.Enqueue(request, this.jobMetadata(request), options, (error, response) =>
         error || !response ? reject(error) : resolve(response),
       );
     });

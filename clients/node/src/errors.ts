@@ -22,6 +22,7 @@ export const ERROR_REASONS = [
   "JOB_ALREADY_STREAMED",
   "UNAUTHENTICATED",
   "JOB_FAILED",
+  "REPLICA_LOST", // set by the clients, never the server: the stream ended without a status
 ] as const;
 export type ErrorReason = (typeof ERROR_REASONS)[number];
 
@@ -137,4 +138,47 @@ export function errorDetails(error: grpc.ServiceError): ErrorDetails {
     fieldViolations,
     retryDelaySeconds,
   };
+}
+
+// A call that ended without a gRPC status: how a balancer ends a stream whose replica died
+// (HAProxy 2.6 closes it without trailers; grpc-js then reports INTERNAL "Received RST_STREAM
+// with code 0 (Call ended without gRPC status)"). Every status the server raises on purpose
+// carries the details trailer; this one carries none.
+export function isStreamCut(error: grpc.ServiceError): boolean {
+  return (
+    (error.code === grpc.status.INTERNAL || error.code === grpc.status.UNKNOWN) &&
+    error.metadata?.get(DETAILS_KEY).length === 0 &&
+    /^Received RST_STREAM with code \d+/.test(error.details)
+  );
+}
+
+// Rewrites a cut stream's error in place as the status the replica could not send: UNAVAILABLE,
+// reason REPLICA_LOST, retry at once (the job is gone; run it again).
+export function markStreamCut(error: Error): void {
+  if (!isServiceError(error) || !isStreamCut(error)) {
+    return;
+  }
+  const message = `the replica running this call went away mid-stream (${error.details})`;
+  const pack = (type: protobuf.Type, value: object): AnyMessage => ({
+    type_url: TYPE_PREFIX + type.fullName.slice(1),
+    value: type.encode(type.fromObject(value)).finish(),
+  });
+  const status = STATUS.encode(
+    STATUS.fromObject({
+      code: grpc.status.UNAVAILABLE,
+      message,
+      details: [
+        pack(ERROR_INFO, { reason: "REPLICA_LOST", domain: DOMAIN }),
+        pack(RETRY_INFO, { retry_delay: { seconds: 0, nanos: 0 } }),
+      ],
+    }),
+  ).finish();
+  const metadata = error.metadata ?? new grpc.Metadata();
+  metadata.set(DETAILS_KEY, Buffer.from(status));
+  Object.assign(error, {
+    code: grpc.status.UNAVAILABLE,
+    details: message,
+    message: `${grpc.status.UNAVAILABLE} UNAVAILABLE: ${message}`,
+    metadata,
+  });
 }

@@ -2,7 +2,14 @@
 
 from dyngen_client.affinity import AFFINITY_HEADER, affinity_key
 from dyngen_client.client import AsyncClient, Client, tls_credentials
-from dyngen_client.errors import ErrorDetails, ErrorReason, FieldViolation, error_details
+from dyngen_client.errors import (
+    ErrorDetails,
+    ErrorReason,
+    FieldViolation,
+    StreamCutError,
+    error_details,
+    is_stream_cut,
+)
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.request import (
     Chat,
@@ -33,9 +40,11 @@ __all__ = [
     "ResponseFormat",
     "Result",
     "Sampling",
+    "StreamCutError",
     "affinity_key",
     "collect",
     "error_details",
+    "is_stream_cut",
     "pb",
     "stop_reason_name",
     "tls_credentials",

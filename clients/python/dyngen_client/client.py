@@ -3,16 +3,19 @@
 `generate()` yields the job's events; `enqueue/stream/cancel`, `model_info` and `tokenize`
 map one to one onto the RPCs. gRPC errors surface as `grpc.RpcError` (sync) or
 `grpc.aio.AioRpcError` (async) with the server's status; `error_details(exc)` reads the
-reason, field violations and retry delay they carry.
+reason, field violations and retry delay they carry. A stream cut without any status (its
+replica died behind a balancer) is raised as UNAVAILABLE with the reason REPLICA_LOST.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator
+from collections.abc import AsyncGenerator, AsyncIterable, Generator, Iterator
+from contextlib import aclosing
 
 import grpc
 
 from dyngen_client.affinity import DEFAULT_AFFINITY_CHARS, affinity_metadata
+from dyngen_client.errors import StreamCutError, is_stream_cut, stream_cut_aio_error
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
 from dyngen_client.request import Chat, Request, tokenize_request
@@ -40,6 +43,25 @@ def tls_credentials(
 
 def _auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _events(call: Iterator[pb.GenerateEvent]) -> Generator[pb.GenerateEvent, None, None]:
+    try:
+        yield from call
+    except grpc.RpcError as exc:
+        if is_stream_cut(exc):
+            raise StreamCutError(exc) from exc
+        raise
+
+
+async def _aio_events(call: AsyncIterable[pb.GenerateEvent]) -> AsyncGenerator[pb.GenerateEvent, None]:
+    try:
+        async for event in call:
+            yield event
+    except grpc.aio.AioRpcError as exc:
+        if is_stream_cut(exc):
+            raise stream_cut_aio_error(exc) from exc
+        raise
 
 
 def _options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -90,7 +112,7 @@ class Client:
         """The job's events; leaving the loop early (or close()) cancels the call and so the job."""
         call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self._job_metadata(request))
         try:
-            yield from call
+            yield from _events(call)
         finally:
             call.cancel()
 
@@ -104,7 +126,7 @@ class Client:
     def stream(self, job_id: str, timeout: float | None = None) -> Generator[Event, None, None]:
         call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
         try:
-            yield from call
+            yield from _events(call)
         finally:
             call.cancel()
 
@@ -158,8 +180,9 @@ class AsyncClient:
         """The job's events; aclose() (or leaving the loop and dropping it) cancels the call."""
         call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self._job_metadata(request))
         try:
-            async for event in call:
-                yield event
+            async with aclosing(_aio_events(call)) as events:
+                async for event in events:
+                    yield event
         finally:
             call.cancel()
 
@@ -175,8 +198,9 @@ class AsyncClient:
     async def stream(self, job_id: str, timeout: float | None = None) -> AsyncGenerator[Event, None]:
         call = self.stub.Stream(pb.StreamRequest(job_id=job_id), timeout=timeout, metadata=self.metadata)
         try:
-            async for event in call:
-                yield event
+            async with aclosing(_aio_events(call)) as events:
+                async for event in events:
+                    yield event
         finally:
             call.cancel()
 

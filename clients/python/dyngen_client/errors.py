@@ -5,16 +5,23 @@ it raises on purpose, holding an `ErrorInfo` (a stable `reason` in the `dyngen.v
 a `BadRequest` (which field broke which limit) for INVALID_ARGUMENT where a field is to blame,
 and a `RetryInfo` (how long to wait) for RESOURCE_EXHAUSTED and UNAVAILABLE. Callers in any
 language read the same trailer; docs/CONTRACT.md lists the reasons.
+
+One error is the clients' own: a stream that ends without any gRPC status. That is how a
+balancer ends a call whose replica died mid-stream (HAProxy closes it cleanly, without
+trailers; grpc-core then reports UNKNOWN "Stream removed"), and the server never does it. The
+clients raise it as UNAVAILABLE with the reason REPLICA_LOST: the job is gone, retry it.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple, cast
 
 import grpc
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 DETAILS_KEY = "grpc-status-details-bin"  # the trailer gRPC's rich error model uses
 DOMAIN = "dyngen.v1"  # ErrorInfo.domain of every reason below
@@ -36,6 +43,7 @@ class ErrorReason(enum.StrEnum):
     JOB_ALREADY_STREAMED = "JOB_ALREADY_STREAMED"  # a job has exactly one stream
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no valid bearer token or client certificate
     JOB_FAILED = "JOB_FAILED"  # the job failed inside the engine; other jobs carry on
+    REPLICA_LOST = "REPLICA_LOST"  # set by the clients: the stream ended without a status (retry)
 
 
 @dataclass(frozen=True)
@@ -100,3 +108,70 @@ def error_details(error: grpc.RpcError) -> ErrorDetails:
     """The typed details of a failed call, from `grpc.RpcError` (sync) or `AioRpcError` (asyncio);
     both carry the status and the trailers (grpcio raises no other kind)."""
     return details_from_status(error.code(), error.details() or "", _status_trailer(error))
+
+
+# What grpc-core reports for a call that ended without a gRPC status: the stream closed without
+# trailers ("Stream removed"), or reset by a proxy ("Received RST_STREAM with error code N").
+_CUT_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+_CUT_DETAILS = ("Stream removed", "Received RST_STREAM")
+
+
+def is_stream_cut(error: grpc.RpcError) -> bool:
+    """Whether a call ended without a gRPC status: the replica serving it went away mid-stream
+    (every status the server raises on purpose carries the details trailer)."""
+    return (
+        error.code() in _CUT_CODES
+        and _status_trailer(error) is None
+        and (error.details() or "").startswith(_CUT_DETAILS)
+    )
+
+
+def _lost_status(message: str) -> bytes:
+    """The status trailer the server would have sent: UNAVAILABLE, REPLICA_LOST, retry at once."""
+    status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message=message)
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=ErrorReason.REPLICA_LOST, domain=DOMAIN))
+    status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=Duration()))
+    return status.SerializeToString()
+
+
+def _lost_message(cut: grpc.RpcError) -> str:
+    return f"the replica running this call went away mid-stream ({cut.details()})"
+
+
+class _Metadatum(NamedTuple):
+    key: str
+    value: str | bytes
+
+
+class StreamCutError(grpc.RpcError):
+    """UNAVAILABLE (REPLICA_LOST) in place of a blocking call's cut stream (is_stream_cut)."""
+
+    def __init__(self, cut: grpc.RpcError) -> None:
+        self._message = _lost_message(cut)
+        self._trailer = (_Metadatum(DETAILS_KEY, _lost_status(self._message)),)
+        super().__init__(self._message)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._message
+
+    def initial_metadata(self) -> tuple[_Metadatum, ...]:
+        return ()
+
+    def trailing_metadata(self) -> tuple[grpc._Metadatum, ...]:
+        # grpcio's metadata items are (key, value) tuples; its stubs name them a check-only type.
+        return cast("tuple[grpc._Metadatum, ...]", self._trailer)
+
+
+def stream_cut_aio_error(cut: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """The asyncio form of StreamCutError."""
+    message = _lost_message(cut)
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        cut.initial_metadata(),
+        grpc.aio.Metadata((DETAILS_KEY, _lost_status(message))),
+        message,
+        cut.debug_error_string(),
+    )
