@@ -10,6 +10,7 @@ import time
 from multiprocessing.connection import Connection
 
 from engine.errors import DyngenError
+from engine.onednn_caches import bound_onednn_caches
 from service.config import ServiceConfig
 from service.ipc import HEARTBEAT_INTERVAL, Heartbeat, Message, Tag
 
@@ -55,6 +56,7 @@ def run(config_json: str, commands: Connection, events: Connection, runtime_dir:
         os.environ.setdefault("GOMP_SPINCOUNT", str(config.omp_spin_count))
     if config.torch_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(config.torch_threads)
+    bound_onednn_caches()  # else the engine grows with every new matmul shape
     import torch
 
     from service.engine_loop import EngineLoop

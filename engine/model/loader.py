@@ -16,6 +16,7 @@ from engine.model.quantization import QuantMode, plan_for
 from engine.model.safetensors_source import SafetensorsSource
 from engine.model.tokenizer import HFTokenizer
 from engine.model.weight_source import WeightSource
+from engine.onednn_caches import bound_onednn_caches
 from kernels.attention import AttentionKind
 from kernels.cpu_features import CpuFeatures, cpu_features
 
@@ -80,6 +81,7 @@ def load_model(
     quant: QuantMode = QuantMode.NONE,
 ) -> LoadedModel:
     """Load model and tokenizer; `quant` picks the projections' linear kinds (see quantization.py)."""
+    bound_onednn_caches()  # before the first matmul (autotuning) reads them
     model_path = path if path is not None else default_model_path()
     source = open_weight_source(model_path)
     model = LlamaModel.from_source(
