@@ -90,7 +90,7 @@ def test_cache_miss_measures_then_hit_reads(tmp_path: Path, monkeypatch: pytest.
 def test_key_covers_cpu_torch_and_model(tmp_path: Path) -> None:
     here = cpu_features()
     other_cpu = CpuFeatures(
-        here.model_name, here.flags | {"avx512_bf16"}, here.torch_capability, here.threads
+        here.model_name, here.flags ^ {"avx512_bf16"}, here.torch_capability, here.threads
     )
     names = {
         _key().file_name(),

@@ -39,7 +39,9 @@ def test_the_shipped_haproxy_config_is_the_generators() -> None:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     folder = tmp_path_factory.mktemp("cluster")
     model = write_servable_tiny_gguf(folder / "tiny.gguf")
-    c = Cluster(2, ["--model", str(model), *TINY_SERVER_FLAGS], check_interval_ms=300, workdir=folder)
+    # A drain grace far past the drained job's length, even on a loaded CI machine.
+    flags = ["--model", str(model), *TINY_SERVER_FLAGS, "--shutdown-grace-seconds", "120"]
+    c = Cluster(2, flags, check_interval_ms=300, workdir=folder)
     c.start()
     try:
         _wait_both_up(c)

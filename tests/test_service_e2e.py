@@ -31,9 +31,12 @@ ENDLESS = Request(Chat.user("Tell me a very long story."), max_new_tokens=7000, 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    # --quant none: the in-process generator it is compared with runs the float linears (auto's
-    # choice is timed per process, so two processes may pick different kernels).
-    s = start_server("--cache-tokens", "32768", "--stream-grace-seconds", "2", "--quant", "none")
+    # --quant none --dtype float32: the in-process generator it is compared with (the smollm
+    # fixture) runs float32 linears; auto picks kernels by timing per process and bf16 on CPUs
+    # with native bf16, so two processes could differ.
+    s = start_server(
+        "--cache-tokens", "32768", "--stream-grace-seconds", "2", "--quant", "none", "--dtype", "float32"
+    )
     yield s
     assert s.stop() == 0
 
