@@ -222,13 +222,18 @@ class MaskWorker:
         return self._pool.submit(self._fill, list(constraints))
 
     def _fill(self, constraints: list[Constraint]) -> torch.Tensor:
-        bitmask = torch.zeros((len(constraints), mask_words(self.vocab_size)), dtype=torch.int32)
-        for i, c in enumerate(constraints):
-            c.fill(bitmask, i)
-        return bitmask
+        return token_bitmask(constraints, self.vocab_size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def token_bitmask(constraints: Sequence[Constraint], vocab_size: int) -> torch.Tensor:
+    """int32 [len(constraints), words]: row i holds the next tokens constraints[i] allows now."""
+    bitmask = torch.zeros((len(constraints), mask_words(vocab_size)), dtype=torch.int32)
+    for i, c in enumerate(constraints):
+        c.fill(bitmask, i)
+    return bitmask
 
 
 def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> torch.Tensor:

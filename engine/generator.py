@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.constraints import GrammarCompiler, MaskOverlap, MaskWorker, mask_words
+from engine.constraints import GrammarCompiler, MaskOverlap, MaskWorker, mask_words, token_bitmask
 from engine.errors import DyngenError, ErrorKind, InvalidRequestError, JobNotFoundError, PromptTooLongError
 from engine.forward_batch import SequenceInput
 from engine.job_state import HeldToken, JobState
@@ -648,20 +648,18 @@ class DynamicGenerator:
             return self._rewind(job, delta.banned, token, logits)
         # Tokens are streamed with their text: the stream releases the oldest `released` of the
         # tokens it holds (this one included, unless it may be the start of a banned string).
-        held = job.text.held > 0 and logits is not None
-        job.held.append(HeldToken(token, logprob, logits.clone() if held and logits is not None else None))
-        out = job.held[: delta.released]
-        del job.held[: delta.released]
-        if out or delta.text:
-            events.append(
-                TokensGenerated(
-                    job.job_id,
-                    spec.identifier,
-                    delta.text,
-                    tuple(h.token for h in out),
-                    tuple(h.logprob for h in out if h.logprob is not None),
-                )
+        if not job.held and delta.released == 1:  # nothing held back: the usual case
+            logprobs = () if logprob is None else (logprob,)
+            events.append(TokensGenerated(job.job_id, spec.identifier, delta.text, (token,), logprobs))
+        else:
+            held = job.text.held > 0 and logits is not None
+            job.held.append(
+                HeldToken(token, logprob, logits.clone() if held and logits is not None else None)
             )
+            out = job.held[: delta.released]
+            del job.held[: delta.released]
+            if out or delta.text:
+                events.append(self._released(job, delta.text, out))
         if delta.stop_string is not None:
             events.append(self._finish(job, StopReason.STOP_STRING, None, delta.stop_string, ""))
         elif job.constraint is not None and job.constraint.complete:
@@ -677,17 +675,15 @@ class DynamicGenerator:
         text = job.text.finish()
         if job.held:
             held, job.held = job.held, []
-            events.append(
-                TokensGenerated(
-                    job.job_id,
-                    job.spec.identifier,
-                    text,
-                    tuple(h.token for h in held),
-                    tuple(h.logprob for h in held if h.logprob is not None),
-                )
-            )
+            events.append(self._released(job, text, held))
             text = ""
         events.append(self._finish(job, reason, token, None, text))
+
+    @staticmethod
+    def _released(job: JobState, text: str, held: list[HeldToken]) -> TokensGenerated:
+        """The event streaming held tokens with the text they complete."""
+        logprobs = tuple(h.logprob for h in held if h.logprob is not None)
+        return TokensGenerated(job.job_id, job.spec.identifier, text, tuple(h.token for h in held), logprobs)
 
     def _rewind(
         self, job: JobState, match: BannedMatch, token: int, logits: torch.Tensor | None
@@ -726,9 +722,7 @@ class DynamicGenerator:
         job.position_bans = bans
         allowed = None
         if job.constraint is not None:
-            bitmask = torch.zeros((1, mask_words(self.model.config.vocab_size)), dtype=torch.int32)
-            job.constraint.fill(bitmask, 0)
-            allowed = bitmask[0]
+            allowed = token_bitmask([job.constraint], self.model.config.vocab_size)[0]
         request = self._sample_request(job, allowed=allowed)
         (result,) = self.sampler.sample(row.unsqueeze(0), [request])
         t = result.token_id
