@@ -99,33 +99,49 @@ def test_affinity_keeps_the_hit_rate_of_one_replica(cluster: Cluster) -> None:
     assert robin < affine - 0.02  # each replica computes each system prompt once
 
 
+def _replica_of(client: Client, chat: Chat) -> str:
+    return _generate(client, Request(chat, max_new_tokens=1)).finished.replica
+
+
+class _LongJob:
+    """A long generation of `chat` (EOS ignored) on its own thread: its result, or its error."""
+
+    def __init__(self, client: Client, chat: Chat, tokens: int) -> None:
+        self.result: Result | None = None
+        self.error: grpc.RpcError | None = None
+        request = Request(chat, max_new_tokens=tokens, ignore_eos=True)
+        self._thread = threading.Thread(target=self._run, args=(client, request))
+        self._thread.start()
+
+    def _run(self, client: Client, request: Request) -> None:
+        try:
+            self.result = _generate(client, request, timeout=120)
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def join(self, timeout: float) -> bool:
+        """Whether it ended within `timeout` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 @needs_haproxy
 @pytest.mark.timeout(300)
 def test_bounded_load_spills_a_hot_prefix_to_the_other_replica(cluster: Cluster) -> None:
     """Six concurrent streams with one key: hash-balance-factor 150 caps a replica at 1.5x the
     average, so the key's replica takes about 4 and the next one on the ring the rest."""
     chat = Chat((("system", _system_prompt("hot")), ("user", "go")))
-    results: list[Result] = []
     with Client(cluster.target) as client:
         home = _replica_of(client, chat)
-
-        def job() -> None:
-            results.append(_generate(client, Request(chat, max_new_tokens=400, ignore_eos=True), timeout=120))
-
-        threads = [threading.Thread(target=job) for _ in range(6)]
-        for t in threads:
-            t.start()
+        jobs = []
+        for _ in range(6):
+            jobs.append(_LongJob(client, chat, 400))
             time.sleep(0.05)
-        for t in threads:
-            t.join(120)
-    where = [r.finished.replica for r in results]
+        assert all(job.join(120) for job in jobs)
+    where = [job.result.finished.replica for job in jobs if job.result is not None]
     assert len(where) == 6
     assert 2 <= where.count(home) <= 5, where
     assert set(where) == {"replica-0", "replica-1"}
-
-
-def _replica_of(client: Client, chat: Chat) -> str:
-    return _generate(client, Request(chat, max_new_tokens=1)).finished.replica
 
 
 @needs_haproxy
@@ -134,25 +150,14 @@ def test_a_killed_replica_leaves_the_ring_and_rejoins(cluster: Cluster) -> None:
     chat = Chat((("system", _system_prompt("kill")), ("user", "go")))
     with Client(cluster.target) as client:
         victim = int(_replica_of(client, chat).removeprefix("replica-"))
-        outcome: dict[str, object] = {}
-
-        def long_job() -> None:
-            try:
-                _generate(client, Request(chat, max_new_tokens=2500, ignore_eos=True), timeout=120)
-                outcome["status"] = grpc.StatusCode.OK
-            except grpc.RpcError as exc:
-                outcome["status"] = exc.code()
-                outcome["reason"] = error_details(exc).reason
-
-        t = threading.Thread(target=long_job)
-        t.start()
+        job = _LongJob(client, chat, 2500)
         time.sleep(1.0)
         killed_at = time.monotonic()
         cluster.signal_replica(victim, signal.SIGKILL)
-        t.join(30)
-        assert not t.is_alive(), "the in-flight call on the dead replica hung"
+        assert job.join(30), "the in-flight call on the dead replica hung"
         # HAProxy 2.6 ends it without gRPC trailers; the client raises that as UNAVAILABLE.
-        assert outcome == {"status": grpc.StatusCode.UNAVAILABLE, "reason": ErrorReason.REPLICA_LOST}
+        assert job.error is not None and job.error.code() is grpc.StatusCode.UNAVAILABLE
+        assert error_details(job.error).reason is ErrorReason.REPLICA_LOST
         # The same key now goes to the survivor, once the health checks have seen the death.
         survivor = f"replica-{1 - victim}"
         while True:
@@ -176,22 +181,16 @@ def test_sigterm_drains_a_replica(cluster: Cluster) -> None:
     chat = Chat((("system", _system_prompt("drain")), ("user", "go")))
     with Client(cluster.target) as client:
         victim = int(_replica_of(client, chat).removeprefix("replica-"))
-        results: list[Result] = []
-        t = threading.Thread(
-            target=lambda: results.append(
-                _generate(client, Request(chat, max_new_tokens=600, ignore_eos=True), timeout=120)
-            )
-        )
-        t.start()
+        job = _LongJob(client, chat, 600)
         time.sleep(0.5)
         cluster.signal_replica(victim, signal.SIGTERM)
         # New requests keep succeeding, on the other replica once HAProxy has seen it leave.
         deadline = time.monotonic() + 5 * cluster.config.leave_seconds
         while _replica_of(client, chat) != f"replica-{1 - victim}":
             assert time.monotonic() < deadline
-        t.join(120)
-        assert results and results[0].finished.replica == f"replica-{victim}"
-        assert len(results[0].token_ids) == 600  # the running job finished in full
+        assert job.join(120) and job.result is not None, job.error
+        assert job.result.finished.replica == f"replica-{victim}"
+        assert len(job.result.token_ids) == 600  # the running job finished in full
         assert cluster.wait_replica(victim, 60) == 0
         cluster.start_replica(victim)
         _wait_both_up(cluster)
