@@ -5,7 +5,8 @@
 The workload is W2-shaped: 4 different ~1k-token system prompts (W2's shared prefix, each with
 its own opening line) x 16 questions, 64 requests, `--concurrency` streams at once, through
 HAProxy (service/cluster.py). Runs: one replica; two with affinity (the clients' key); two
-round robin (no key). This machine has 2 cores, so every replica runs 1 torch thread: two
+round robin (no key); two with affinity on an unbounded ring (hash-balance-factor 0; the
+default is 150). This machine has 2 cores, so every replica runs 1 torch thread: two
 replicas use the whole machine, one uses half of it.
 """
 
@@ -66,9 +67,11 @@ async def _drive(
         return time.perf_counter() - t0, list(results)
 
 
-def measure(name: str, replicas: int, affinity: bool, new_tokens: int, concurrency: int) -> Run:
+def measure(
+    name: str, replicas: int, affinity: bool, new_tokens: int, concurrency: int, balance_factor: int = 150
+) -> Run:
     flags = ["--torch-threads", "1", "--quant", "auto", "--cache-tokens", "16384"]
-    with Cluster(replicas, flags) as cluster:
+    with Cluster(replicas, flags, balance_factor=balance_factor) as cluster:
         for i in range(replicas):
             asyncio.run(wait_serving(cluster.replica_target(i), cluster.processes[i], START_TIMEOUT))
         asyncio.run(wait_serving(cluster.target, None, 30))
@@ -87,7 +90,8 @@ def main() -> None:
     args = parser.parse_args()
     runs = [
         measure("1 replica", 1, True, args.new_tokens, args.concurrency),
-        measure("2 replicas, affinity", 2, True, args.new_tokens, args.concurrency),
+        measure("2 replicas, affinity (bounded load 150)", 2, True, args.new_tokens, args.concurrency),
+        measure("2 replicas, affinity, unbounded", 2, True, args.new_tokens, args.concurrency, 0),
         measure("2 replicas, round robin", 2, False, args.new_tokens, args.concurrency),
     ]
     print(f"CPU: {cpu_features().summary()}")

@@ -46,6 +46,7 @@ class Cluster:
         host: str = "127.0.0.1",
         workdir: Path | None = None,
         replica_stderr: int | None = None,
+        balance_factor: int = 150,
     ) -> None:
         if replicas < 1:
             raise ClusterError(f"replicas must be >= 1, got {replicas}")
@@ -62,6 +63,7 @@ class Cluster:
             front_port=front_port or free_port(host),
             affinity=affinity,
             check_interval_ms=check_interval_ms,
+            balance_factor=balance_factor,
         )
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="dyngen-cluster-"))
         self.replica_stderr = replica_stderr
@@ -150,6 +152,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--check-interval-ms", type=int, default=1000, help="HAProxy's health check interval")
     parser.add_argument(
+        "--balance-factor",
+        type=int,
+        default=150,
+        help="bounded-load hashing: a replica past this %% of the average streams spills to the next (0: off)",
+    )
+    parser.add_argument(
         "serve_flags", nargs=argparse.REMAINDER, help="after --: flags for every `dyngen serve` replica"
     )
 
@@ -159,7 +167,13 @@ def run_cluster(args: argparse.Namespace) -> int:
     flags = [f for f in args.serve_flags if f != "--"]
     try:
         cluster = Cluster(
-            args.replicas, flags, args.port, not args.no_affinity, args.check_interval_ms, args.host
+            args.replicas,
+            flags,
+            args.port,
+            not args.no_affinity,
+            args.check_interval_ms,
+            args.host,
+            balance_factor=args.balance_factor,
         )
         cluster.start()
     except ClusterError as exc:
