@@ -22,8 +22,7 @@ from typing import TypeVar
 
 import grpc
 
-from dyngen_client.errors import ErrorReason
-from service.status_details import Failure
+from dyngen_client.errors import ErrorReason, Failure
 
 # Health stays open for probes; the Generator's handlers resolve the tenant themselves (and refuse
 # without one), so the interceptor guards the rest (reflection) and no call is checked twice.

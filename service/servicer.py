@@ -9,7 +9,7 @@ one job is FAILED_PRECONDITION; a stopped engine or a draining server is UNAVAIL
 job that failed inside the engine ends its stream with the status the engine chose
 (INTERNAL, or INVALID_ARGUMENT for input it could not handle); no credentials with
 authentication on is UNAUTHENTICATED. Messages are written for callers; never a traceback.
-Every one of them also carries a google.rpc.Status in its trailers (service/status_details.py):
+Every one of them also carries a google.rpc.Status in its trailers (dyngen_client.errors.Failure):
 a stable reason, the field to blame, and how long to wait before retrying where that helps.
 """
 
@@ -24,7 +24,7 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 
 from dyngen_client.affinity import AFFINITY_HEADER, affinity_key
-from dyngen_client.errors import ErrorReason
+from dyngen_client.errors import ErrorReason, Failure
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.request import Chat
 from service.auth import Authenticator, cache_salt
@@ -38,7 +38,6 @@ from service.engine_client import (
 from service.event_buffer import EngineDownError
 from service.ipc import ErrorCode
 from service.limits import Limits, RequestError, check_job_id, check_request, check_tokenize_request
-from service.status_details import Failure
 
 log = structlog.get_logger("dyngen.service")
 

@@ -10,8 +10,7 @@ import pytest
 
 from dyngen_client import Chat, ErrorReason, Request, Sampling, collect, pb
 from dyngen_client.cli import main as client_main
-from dyngen_client.errors import details_from_status
-from service.status_details import Failure
+from dyngen_client.errors import Failure, details_from_status
 
 
 def test_request_sets_only_what_was_given() -> None:

@@ -1,4 +1,4 @@
-"""The error details a failed call carries, read as typed values.
+"""The error details a failed call carries: written (`Failure`) and read back as typed values.
 
 The server puts a `google.rpc.Status` in the `grpc-status-details-bin` trailer of every error
 it raises on purpose, holding an `ErrorInfo` (a stable `reason` in the `dyngen.v1` domain),
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NamedTuple, cast
 
 import grpc
-from google.protobuf.duration_pb2 import Duration
+from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import DecodeError
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 DETAILS_KEY = "grpc-status-details-bin"  # the trailer gRPC's rich error model uses
 DOMAIN = "dyngen.v1"  # ErrorInfo.domain of every reason below
@@ -63,6 +64,63 @@ class ErrorDetails:
     @property
     def retryable(self) -> bool:
         return self.retry_delay_seconds is not None
+
+
+# How long a caller should wait before retrying. A full queue or too many open streams drain at
+# the pace jobs finish (seconds); an engine restart takes its backoff plus a model load; a job
+# whose replica died can run again at once, elsewhere.
+RETRY_BUSY_SECONDS = 1.0
+RETRY_UNAVAILABLE_SECONDS = 5.0
+
+_RETRY_SECONDS = {
+    ErrorReason.QUEUE_FULL: RETRY_BUSY_SECONDS,
+    ErrorReason.TOO_MANY_STREAMS: RETRY_BUSY_SECONDS,
+    ErrorReason.ENGINE_BUSY: RETRY_BUSY_SECONDS,
+    ErrorReason.ENGINE_UNAVAILABLE: RETRY_UNAVAILABLE_SECONDS,
+    ErrorReason.DRAINING: RETRY_UNAVAILABLE_SECONDS,
+    ErrorReason.REPLICA_LOST: 0.0,
+}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An error status as dyngen raises it (the server; the clients for REPLICA_LOST): what, why,
+    and which field (if one is to blame). `trailing_metadata()` is its details trailer."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: ErrorReason
+    field: str | None = None  # a path into the request, e.g. "stop_strings[3]"
+
+    @property
+    def retry_seconds(self) -> float | None:
+        return _RETRY_SECONDS.get(self.reason)
+
+    def status(self) -> status_pb2.Status:
+        details: list[any_pb2.Any] = []
+        info = error_details_pb2.ErrorInfo(reason=self.reason.value, domain=DOMAIN)
+        details.append(_pack(info))
+        if self.field is not None:
+            violation = error_details_pb2.BadRequest.FieldViolation(
+                field=self.field, description=self.message
+            )
+            details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
+        if self.retry_seconds is not None:
+            delay = duration_pb2.Duration()
+            delay.FromTimedelta(timedelta(seconds=self.retry_seconds))
+            details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+        return status_pb2.Status(code=self.code.value[0], message=self.message, details=details)
+
+    def trailing_metadata(self) -> tuple[tuple[str, bytes]]:
+        return ((DETAILS_KEY, self.status().SerializeToString()),)
+
+
+def _pack(
+    message: error_details_pb2.ErrorInfo | error_details_pb2.BadRequest | error_details_pb2.RetryInfo,
+) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
 
 
 def _reason(text: str) -> ErrorReason | None:
@@ -126,16 +184,10 @@ def is_stream_cut(error: grpc.RpcError) -> bool:
     )
 
 
-def _lost_status(message: str) -> bytes:
-    """The status trailer the server would have sent: UNAVAILABLE, REPLICA_LOST, retry at once."""
-    status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message=message)
-    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=ErrorReason.REPLICA_LOST, domain=DOMAIN))
-    status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=Duration()))
-    return status.SerializeToString()
-
-
-def _lost_message(cut: grpc.RpcError) -> str:
-    return f"the replica running this call went away mid-stream ({cut.details()})"
+def _lost(cut: grpc.RpcError) -> Failure:
+    """The status the replica could not send: UNAVAILABLE, REPLICA_LOST, retry at once."""
+    message = f"the replica running this call went away mid-stream ({cut.details()})"
+    return Failure(grpc.StatusCode.UNAVAILABLE, message, ErrorReason.REPLICA_LOST)
 
 
 class _Metadatum(NamedTuple):
@@ -147,8 +199,9 @@ class StreamCutError(grpc.RpcError):
     """UNAVAILABLE (REPLICA_LOST) in place of a blocking call's cut stream (is_stream_cut)."""
 
     def __init__(self, cut: grpc.RpcError) -> None:
-        self._message = _lost_message(cut)
-        self._trailer = (_Metadatum(DETAILS_KEY, _lost_status(self._message)),)
+        lost = _lost(cut)
+        self._message = lost.message
+        self._trailer = tuple(_Metadatum(key, value) for key, value in lost.trailing_metadata())
         super().__init__(self._message)
 
     def code(self) -> grpc.StatusCode:
@@ -167,11 +220,11 @@ class StreamCutError(grpc.RpcError):
 
 def stream_cut_aio_error(cut: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
     """The asyncio form of StreamCutError."""
-    message = _lost_message(cut)
+    lost = _lost(cut)
     return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE,
+        lost.code,
         cut.initial_metadata(),
-        grpc.aio.Metadata((DETAILS_KEY, _lost_status(message))),
-        message,
+        grpc.aio.Metadata(*lost.trailing_metadata()),
+        lost.message,
         cut.debug_error_string(),
     )
