@@ -8,9 +8,11 @@ hashing is bounded-load (`balance_factor`, 0: off): a replica already running `b
 of the average number of streams passes new ones to the next replica on the ring, so a hot
 prefix cannot pile onto one replica while the others idle. On the W2-shaped benchmark (4
 prompts, 8 streams, 2 replicas) 150 gave 1.54-1.62x one replica's throughput where unbounded
-affinity gave 1.18-1.38x, for a hit rate of 87.8% instead of 92.5% (docs/SCALING.md). A request whose replica refuses the connection (dead, not yet
-seen by the checks) is sent to another one (`retries`, `option redispatch`): nothing had reached
-the dead replica, so the retry is safe.
+affinity gave 1.18-1.38x, for a hit rate of 87.8% instead of 92.5% (docs/SCALING.md).
+
+A request whose replica refuses the connection (dead, not yet seen by the checks) is sent to
+another one (`retries`, `option redispatch`): nothing had reached the dead replica, so the
+retry is safe.
 
 Health: every `check_interval_ms` HAProxy calls grpc.health.v1.Health/Check on each replica
 over HTTP/2 (health_check_bytes) and wants the SERVING answer in the reply. A replica that is NOT_SERVING (starting, its engine down, or
@@ -34,13 +36,16 @@ class Backend:
     port: int
 
 
+DEFAULT_BALANCE_FACTOR = 150  # bounded load: at most 1.5x the average streams per replica
+
+
 @dataclass(frozen=True)
 class BalancerConfig:
     backends: tuple[Backend, ...]
     front_host: str = "127.0.0.1"
     front_port: int = 50051
     affinity: bool = True  # hash on the affinity header; False: round robin for everyone
-    balance_factor: int = 150  # bounded load: at most 1.5x the average streams per replica (0: off)
+    balance_factor: int = DEFAULT_BALANCE_FACTOR  # 0: unbounded
     check_interval_ms: int = 1000
     fall: int = 2
     rise: int = 2
@@ -53,8 +58,7 @@ class BalancerConfig:
         return (self.fall + 1) * self.check_interval_ms / 1000 + 1.0
 
 
-def h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    """One HTTP/2 frame: 24-bit length, type, flags, stream id, payload."""
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
 
 
@@ -91,9 +95,9 @@ def health_check_bytes() -> bytes:
     return b"".join(
         (
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
-            h2_frame(0x4, 0, 0, b""),  # SETTINGS
-            h2_frame(0x1, 0x4, 1, headers),  # HEADERS, END_HEADERS
-            h2_frame(0x0, 0x1, 1, b"\x00\x00\x00\x00\x00"),  # DATA, END_STREAM
+            _frame(0x4, 0, 0, b""),  # SETTINGS
+            _frame(0x1, 0x4, 1, headers),  # HEADERS, END_HEADERS
+            _frame(0x0, 0x1, 1, b"\x00\x00\x00\x00\x00"),  # DATA, END_STREAM
         )
     )
 

@@ -2,66 +2,50 @@
 behind it dies mid-stream: response headers, one GenerateEvent, then END_STREAM without any
 gRPC trailers (HAProxy 2.6's clean close of a stream whose server went away).
 
-It speaks just enough HTTP/2 for gRPC clients: its SETTINGS, SETTINGS and PING acks, and the
-answer above to each request's HEADERS. Frames are written out with service.haproxy_config's
-h2_frame; the header block is HPACK ":status 200" (static entry 8) and content-type.
+The HTTP/2 side is the `h2` library's (server-side connection, settings, pings, flow control);
+this module only decides what each request gets.
 """
 
 from __future__ import annotations
 
-import socket
 import socketserver
 import threading
 import time
 from types import TracebackType
 
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.events import ConnectionTerminated, RequestReceived
+
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from service.haproxy_config import h2_frame
 
-DATA, HEADERS, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x4, 0x6, 0x7
-END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-RESPONSE_HEADERS = b"\x88" + b"\x0f\x10" + bytes((16,)) + b"application/grpc"
+RESPONSE_HEADERS = ((":status", "200"), ("content-type", "application/grpc"))
 
 
-def _read(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("peer closed")
-        data += chunk
-    return data
+def _message() -> bytes:
+    """One gRPC length-prefixed message: GenerateEvent(job_id="cut")."""
+    event = pb.GenerateEvent(job_id="cut").SerializeToString()
+    return b"\x00" + len(event).to_bytes(4, "big") + event
 
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        conn: socket.socket = self.request
-        event = pb.GenerateEvent(job_id="cut").SerializeToString()
-        message = b"\x00" + len(event).to_bytes(4, "big") + event
+        h2 = H2Connection(H2Configuration(client_side=False))
+        h2.initiate_connection()
         try:
-            conn.sendall(h2_frame(SETTINGS, 0, 0, b""))
-            if _read(conn, len(PREFACE)) != PREFACE:
-                return
-            while True:
-                head = _read(conn, 9)
-                length, kind, flags = int.from_bytes(head[:3], "big"), head[3], head[4]
-                stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
-                payload = _read(conn, length)
-                if kind == SETTINGS and not flags & ACK:
-                    conn.sendall(h2_frame(SETTINGS, ACK, 0, b""))
-                elif kind == PING and not flags & ACK:
-                    conn.sendall(h2_frame(PING, ACK, 0, payload))
-                elif kind == HEADERS:
-                    conn.sendall(
-                        h2_frame(HEADERS, END_HEADERS, stream, RESPONSE_HEADERS)
-                        + h2_frame(DATA, 0, stream, message)
-                    )
-                    time.sleep(0.2)  # the event is read before the cut, as when a replica dies mid-job
-                    conn.sendall(h2_frame(DATA, END_STREAM, stream, b""))
-                elif kind == GOAWAY:
-                    return
-        except (ConnectionError, OSError):
+            self.request.sendall(h2.data_to_send())
+            while data := self.request.recv(65536):
+                for event in h2.receive_data(data):
+                    if isinstance(event, ConnectionTerminated):
+                        return
+                    if isinstance(event, RequestReceived):
+                        h2.send_headers(event.stream_id, RESPONSE_HEADERS)
+                        h2.send_data(event.stream_id, _message())
+                        self.request.sendall(h2.data_to_send())
+                        time.sleep(0.2)  # the event is read before the cut, as when a replica dies mid-job
+                        h2.end_stream(event.stream_id)
+                self.request.sendall(h2.data_to_send())
+        except OSError:
             return
 
 
