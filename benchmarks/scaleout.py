@@ -23,6 +23,7 @@ from benchmarks.workloads import load_workloads
 from dyngen_client import AsyncClient, Chat, Request, Result, collect
 from kernels.cpu_features import cpu_features
 from service.cluster import Cluster
+from service.haproxy_config import DEFAULT_BALANCE_FACTOR
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,12 @@ async def _drive(
 
 
 def measure(
-    name: str, replicas: int, affinity: bool, new_tokens: int, concurrency: int, balance_factor: int = 150
+    name: str,
+    replicas: int,
+    affinity: bool,
+    new_tokens: int,
+    concurrency: int,
+    balance_factor: int = DEFAULT_BALANCE_FACTOR,
 ) -> Run:
     flags = ["--torch-threads", "1", "--quant", "auto", "--cache-tokens", "16384"]
     with Cluster(replicas, flags, balance_factor=balance_factor) as cluster:

@@ -652,10 +652,9 @@ class DynamicGenerator:
             logprobs = () if logprob is None else (logprob,)
             events.append(TokensGenerated(job.job_id, spec.identifier, delta.text, (token,), logprobs))
         else:
-            held = job.text.held > 0 and logits is not None
-            job.held.append(
-                HeldToken(token, logprob, logits.clone() if held and logits is not None else None)
-            )
+            # A token that may start a banned string keeps its logits row, to be sampled again.
+            kept = logits if job.text.held > 0 else None
+            job.held.append(HeldToken(token, logprob, None if kept is None else kept.clone()))
             out = job.held[: delta.released]
             del job.held[: delta.released]
             if out or delta.text:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from service.haproxy_config import Backend, BalancerConfig, render
+from service.haproxy_config import DEFAULT_BALANCE_FACTOR, Backend, BalancerConfig, render
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,7 +46,7 @@ class Cluster:
         host: str = "127.0.0.1",
         workdir: Path | None = None,
         replica_stderr: int | None = None,
-        balance_factor: int = 150,
+        balance_factor: int = DEFAULT_BALANCE_FACTOR,
     ) -> None:
         if replicas < 1:
             raise ClusterError(f"replicas must be >= 1, got {replicas}")
@@ -154,7 +154,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--balance-factor",
         type=int,
-        default=150,
+        default=DEFAULT_BALANCE_FACTOR,
         help="bounded-load hashing: a replica past this %% of the average streams spills to the next (0: off)",
     )
     parser.add_argument(
