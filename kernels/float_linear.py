@@ -27,7 +27,9 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 class FloatLinear:
-    """y = x @ weight.T (+ bias) for x of shape [..., in_features], in the weight's dtype."""
+    """y = x @ weight.T (+ bias) for x of shape [..., in_features], computed in the weight's
+    dtype and returned in x's (the Linear contract: the autotuner times every kind with float32
+    rows, and a bfloat16 model with quantized kinds mixes both)."""
 
     kind = LinearKind.FLOAT
 
@@ -50,6 +52,11 @@ class FloatLinear:
         return w.numel() * w.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.dtype:
+            return self._apply(x)
+        return self._apply(x.to(self.dtype)).to(x.dtype)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
             return out

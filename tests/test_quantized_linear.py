@@ -63,6 +63,22 @@ def test_against_float(kind: LinearKind, shape: tuple[int, int, int]) -> None:
         assert yb.dtype == torch.bfloat16 and rel(yb, ref) <= VS_FLOAT[kind] + 0.01
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bfloat16_float_linear_answers_in_the_callers_dtype(bias: bool) -> None:
+    """The Linear contract for the float kind too: a bfloat16 weight (packed for oneDNN where the
+    CPU does bf16) takes float32 rows, as the autotuner sends them, and answers in float32."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(40, 96, generator=g) * 0.05
+    b = torch.randn(40, generator=g).to(torch.bfloat16) if bias else None
+    lin = make_linear(LinearKind.FLOAT, weight.to(torch.bfloat16), b)
+    x = torch.randn(5, 96, generator=g)
+    ref = x @ weight.t() + (b.float() if b is not None else 0)
+    y = lin(x)
+    assert y.dtype == torch.float32 and rel(y, ref) <= BF16_ACTIVATIONS
+    yb = lin(x.to(torch.bfloat16))
+    assert yb.dtype == torch.bfloat16 and rel(yb, ref) <= BF16_ACTIVATIONS
+
+
 def test_int8_weight_against_its_own_weights() -> None:
     weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
     x = torch.randn(9, 96, generator=torch.Generator().manual_seed(2))
