@@ -308,17 +308,18 @@ def main(argv: Sequence[str]) -> None:
         "--dyngen-dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="auto: bfloat16 where the CPU has native bf16, else float32",
+        help="auto: the engine's choice (bfloat16 for --quant none on a CPU with native bf16, else float32)",
     )
     parser.add_argument("--dyngen-quant", choices=["auto", "none", "int8", "int4"], default="auto")
     parser.add_argument("--idle-busy", type=float, default=0.15, help="idle: at most this busy fraction")
     parser.add_argument("--idle-timeout", type=float, default=120.0, help="seconds to wait for idle")
     args = parser.parse_args(argv)
-    dyngen_dtype = args.dyngen_dtype
-    if dyngen_dtype == "auto":
-        from kernels.cpu_features import cpu_features
+    # The engine's own rule (bfloat16 only for float linears on a CPU with native bf16).
+    from engine.model.loader import WeightDtype
+    from engine.model.quantization import QuantMode
+    from kernels.cpu_features import cpu_features
 
-        dyngen_dtype = "bfloat16" if cpu_features().native_bf16 else "float32"
+    dyngen_dtype = WeightDtype(args.dyngen_dtype).resolve(QuantMode(args.dyngen_quant), cpu_features()).value
     options = Options(
         cache_dir=args.cache_dir.expanduser().resolve(),
         workloads=args.workloads,
