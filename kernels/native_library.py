@@ -33,7 +33,7 @@ from kernels.linear_autotune import default_cache_dir
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BLOCK = 32
-SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+avx_vnni", 3: "avx2+avx512_vnni"}
+SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+avx_vnni", 3: "avx2+avx512_vnni", 4: "avx512_vnni"}
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64

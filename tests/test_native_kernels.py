@@ -1,7 +1,9 @@
 """The native CPU kernels (kernels/csrc/cpu_kernels.c) against torch references.
 
-Every test runs on two builds: `-march=native` (AVX2 intrinsics, VNNI where present) and
-`-march=x86-64` (the portable scalar code), so both paths are checked on any x86 host.
+Every test runs on the builds this host can run: `-march=native` (512-bit VNNI block matmuls
+where the CPU has AVX-512 VNNI, else AVX2 intrinsics), `-march=x86-64-v3` (the AVX2 code, on
+hosts with AVX2) and `-march=x86-64` (the portable scalar code), so every path this CPU can
+execute is checked.
 
 Tolerances: integer block dot products are exact, so a matmul must equal the float32
 product of the dequantized weights and the dequantized activations up to float32
@@ -35,6 +37,7 @@ from kernels.block_linear import (
     pack_q8x8,
     quantize_q8_blocks,
 )
+from kernels.cpu_features import cpu_features
 from kernels.int4_groups import Int4Groups
 from kernels.native_library import (
     NativeBuildError,
@@ -47,8 +50,10 @@ from kernels.native_library import (
 from tests.tiny_llama import save_tiny_llama
 
 
-@pytest.fixture(scope="module", params=["native", "x86-64"])
+@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64"])
 def lib(request: pytest.FixtureRequest) -> NativeLibrary:
+    if request.param == "x86-64-v3" and not {"avx2", "fma", "f16c"} <= cpu_features().flags:
+        pytest.skip("this CPU cannot run AVX2 code")
     try:
         return build_library(str(request.param))
     except NativeBuildError as e:
@@ -79,7 +84,7 @@ def test_activation_quantization_matches_the_reference(lib: NativeLibrary) -> No
 
 
 @pytest.mark.parametrize("layout", ["rows", "x8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 64, 131])
 def test_q4_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int, layout: str) -> None:
     torch.manual_seed(rows)
     n, k = 72, 160
@@ -98,7 +103,7 @@ def test_q4_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int,
 
 
 @pytest.mark.parametrize("layout", ["rows", "x8"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
 def test_q8_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int, layout: str) -> None:
     torch.manual_seed(rows)
     n, k = 40, 96
@@ -113,6 +118,39 @@ def test_q8_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int,
     w = (q.view(n, -1, 32).float() * d[..., None]).view(n, k)
     _close(y, _dequant_rows(qx) @ w.T)
     assert float((w - weight).abs().max()) <= float(d.max()) / 2 + 1e-6
+
+
+@pytest.mark.parametrize("n", [48, 40])  # an even and an odd number of 8-row groups
+@pytest.mark.parametrize("rows", [1, 6, 8, 67])
+def test_every_build_gives_the_same_block_products(n: int, rows: int) -> None:
+    """The 512-bit and 256-bit builds agree bit for bit (exact integer block sums, then the same
+    float steps in the same order); the scalar build, which sums its floats in another order,
+    within float32 summation error."""
+    builds: dict[str, NativeLibrary] = {}
+    for march in ("native", "x86-64-v3", "x86-64"):
+        if march == "x86-64-v3" and not {"avx2", "fma", "f16c"} <= cpu_features().flags:
+            continue
+        try:
+            builds[march] = build_library(march)
+        except NativeBuildError as e:
+            pytest.skip(f"no native build: {e}")
+    torch.manual_seed(n + rows)
+    k = 128
+    groups = Int4Groups.quantize(torch.randn(n, k))
+    q, d = quantize_q8_blocks(torch.randn(n, k))
+    x = torch.randn(rows, k)
+    out = {}
+    for march, lib in builds.items():
+        qx = lib.quantize_rows(x)
+        out[march] = (
+            lib.matmul_q4x8(pack_q4x8(groups, lib), n, k, qx),
+            lib.matmul_q8x8(pack_q8x8(q, d, lib), n, k, qx),
+        )
+    simd = [out[m] for m in ("native", "x86-64-v3") if m in out]
+    for a, b in zip(simd[0], simd[-1], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(simd[0], out["x86-64"], strict=True):
+        _close(a, b)
 
 
 def _unpack_q4(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

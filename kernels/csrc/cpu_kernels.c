@@ -25,6 +25,11 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define DG_AVX2 1
 #endif
+/* 512-bit integer dot products (vpdpbusd on zmm): the 8-row block layouts are read two groups
+ * (16 output rows) per register. */
+#if defined(DG_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define DG_AVX512 1
+#endif
 
 /* A float16 value (its bits) as float32. */
 static inline float dg_half(uint16_t h) {
@@ -65,7 +70,9 @@ int dg_block_q4_size(void) { return (int)sizeof(block_q4); }
 int dg_block_q8_size(void) { return (int)sizeof(block_q8); }
 
 int dg_simd(void) {
-#if defined(DG_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(DG_AVX512)
+    return 4; /* 512-bit VNNI block matmuls, AVX2 code for the rest */
+#elif defined(DG_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return 3; /* AVX2 code with 256-bit VNNI dot products */
 #elif defined(DG_AVX2) && defined(__AVXVNNI__)
     return 2;
@@ -328,6 +335,15 @@ typedef struct {
 
 int dg_block_q4x8_size(void) { return (int)sizeof(block_q4x8); }
 
+/* block_q8x8: one block of 32 inputs for 8 consecutive output rows: their d, then 8 chunks of
+ * 32 bytes; chunk c holds, for row i, bytes 4i..4i+3 = inputs 4c..4c+3 (kernels further down). */
+typedef struct {
+    uint16_t d[8]; /* float16 */
+    int8_t qs[256];
+} block_q8x8;
+
+int dg_block_q8x8_size(void) { return (int)sizeof(block_q8x8); }
+
 #if defined(DG_AVX2)
 static inline __m256i dg_bcast4(const int8_t *p) {
     int32_t v;
@@ -395,9 +411,182 @@ DG_Q4X8_TILE(2)
 DG_Q4X8_TILE(3)
 DG_Q4X8_TILE(4)
 
+#if defined(DG_AVX512)
+/* ---- 512-bit VNNI over the 8-row layouts: two groups per register --------------------------------
+ * A chunk of group g fills the low 256 bits and the same chunk of group g + 1 the high, so each
+ * lane is one of 16 consecutive output rows and a tile's results are stored as they are. Tiles
+ * of up to 8 activation rows use each weight register 8 times; products sum exactly in 32-bit
+ * lanes (vpdpbusd), then the same float steps as the 256-bit tiles, so both give equal results.
+ * Work is split over (band of 64 activation rows, group pair): a long prefill keeps one band's
+ * activations in cache while the weights stream. An odd last group reads itself twice and
+ * stores its own 8 lanes only. */
+#define DG_BAND 64
+
+static inline __m512i dg_pair256(const void *a, const void *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+static inline __m512 dg_pair_half(const uint16_t *a, const uint16_t *b) {
+    const __m128i lo = _mm_loadu_si128((const __m128i *)a), hi = _mm_loadu_si128((const __m128i *)b);
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+static inline __m512i dg_bcast4_512(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+#define DG_Q4X16_TILE(R)                                                                               \
+    static inline void dg_q4x16_tile_##R(const block_q4x8 *wa, const block_q4x8 *wb, int64_t nb,       \
+                                         int64_t k, const int8_t *qx, const float *sx, const float *ssum, \
+                                         float *y, int64_t n, __mmask16 keep) {                        \
+        const __m512i low = _mm512_set1_epi8(0x0F);                                                    \
+        __m512 acc[R];                                                                                 \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                             \
+            const block_q4x8 *ba = wa + b, *bb = wb + b;                                               \
+            __m512i s32[R];                                                                            \
+            for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();                               \
+            for (int c = 0; c < 4; c++) {                                                              \
+                const __m512i raw = dg_pair256(ba->qs + 32 * c, bb->qs + 32 * c);                      \
+                const __m512i lo = _mm512_and_si512(raw, low);                                         \
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);                   \
+                for (int r = 0; r < R; r++) {                                                          \
+                    const int8_t *xb = qx + r * k + b * QK + 4 * c;                                    \
+                    s32[r] = _mm512_dpbusd_epi32(s32[r], lo, dg_bcast4_512(xb));                       \
+                    s32[r] = _mm512_dpbusd_epi32(s32[r], hi, dg_bcast4_512(xb + 16));                  \
+                }                                                                                      \
+            }                                                                                          \
+            const __m512 d = dg_pair_half(ba->d, bb->d), mo = dg_pair_half(ba->m, bb->m);              \
+            for (int r = 0; r < R; r++) {                                                              \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]),                                   \
+                                         _mm512_mul_ps(d, _mm512_set1_ps(sx[r * nb + b])), acc[r]);    \
+                acc[r] = _mm512_fmadd_ps(mo, _mm512_set1_ps(ssum[r * nb + b]), acc[r]);                \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * n, keep, acc[r]);                    \
+    }
+
+/* s8 weights: vpdpbusd multiplies u8 by s8, so the activations come as q + 128 (u8) and
+ * 128 * sum(w) per lane and block, summed by the same instruction against ones, is taken off. */
+#define DG_Q8X16_TILE(R)                                                                               \
+    static inline void dg_q8x16_tile_##R(const block_q8x8 *wa, const block_q8x8 *wb, int64_t nb,       \
+                                         int64_t k, const uint8_t *ux, const float *sx, float *y,      \
+                                         int64_t n, __mmask16 keep) {                                  \
+        const __m512i ones = _mm512_set1_epi8(1);                                                      \
+        __m512 acc[R];                                                                                 \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                             \
+            const block_q8x8 *ba = wa + b, *bb = wb + b;                                               \
+            __m512i s32[R], wsum = _mm512_setzero_si512();                                             \
+            for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();                               \
+            for (int c = 0; c < 8; c++) {                                                              \
+                const __m512i wq = dg_pair256(ba->qs + 32 * c, bb->qs + 32 * c);                       \
+                wsum = _mm512_dpbusd_epi32(wsum, ones, wq);                                            \
+                for (int r = 0; r < R; r++)                                                            \
+                    s32[r] = _mm512_dpbusd_epi32(s32[r], dg_bcast4_512(ux + r * k + b * QK + 4 * c), wq); \
+            }                                                                                          \
+            const __m512i corr = _mm512_slli_epi32(wsum, 7);                                           \
+            const __m512 d = dg_pair_half(ba->d, bb->d);                                               \
+            for (int r = 0; r < R; r++)                                                                \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s32[r], corr)),           \
+                                         _mm512_mul_ps(d, _mm512_set1_ps(sx[r * nb + b])), acc[r]);    \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * n, keep, acc[r]);                    \
+    }
+
+DG_Q4X16_TILE(1)
+DG_Q4X16_TILE(2)
+DG_Q4X16_TILE(3)
+DG_Q4X16_TILE(4)
+DG_Q4X16_TILE(5)
+DG_Q4X16_TILE(6)
+DG_Q4X16_TILE(7)
+DG_Q4X16_TILE(8)
+DG_Q8X16_TILE(1)
+DG_Q8X16_TILE(2)
+DG_Q8X16_TILE(3)
+DG_Q8X16_TILE(4)
+DG_Q8X16_TILE(5)
+DG_Q8X16_TILE(6)
+DG_Q8X16_TILE(7)
+DG_Q8X16_TILE(8)
+
+/* Rows r0..end of one band against one group pair, in tiles of 8 and one of the rest. */
+#define DG_X16_BAND(tile, X, ...)                                                                      \
+    do {                                                                                               \
+        int64_t r = r0;                                                                                \
+        for (; r + 8 <= end; r += 8) tile##_8(wa, wb, nb, k, X(r), __VA_ARGS__);                       \
+        switch (end - r) {                                                                             \
+            case 7: tile##_7(wa, wb, nb, k, X(r), __VA_ARGS__); break;                                 \
+            case 6: tile##_6(wa, wb, nb, k, X(r), __VA_ARGS__); break;                                 \
+            case 5: tile##_5(wa, wb, nb, k, X(r), __VA_ARGS__); break;                                 \
+            case 4: tile##_4(wa, wb, nb, k, X(r), __VA_ARGS__); break;                                 \
+            case 3: tile##_3(wa, wb, nb, k, X(r), __VA_ARGS__); break;                                 \
+            case 2: tile##_2(wa, wb, nb, k, X(r), __VA_ARGS__); break;                                 \
+            case 1: tile##_1(wa, wb, nb, k, X(r), __VA_ARGS__); break;                                 \
+            default: break;                                                                            \
+        }                                                                                              \
+    } while (0)
+
+/* The (band, pair) task: wa/wb the pair's groups, keep its lanes, rows r0..end. */
+#define DG_X16_TASK(type, w)                                                                           \
+    const int64_t band = task / pairs, g = 2 * (task % pairs);                                         \
+    const type *wa = (w) + g * nb, *wb = g + 1 < groups ? wa + nb : wa;                                \
+    const __mmask16 keep = g + 1 < groups ? 0xFFFF : 0x00FF;                                           \
+    const int64_t r0 = band * DG_BAND, end = r0 + DG_BAND < m ? r0 + DG_BAND : m;                      \
+    float *yg = y + 8 * g
+
+static void dg_matmul_q4x16(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
+                            const float *ssum, int64_t m, float *y) {
+    const int64_t nb = k / QK, groups = n / 8, pairs = (groups + 1) / 2, bands = (m + DG_BAND - 1) / DG_BAND;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < bands * pairs; task++) {
+        DG_X16_TASK(block_q4x8, w);
+#define DG_Q4_X(r) qx + (r) * k, sx + (r) * nb, ssum + (r) * nb, yg + (r) * n
+        DG_X16_BAND(dg_q4x16_tile, DG_Q4_X, n, keep);
+#undef DG_Q4_X
+    }
+}
+
+static _Thread_local struct {
+    uint8_t *buf;
+    size_t cap;
+} dg_u8_tls;
+
+/* Returns 0 if the activations' u8 copy could not be allocated (the caller takes the 256-bit path). */
+static int dg_matmul_q8x16(const block_q8x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
+                           int64_t m, float *y) {
+    const size_t need = (size_t)m * (size_t)k;
+    if (need > dg_u8_tls.cap) {
+        uint8_t *buf = (uint8_t *)malloc(need);
+        if (!buf) return 0;
+        free(dg_u8_tls.buf);
+        dg_u8_tls.buf = buf, dg_u8_tls.cap = need;
+    }
+    uint8_t *ux = dg_u8_tls.buf;
+    for (size_t i = 0; i < need; i++) ux[i] = (uint8_t)qx[i] ^ 0x80; /* q + 128 */
+    const int64_t nb = k / QK, groups = n / 8, pairs = (groups + 1) / 2, bands = (m + DG_BAND - 1) / DG_BAND;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < bands * pairs; task++) {
+        DG_X16_TASK(block_q8x8, w);
+#define DG_Q8_X(r) ux + (r) * k, sx + (r) * nb, yg + (r) * n
+        DG_X16_BAND(dg_q8x16_tile, DG_Q8_X, n, keep);
+#undef DG_Q8_X
+    }
+    return 1;
+}
+#endif
+
 /* y [m, n] = x [m, k] . w^T with w in q4x8 blocks [n / 8, k / 32] (n a multiple of 8). */
 void dg_matmul_q4x8(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
                     const float *ssum, int64_t m, float *y) {
+#if defined(DG_AVX512)
+    dg_matmul_q4x16(w, n, k, qx, sx, ssum, m, y);
+    return;
+#endif
     const int64_t nb = k / QK, groups = n / 8;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
@@ -414,16 +603,8 @@ void dg_matmul_q4x8(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx,
     }
 }
 
-/* block_q8x8: one block of 32 inputs for 8 consecutive output rows: their d, then 8 chunks of
- * 32 bytes; chunk c holds, for row i, bytes 4i..4i+3 = inputs 4c..4c+3. As in q4x8, one
- * lane per output row. s8 x s8 goes through u8 x s8 with w's sign moved onto x (|w| x sign(w) x);
+/* q8x8 tiles (block_q8x8 above). As in q4x8, one lane per output row. s8 x s8 goes through u8 x s8 with w's sign moved onto x (|w| x sign(w) x);
  * a pair is at most 2 * 127 * 127, so each chunk's pairs are widened to 32 bits at once. */
-typedef struct {
-    uint16_t d[8]; /* float16 */
-    int8_t qs[256];
-} block_q8x8;
-
-int dg_block_q8x8_size(void) { return (int)sizeof(block_q8x8); }
 
 #if defined(DG_AVX2)
 #define DG_Q8X8_TILE(R)                                                                                \
@@ -480,6 +661,9 @@ DG_Q8X8_TILE(4)
 /* y [m, n] = x [m, k] . w^T with w in q8x8 blocks [n / 8, k / 32] (n a multiple of 8). */
 void dg_matmul_q8x8(const block_q8x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx, int64_t m,
                     float *y) {
+#if defined(DG_AVX512)
+    if (dg_matmul_q8x16(w, n, k, qx, sx, m, y)) return;
+#endif
     const int64_t nb = k / QK, groups = n / 8;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
