@@ -836,10 +836,42 @@ static inline float dg_scale_at(const void *scales, int64_t i, int half) {
     return half ? dg_half(((const uint16_t *)scales)[i]) : ((const float *)scales)[i];
 }
 
+/* Float vectors of the widest kind the build has, for the attention's dot products and sums. */
+#if defined(DG_AVX512)
+#define DG_VW 16
+typedef __m512 dg_vf;
+#define dg_vload _mm512_loadu_ps
+#define dg_vstore _mm512_storeu_ps
+#define dg_vset1 _mm512_set1_ps
+#define dg_vzero _mm512_setzero_ps
+#define dg_vfma _mm512_fmadd_ps
+#define dg_vadd _mm512_add_ps
+#define dg_vsum _mm512_reduce_add_ps
+#define dg_vload_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#elif defined(DG_AVX2)
+#define DG_VW 8
+typedef __m256 dg_vf;
+#define dg_vload _mm256_loadu_ps
+#define dg_vstore _mm256_storeu_ps
+#define dg_vset1 _mm256_set1_ps
+#define dg_vzero _mm256_setzero_ps
+#define dg_vfma _mm256_fmadd_ps
+#define dg_vadd _mm256_add_ps
+#define dg_vsum dg_hsum
+#define dg_vload_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
+
+static _Thread_local struct {
+    float *buf;
+    size_t cap;
+} dg_attn_tls;
+
 /* One query token per sequence. q [B, H, D] (row b at q + b * q_stride); the caches are
  * [pages, KVH, page_size, D], float32 or, with scales, int8 with one scale per (page, head,
  * slot), float32 or float16 (scale_half); page_tables [B, max_pages]; out [B, H * D]. Query heads h share
- * K/V head h / (H / KVH). Work is split over (sequence, K/V head). */
+ * K/V head h / (H / KVH). Work is split over (sequence, K/V head); each task walks its page table
+ * page by page, scores every query head of the group against one K row read, and sums V rows
+ * into each head's output held in registers (a head's D values at a time, up to 128). */
 void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const void *k_scale, const void *v_scale, int scale_half, const int64_t *page_tables,
                          int64_t max_pages, const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
@@ -851,36 +883,53 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         const int64_t b = task / KVH, kh = task % KVH;
         const int64_t len = seq_lens[b];
         const int64_t *table = page_tables + b * max_pages;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(len * per_kv + D));
-        float *vrow = scores + len * per_kv; /* one dequantized value row */
-        for (int64_t t = 0; t < len; t++) {
-            const int64_t slot = (table[t / page_size] * KVH + kh) * page_size + t % page_size;
-            for (int64_t g = 0; g < per_kv; g++) {
-                const float *qh = q + b * q_stride + (kh * per_kv + g) * D;
-                float dot = 0.0f;
-                int64_t i = 0;
-                if (quant) {
-                    const int8_t *kr = (const int8_t *)k_cache + slot * D;
-#if defined(DG_AVX2)
-                    __m256 acc = _mm256_setzero_ps();
-                    for (; i + 8 <= D; i += 8) {
-                        const __m256 kv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(kr + i))));
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), kv, acc);
+        const float *qg = q + b * q_stride + kh * per_kv * D; /* the group's query heads, D apart */
+        float *og = out + b * H * D + kh * per_kv * D;
+        const size_t need = (size_t)(len * per_kv + len * D);
+        if (need > dg_attn_tls.cap) {
+            float *buf = (float *)malloc(need * sizeof(float));
+            if (!buf) abort(); /* a few KiB per thread; nothing sensible to return into */
+            free(dg_attn_tls.buf);
+            dg_attn_tls.buf = buf, dg_attn_tls.cap = need;
+        }
+        float *scores = dg_attn_tls.buf; /* [per_kv, len] */
+        float *vrows = scores + len * per_kv; /* dequantized V rows of an int8 cache [len, D] */
+        /* Scores: one K row read serves every query head of the group. */
+        for (int64_t p = 0, t = 0; t < len; p++) {
+            const int64_t base = (table[p] * KVH + kh) * page_size;
+            const int64_t count = len - t < page_size ? len - t : page_size;
+            for (int64_t j = 0; j < count; j++, t++) {
+                const int64_t slot = base + j;
+                const float ks = quant ? dg_scale_at(k_scale, slot, scale_half) : 1.0f;
+                for (int64_t g = 0; g < per_kv; g++) {
+                    const float *qh = qg + g * D;
+                    float dot = 0.0f;
+                    int64_t i = 0;
+#if defined(DG_VW)
+                    dg_vf acc = dg_vzero();
+                    if (quant) {
+                        const int8_t *kr = (const int8_t *)k_cache + slot * D;
+                        for (; i + DG_VW <= D; i += DG_VW) acc = dg_vfma(dg_vload(qh + i), dg_vload_i8(kr + i), acc);
+                    } else {
+                        const float *kr = (const float *)k_cache + slot * D;
+                        for (; i + DG_VW <= D; i += DG_VW) acc = dg_vfma(dg_vload(qh + i), dg_vload(kr + i), acc);
                     }
-                    dot = dg_hsum(acc);
+                    dot = dg_vsum(acc);
 #endif
-                    for (; i < D; i++) dot += qh[i] * (float)kr[i];
-                    dot *= dg_scale_at(k_scale, slot, scale_half);
-                } else {
-                    const float *kr = (const float *)k_cache + slot * D;
-#if defined(DG_AVX2)
-                    __m256 acc = _mm256_setzero_ps();
-                    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(kr + i), acc);
-                    dot = dg_hsum(acc);
-#endif
-                    for (; i < D; i++) dot += qh[i] * kr[i];
+                    if (quant) {
+                        const int8_t *kr = (const int8_t *)k_cache + slot * D;
+                        for (; i < D; i++) dot += qh[i] * (float)kr[i];
+                    } else {
+                        const float *kr = (const float *)k_cache + slot * D;
+                        for (; i < D; i++) dot += qh[i] * kr[i];
+                    }
+                    scores[g * len + t] = dot * ks * scale;
                 }
-                scores[g * len + t] = dot * scale;
+                if (quant) { /* V's row dequantized once for all heads of the group */
+                    const int8_t *vq = (const int8_t *)v_cache + slot * D;
+                    const float vs = dg_scale_at(v_scale, slot, scale_half);
+                    for (int64_t i = 0; i < D; i++) vrows[t * D + i] = (float)vq[i] * vs;
+                }
             }
         }
         for (int64_t g = 0; g < per_kv; g++) {
@@ -906,34 +955,47 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
             const float inv = 1.0f / sum;
             for (t = 0; t < len; t++) sg[t] *= inv;
         }
+        /* Outputs: per head, up to 128 of its values summed in registers over every V row. */
         for (int64_t g = 0; g < per_kv; g++) {
-            float *o = out + b * H * D + (kh * per_kv + g) * D;
-            for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-        }
-        for (int64_t t = 0; t < len; t++) {
-            const int64_t slot = (table[t / page_size] * KVH + kh) * page_size + t % page_size;
-            const float *vr;
-            if (quant) {
-                const int8_t *vq = (const int8_t *)v_cache + slot * D;
-                const float vsc = dg_scale_at(v_scale, slot, scale_half);
-                for (int64_t i = 0; i < D; i++) vrow[i] = (float)vq[i] * vsc;
-                vr = vrow;
-            } else {
-                vr = (const float *)v_cache + slot * D;
+            const float *sg = scores + g * len;
+            float *o = og + g * D;
+            int64_t i0 = 0;
+#if defined(DG_VW)
+            enum { NV = 128 / DG_VW };
+            for (; i0 + DG_VW <= D; i0 += NV * DG_VW) {
+                const int64_t nv = (D - i0) / DG_VW < NV ? (D - i0) / DG_VW : NV;
+                dg_vf acc[NV];
+                for (int v = 0; v < NV; v++) acc[v] = dg_vzero();
+                for (int64_t p = 0, t = 0; t < len; p++) {
+                    const int64_t base = (table[p] * KVH + kh) * page_size;
+                    const int64_t count = len - t < page_size ? len - t : page_size;
+                    for (int64_t j = 0; j < count; j++, t++) {
+                        const float *vr = quant ? vrows + t * D : (const float *)v_cache + (base + j) * D;
+                        const dg_vf pv = dg_vset1(sg[t]);
+                        for (int v = 0; v < NV; v++)
+                            if (v < nv) acc[v] = dg_vfma(pv, dg_vload(vr + i0 + v * DG_VW), acc[v]);
+                    }
+                }
+                for (int v = 0; v < NV; v++)
+                    if (v < nv) dg_vstore(o + i0 + v * DG_VW, acc[v]);
+                if (nv < NV) {
+                    i0 += nv * DG_VW;
+                    break;
+                }
             }
-            for (int64_t g = 0; g < per_kv; g++) {
-                float *o = out + b * H * D + (kh * per_kv + g) * D;
-                const float p = scores[g * len + t];
-                int64_t i = 0;
-#if defined(DG_AVX2)
-                const __m256 vp = _mm256_set1_ps(p);
-                for (; i + 8 <= D; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(o + i)));
 #endif
-                for (; i < D; i++) o[i] += p * vr[i];
+            if (i0 < D) { /* the tail of D no vector covers */
+                for (int64_t i = i0; i < D; i++) o[i] = 0.0f;
+                for (int64_t p = 0, t = 0; t < len; p++) {
+                    const int64_t base = (table[p] * KVH + kh) * page_size;
+                    const int64_t count = len - t < page_size ? len - t : page_size;
+                    for (int64_t j = 0; j < count; j++, t++) {
+                        const float *vr = quant ? vrows + t * D : (const float *)v_cache + (base + j) * D;
+                        for (int64_t i = i0; i < D; i++) o[i] += sg[t] * vr[i];
+                    }
+                }
             }
         }
-        free(scores);
     }
 }
 
