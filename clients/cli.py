@@ -24,6 +24,7 @@ DEFAULT_CACHE_TOKENS = 16384
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from service.config import WEIGHT_DTYPES, add_serve_arguments
     from service.speculation_flags import add_speculation_arguments
 
     parser = argparse.ArgumentParser(prog="dyngen", description="Serve and run language models with dyngen.")
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--dtype",
-        choices=["auto", "float32", "bfloat16"],
+        choices=WEIGHT_DTYPES,
         default="auto",
         help="activations and float weights: auto = bfloat16 only on CPUs with native bfloat16 and float linears",
     )
@@ -66,8 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar while loading")
     add_speculation_arguments(gen)
     client_cli.add_connection_arguments(gen, None, "run through a dyngen server instead of in-process")
-    from service.config import add_serve_arguments
-
     serve = sub.add_parser("serve", help="serve the model over gRPC (health, reflection, metrics)")
     add_serve_arguments(serve)
     from service.cluster import add_cluster_arguments

@@ -24,13 +24,28 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.response_format import GrammarKind, ResponseFormat
+
+# GrammarKind and ResponseFormat live in engine/response_format.py (no llguidance, no torch);
+# they are exported from here too, beside the compiler that takes them.
+__all__ = [
+    "Constraint",
+    "GrammarCompiler",
+    "GrammarKind",
+    "MaskOverlap",
+    "MaskWorker",
+    "ResponseFormat",
+    "TokenizerJson",
+    "allowed_tokens",
+    "mask_words",
+    "token_bitmask",
+]
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -42,38 +57,7 @@ _JSON_LAYOUT: JsonCompileOptions = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
-MAX_GRAMMAR_CHARS = 64 * 1024  # a schema or grammar larger than this is refused at enqueue
 _CACHED_GRAMMARS = 256
-
-
-class GrammarKind(enum.Enum):
-    JSON_SCHEMA = "json_schema"  # a JSON Schema document (the output is one JSON value)
-    REGEX = "regex"  # the whole output matches the regular expression
-    LARK = "lark"  # a Lark grammar (llguidance's dialect: `start` is the root rule)
-
-
-@dataclass(frozen=True)
-class ResponseFormat:
-    """What a job's output must be. `source` is the schema (JSON text), regex or grammar."""
-
-    kind: GrammarKind
-    source: str
-
-    def validate(self) -> None:
-        if not self.source:
-            raise InvalidRequestError(f"response_format: the {self.kind.value} must not be empty")
-        if len(self.source) > MAX_GRAMMAR_CHARS:
-            raise InvalidRequestError(
-                f"response_format: the {self.kind.value} has {len(self.source)} characters, "
-                f"more than {MAX_GRAMMAR_CHARS}"
-            )
-
-    @staticmethod
-    def json_schema(schema: object) -> ResponseFormat:
-        """From a parsed schema (dict) or its JSON text."""
-        return ResponseFormat(
-            GrammarKind.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema)
-        )
 
 
 class TokenizerJson(Protocol):

@@ -8,21 +8,33 @@ from __future__ import annotations
 
 import enum
 import math
-import secrets
 from dataclasses import dataclass, field
-from typing import NewType
 
-from engine.constraints import ResponseFormat
 from engine.errors import ErrorKind, InvalidRequestError
+from engine.ids import JobId, new_job_id
+from engine.response_format import ResponseFormat
 
-JobId = NewType("JobId", str)
+# JobId and new_job_id live in engine/ids.py (the front end needs them without the engine);
+# they are exported from here too, beside the events that carry them.
+__all__ = [
+    "MAX_CACHE_SALT_CHARS",
+    "JobError",
+    "JobEvent",
+    "JobFinished",
+    "JobId",
+    "JobSpec",
+    "JobStage",
+    "JobStarted",
+    "JobTimings",
+    "PrefillProgress",
+    "SamplingSettings",
+    "StopReason",
+    "TokenLogprob",
+    "TokensGenerated",
+    "new_job_id",
+]
 
 MAX_CACHE_SALT_CHARS = 256
-
-
-def new_job_id() -> JobId:
-    """128 random bits, hex: unguessable, so one caller cannot name another's job."""
-    return JobId(secrets.token_hex(16))
 
 
 class StopReason(enum.Enum):

@@ -18,7 +18,6 @@ it is full of accepted tokens, so a rejected tail is simply overwritten later.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,29 +31,21 @@ from engine.jobs import JobId
 from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.runner import ModelRunner
+from engine.speculation_config import DrafterKind, SpeculationConfig
 
-
-class DrafterKind(enum.Enum):
-    NONE = "none"
-    NGRAM = "ngram"
-    DRAFT_MODEL = "draft_model"
-
-
-@dataclass(frozen=True)
-class SpeculationConfig:
-    kind: DrafterKind = DrafterKind.NONE
-    num_draft_tokens: int = 4
-    max_ngram: int = 4
-    # With more running jobs than this, the batch already fills the machine: no speculation.
-    max_batch_size: int = 4
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_draft_tokens <= 32:
-            raise InvalidRequestError(f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
-        if not 1 <= self.max_ngram <= 16:
-            raise InvalidRequestError(f"max_ngram must be in [1, 16], got {self.max_ngram}")
-        if self.max_batch_size < 1:
-            raise InvalidRequestError(f"speculation max_batch_size must be >= 1, got {self.max_batch_size}")
+# DrafterKind and SpeculationConfig live in engine/speculation_config.py (no torch); they are
+# exported from here too, beside the drafters they configure.
+__all__ = [
+    "Draft",
+    "DraftModelDrafter",
+    "DraftRequest",
+    "Drafter",
+    "DrafterKind",
+    "NgramDrafter",
+    "SpeculationConfig",
+    "accept_greedy",
+    "accept_sampled",
+]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# --dtype and --draft-dtype: engine.model.loader.WeightDtype's values, named here so that parsing
+# flags imports no model code (and no torch); tests/test_frontend_imports.py checks they agree.
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class ServiceConfig:
@@ -117,7 +121,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("host", str, d.host, "address to listen on")
     opt("port", int, d.port, "gRPC port (0 = any free port)")
     opt("model", str, d.model, ".gguf file or Hugging Face folder (default: the shipped model)")
-    opt("dtype", _choice("auto", "float32", "bfloat16"), d.dtype, "auto (by the CPU), float32 or bfloat16")
+    opt("dtype", _choice(*WEIGHT_DTYPES), d.dtype, "auto (by the CPU), float32 or bfloat16")
     opt(
         "quant",
         _choice("none", "int8", "int4", "auto"),

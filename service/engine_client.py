@@ -34,7 +34,7 @@ from pathlib import Path
 import structlog
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.jobs import new_job_id
+from engine.ids import new_job_id
 from service.config import ServiceConfig
 from service.engine_process import run as engine_main
 from service.event_buffer import EngineDownError, EventBuffer

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.response_format import MAX_GRAMMAR_CHARS
 
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -25,7 +26,7 @@ class Limits:
     max_role_chars: int = 64
     max_identifier_chars: int = 256
     max_cache_salt_chars: int = 256
-    max_response_format_chars: int = 64 * 1024  # a schema, regex or grammar
+    max_response_format_chars: int = MAX_GRAMMAR_CHARS  # a schema, regex or grammar (the engine's bound)
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256

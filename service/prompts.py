@@ -3,22 +3,69 @@
 So a 1 MiB prompt costs front-end CPU on a worker thread, not a stall of every other job's
 decoding. The tokenizer is the engine's own, loaded from the folder the engine saved it to,
 so the ids are exactly the ones the engine would have made.
+
+The front end never imports torch (tests/test_frontend_imports.py): transformers' AutoTokenizer
+does (its model configuration code), so the saved folder is loaded by the tokenizer class it
+names instead (SavedTokenizer), which imports tokenizer code only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.errors import DyngenError
+from engine.errors import DyngenError, ModelFormatError
 from engine.model.tokenizer import ChatMessage, HFTokenizer
 from service.limits import RequestError
 
 # Tokenizing is CPU work; a small pool keeps many large prompts from starving the event loop's
 # own thread, and bounds how many run at once.
 TOKENIZER_THREADS = 2
+
+
+def saved_tokenizer_class(folder: Path) -> Any | None:
+    """The transformers tokenizer class that `HFTokenizer.save` wrote `folder` from (the
+    tokenizer_config.json's tokenizer_class), or None if the folder names none transformers has."""
+    try:
+        name = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))["tokenizer_class"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(name, str):
+        return None
+    import transformers  # a lazy package: this imports the named class's module only
+
+    found = getattr(transformers, name, None)
+    if isinstance(found, type) and issubclass(found, transformers.PreTrainedTokenizerBase):
+        return found
+    return None
+
+
+class SavedTokenizer(HFTokenizer):
+    """The engine's tokenizer, loaded from the folder it saved (`HFTokenizer.save`) by its own class.
+
+    Encoding and chat rendering are HFTokenizer's; only the loading differs: the class the
+    engine's AutoTokenizer chose, named in the folder, loads it directly, not AutoTokenizer again.
+    """
+
+    def __init__(self, folder: Path, tokenizer_class: Any) -> None:  # no super().__init__: no AutoTokenizer
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        try:
+            self._tok = tokenizer_class.from_pretrained(str(folder), local_files_only=True)
+        except Exception as exc:  # transformers raises many kinds; all mean "no usable tokenizer"
+            raise ModelFormatError(f"cannot load the tokenizer of {folder}: {exc}") from exc
+        eos = self._tok.eos_token_id
+        self._eos = frozenset() if eos is None else frozenset({int(eos)})
+
+    @staticmethod
+    def load(folder: Path) -> HFTokenizer:
+        """A SavedTokenizer; HFTokenizer (AutoTokenizer, and so torch) for a folder naming no class."""
+        tokenizer_class = saved_tokenizer_class(folder)
+        return HFTokenizer(folder) if tokenizer_class is None else SavedTokenizer(folder, tokenizer_class)
 
 
 class PromptTokenizer:
@@ -28,7 +75,7 @@ class PromptTokenizer:
 
     @staticmethod
     def load(folder: Path) -> PromptTokenizer:
-        return PromptTokenizer(HFTokenizer(folder))
+        return PromptTokenizer(SavedTokenizer.load(folder))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
-from engine.model.llama import LlamaModel
-from engine.model.loader import WeightDtype, default_model_path, load_model
-from engine.speculative import DrafterKind, SpeculationConfig
+from engine.speculation_config import DrafterKind, SpeculationConfig
+from service.config import WEIGHT_DTYPES
+
+# The model code (and torch) is imported only where a model is loaded: `dyngen serve` builds its
+# command line, flags included, in the front-end process, which never imports torch.
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaModel
+    from engine.model.loader import WeightDtype
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,8 @@ class SpeculationOptions:
     def load_draft(self, target: Path | None, progress: bool) -> LlamaModel | None:
         if self.config.kind is not DrafterKind.DRAFT_MODEL:
             return None
+        from engine.model.loader import default_model_path, load_model
+
         path = self.draft_model or target or default_model_path()
         return load_model(path, self.draft_dtype, progress=progress, num_layers=self.draft_layers).model
 
@@ -36,7 +44,7 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--draft-model", type=Path, default=None, help="draft model file (default: the target's)")
     g.add_argument("--draft-layers", type=int, default=None, help="keep only the draft's first N layers")
-    g.add_argument("--draft-dtype", choices=[d.value for d in WeightDtype], default="float32")
+    g.add_argument("--draft-dtype", choices=WEIGHT_DTYPES, default="float32")
 
 
 def speculation_options(
@@ -49,6 +57,8 @@ def speculation_options(
     draft_dtype: str,
 ) -> SpeculationOptions:
     """Validated options from flag values (shared by `dyngen generate` and `dyngen serve`)."""
+    from engine.model.loader import WeightDtype
+
     drafter = DrafterKind(kind)
     same_as_target = draft_model is None and not draft_layers
     if drafter is DrafterKind.DRAFT_MODEL and same_as_target and draft_dtype == WeightDtype.FLOAT32.value:

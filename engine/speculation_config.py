@@ -1,0 +1,35 @@
+"""Speculative decoding's settings (DrafterKind, SpeculationConfig): plain values, no torch.
+
+engine/speculative.py runs the drafters; these settings stay light so that building the
+command line (`dyngen serve` parses its flags in the front-end process) imports no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+
+class DrafterKind(enum.Enum):
+    NONE = "none"
+    NGRAM = "ngram"
+    DRAFT_MODEL = "draft_model"
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    kind: DrafterKind = DrafterKind.NONE
+    num_draft_tokens: int = 4
+    max_ngram: int = 4
+    # With more running jobs than this, the batch already fills the machine: no speculation.
+    max_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= 32:
+            raise InvalidRequestError(f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
+        if not 1 <= self.max_ngram <= 16:
+            raise InvalidRequestError(f"max_ngram must be in [1, 16], got {self.max_ngram}")
+        if self.max_batch_size < 1:
+            raise InvalidRequestError(f"speculation max_batch_size must be >= 1, got {self.max_batch_size}")
