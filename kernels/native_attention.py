@@ -3,7 +3,9 @@
 A step where every sequence brings one new token (steady decoding) is attended by one
 native call that walks each sequence's page table in place: no page gather, no padding
 mask, one softmax pass per (sequence, K/V head), in float32 over a float32 or int8 cache.
-Everything else (K/V writes, prefill chunks, speculative verification, other dtypes)
+Steps with query chunks (prefill, mixed steps, speculative verification) over a float32
+cache are attended in place too, flash-style, where the build has that kernel (512-bit
+builds). Everything else (K/V writes, int8 caches' chunks, other dtypes, other builds)
 is the torch path's, so the two never disagree on layout or on what is written.
 """
 
@@ -23,18 +25,27 @@ class _PreparedNativeAttention:
     ) -> None:
         self._lib = lib
         self._torch = TorchPagedAttention().prepare(batch, num_heads, num_kv_heads, dtype)
-        self._decode = dtype == torch.float32 and all(n == 1 for n in batch.query_lens)
-        if self._decode:
+        self._float = dtype == torch.float32
+        self._decode = self._float and all(n == 1 for n in batch.query_lens)
+        if self._float:
             self._tables = batch.page_tables.contiguous()
             self._lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
+            self._query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
 
     def write_kv(self, cache: KVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         self._torch.write_kv(cache, k, v)
 
     def attend(self, q: torch.Tensor, cache: KVLayer) -> torch.Tensor:
-        if not self._decode or (not cache.quantized and cache.k.dtype != torch.float32):
-            return self._torch.attend(q, cache)
         head_dim = int(q.shape[-1])
+        if not self._float or (not cache.quantized and cache.k.dtype != torch.float32):
+            return self._torch.attend(q, cache)
+        if not self._decode:
+            out = None
+            if not cache.quantized:  # query chunks over a float32 cache, in place
+                out = self._lib.paged_attention(
+                    q, cache.k, cache.v, self._tables, self._lens, self._query_lens, head_dim**-0.5
+                )
+            return out if out is not None else self._torch.attend(q, cache)
         return self._lib.decode_attention(
             q.contiguous(),
             cache.k,

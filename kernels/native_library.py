@@ -225,6 +225,8 @@ class NativeLibrary:
             _P,
         ]
         lib.dg_decode_attention.restype = None
+        lib.dg_paged_attention.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P]
+        lib.dg_paged_attention.restype = ctypes.c_int
         self._lib = lib
         self.block_q4_bytes = int(lib.dg_block_q4_size())
         self.block_q8_bytes = int(lib.dg_block_q8_size())
@@ -412,6 +414,52 @@ class NativeLibrary:
             _f32(out),
         )
         return out
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Causal attention of query chunks over a float32 paged cache: q [T, H, D] holds each
+        sequence's query_lens[b] new tokens in turn (the last ones of its seq_lens[b]) -> [T, H * D].
+        None where this build has no kernel for it (not a 512-bit build, or D not a multiple of 16)."""
+        tokens, heads, dim = q.shape
+        _, kv_heads, page_size, _ = k_cache.shape
+        if q.stride(2) != 1 or q.stride(1) != dim:
+            raise ValueError(f"paged_attention: q's heads must be contiguous rows, strides {q.stride()}")
+        for t in (page_tables, seq_lens, query_lens):
+            if t.dtype is not torch.int64:
+                raise ValueError("paged_attention: page tables and lengths must be int64")
+        if int(query_lens.sum()) != tokens:
+            raise ValueError(
+                f"paged_attention: query lengths add up to {int(query_lens.sum())}, q has {tokens}"
+            )
+        out = torch.empty((tokens, heads * dim), dtype=torch.float32)
+        rc = self._lib.dg_paged_attention(
+            int(q.data_ptr()),
+            q.stride(0),
+            _f32(k_cache),
+            _f32(v_cache),
+            _ptr(page_tables),
+            int(page_tables.shape[1]),
+            _ptr(seq_lens),
+            _ptr(query_lens),
+            int(seq_lens.shape[0]),
+            heads,
+            kv_heads,
+            dim,
+            page_size,
+            scale,
+            _f32(out),
+        )
+        if rc == -2:
+            raise MemoryError("no memory for the attention's scratch")
+        return out if rc == 0 else None
 
 
 _failure: list[str] = []

@@ -269,10 +269,20 @@ def test_silu_mul(lib: NativeLibrary) -> None:
 
 
 @pytest.mark.parametrize("quant", [None, torch.float32, torch.float16])
-def test_decode_attention_matches_the_torch_path(lib: NativeLibrary, quant: torch.dtype | None) -> None:
+@pytest.mark.parametrize(
+    ("page_size", "dim", "seq_lens"),
+    [
+        (4, 32, (5, 1, 12)),
+        (64, 64, (70, 1, 130)),  # 16-row score blocks, a part block at each sequence's end
+        (24, 48, (17, 40, 72)),  # pages that are not a multiple of 16 rows
+        (16, 40, (9, 33, 48)),  # a head size no 16-wide vector covers: the general path and its tail
+    ],
+)
+def test_decode_attention_matches_the_torch_path(
+    lib: NativeLibrary, quant: torch.dtype | None, page_size: int, dim: int, seq_lens: tuple[int, int, int]
+) -> None:
     torch.manual_seed(6)
-    pages, kvh, page_size, dim, heads = 9, 2, 4, 32, 6
-    seq_lens = (5, 1, 12)
+    pages, kvh, heads = 9, 2, 6
     k = torch.randn(pages, kvh, page_size, dim)
     v = torch.randn(pages, kvh, page_size, dim)
     k_scale = v_scale = None
@@ -296,6 +306,55 @@ def test_decode_attention_matches_the_torch_path(lib: NativeLibrary, quant: torc
         s = torch.einsum("hd,nhd->hn", q[i], keys[:, kv_of_head]) * dim**-0.5
         ref[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), vals[:, kv_of_head]).reshape(-1)
     got = lib.decode_attention(q, kq, vq, k_scale, v_scale, tables, torch.tensor(seq_lens), dim**-0.5)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("page_size", "dim", "chunks"),
+    [
+        (64, 64, ((0, 130), (40, 1), (100, 37))),  # (cached tokens, new tokens) per sequence
+        (24, 32, ((0, 5), (17, 70), (48, 1))),  # pages that end inside 16-key blocks
+        (16, 48, ((0, 1), (3, 33), (0, 64))),
+    ],
+)
+def test_chunked_attention_matches_plain_causal_attention(
+    lib: NativeLibrary, page_size: int, dim: int, chunks: tuple[tuple[int, int], ...]
+) -> None:
+    torch.manual_seed(page_size + dim)
+    kvh, heads, pages = 2, 6, 40
+    k = torch.randn(pages, kvh, page_size, dim)
+    v = torch.randn(pages, kvh, page_size, dim)
+    seq_lens = [c + n for c, n in chunks]
+    per_seq = max(-(-n // page_size) for n in seq_lens)
+    order = torch.randperm(pages)  # each sequence's pages scattered over the pool
+    tables = order[: len(chunks) * per_seq].view(len(chunks), per_seq).contiguous()
+    tokens = sum(n for _, n in chunks)
+    q = torch.randn(tokens, heads * dim + 16)[:, : heads * dim].view(tokens, heads, dim)  # rows with a stride
+    got = lib.paged_attention(
+        q,
+        k,
+        v,
+        tables,
+        torch.tensor(seq_lens),
+        torch.tensor([n for _, n in chunks]),
+        dim**-0.5,
+    )
+    if got is None:
+        pytest.skip(f"no chunked attention kernel in the {lib.simd} build")
+    ref = torch.empty(tokens, heads * dim)
+    kv_of_head = torch.arange(heads) // (heads // kvh)
+    row = 0
+    for i, (cached, new) in enumerate(chunks):
+        pos = torch.arange(cached + new)
+        pages_of = tables[i, pos // page_size]
+        keys = k[pages_of, :, pos % page_size][:, kv_of_head]  # [n, heads, dim]
+        vals = v[pages_of, :, pos % page_size][:, kv_of_head]
+        qi = q[row : row + new]
+        s = torch.einsum("qhd,nhd->hqn", qi, keys) * dim**-0.5
+        visible = pos[None, :] <= (cached + torch.arange(new))[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        ref[row : row + new] = torch.einsum("hqn,nhd->qhd", s.softmax(-1), vals).reshape(new, -1)
+        row += new
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -421,6 +421,7 @@ DG_Q4X8_TILE(4)
  * activations in cache while the weights stream. An odd last group reads itself twice and
  * stores its own 8 lanes only. */
 #define DG_BAND 64
+#define DG_SPLIT 4 /* tiles of up to this many rows sum each block in two chains */
 
 static inline __m512i dg_pair256(const void *a, const void *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
@@ -447,8 +448,8 @@ static inline __m512i dg_bcast4_512(const void *p) {
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                      \
         for (int64_t b = 0; b < nb; b++) {                                                             \
             const block_q4x8 *ba = wa + b, *bb = wb + b;                                               \
-            __m512i s32[R];                                                                            \
-            for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();                               \
+            __m512i s32[R], s32b[R]; /* few rows: two chains hide vpdpbusd's latency */               \
+            for (int r = 0; r < R; r++) s32[r] = s32b[r] = _mm512_setzero_si512();                    \
             for (int c = 0; c < 4; c++) {                                                              \
                 const __m512i raw = dg_pair256(ba->qs + 32 * c, bb->qs + 32 * c);                      \
                 const __m512i lo = _mm512_and_si512(raw, low);                                         \
@@ -456,9 +457,14 @@ static inline __m512i dg_bcast4_512(const void *p) {
                 for (int r = 0; r < R; r++) {                                                          \
                     const int8_t *xb = qx + r * k + b * QK + 4 * c;                                    \
                     s32[r] = _mm512_dpbusd_epi32(s32[r], lo, dg_bcast4_512(xb));                       \
-                    s32[r] = _mm512_dpbusd_epi32(s32[r], hi, dg_bcast4_512(xb + 16));                  \
+                    if (R <= DG_SPLIT)                                                                 \
+                        s32b[r] = _mm512_dpbusd_epi32(s32b[r], hi, dg_bcast4_512(xb + 16));            \
+                    else                                                                               \
+                        s32[r] = _mm512_dpbusd_epi32(s32[r], hi, dg_bcast4_512(xb + 16));              \
                 }                                                                                      \
             }                                                                                          \
+            if (R <= DG_SPLIT)                                                                         \
+                for (int r = 0; r < R; r++) s32[r] = _mm512_add_epi32(s32[r], s32b[r]);                \
             const __m512 d = dg_pair_half(ba->d, bb->d), mo = dg_pair_half(ba->m, bb->m);              \
             for (int r = 0; r < R; r++) {                                                              \
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]),                                   \
@@ -480,14 +486,21 @@ static inline __m512i dg_bcast4_512(const void *p) {
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                      \
         for (int64_t b = 0; b < nb; b++) {                                                             \
             const block_q8x8 *ba = wa + b, *bb = wb + b;                                               \
-            __m512i s32[R], wsum = _mm512_setzero_si512();                                             \
-            for (int r = 0; r < R; r++) s32[r] = _mm512_setzero_si512();                               \
+            __m512i s32[R], s32b[R], wsum = _mm512_setzero_si512();                                    \
+            for (int r = 0; r < R; r++) s32[r] = s32b[r] = _mm512_setzero_si512();                    \
             for (int c = 0; c < 8; c++) {                                                              \
                 const __m512i wq = dg_pair256(ba->qs + 32 * c, bb->qs + 32 * c);                       \
                 wsum = _mm512_dpbusd_epi32(wsum, ones, wq);                                            \
-                for (int r = 0; r < R; r++)                                                            \
-                    s32[r] = _mm512_dpbusd_epi32(s32[r], dg_bcast4_512(ux + r * k + b * QK + 4 * c), wq); \
+                for (int r = 0; r < R; r++) {                                                          \
+                    const __m512i xs = dg_bcast4_512(ux + r * k + b * QK + 4 * c);                     \
+                    if (R <= DG_SPLIT && (c & 1))                                                      \
+                        s32b[r] = _mm512_dpbusd_epi32(s32b[r], xs, wq);                                \
+                    else                                                                               \
+                        s32[r] = _mm512_dpbusd_epi32(s32[r], xs, wq);                                  \
+                }                                                                                      \
             }                                                                                          \
+            if (R <= DG_SPLIT)                                                                         \
+                for (int r = 0; r < R; r++) s32[r] = _mm512_add_epi32(s32[r], s32b[r]);                \
             const __m512i corr = _mm512_slli_epi32(wsum, 7);                                           \
             const __m512 d = dg_pair_half(ba->d, bb->d);                                               \
             for (int r = 0; r < R; r++)                                                                \
@@ -748,6 +761,7 @@ static inline __m256 dg_exp8(__m256 x) {
 /* x += delta (when delta is not NULL), then out = w * (x / rms(x)), per row of `dim`. */
 void dg_add_rms_norm(float *x, const float *delta, const float *w, float *out, int64_t rows, int64_t dim,
                      float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= 32768)
     for (int64_t r = 0; r < rows; r++) {
         float *xr = x + r * dim;
         float *o = out + r * dim;
@@ -786,6 +800,7 @@ void dg_add_rms_norm(float *x, const float *delta, const float *w, float *out, i
 void dg_rotary(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                const float *cos_table, const float *sin_signed, const int64_t *positions) {
     const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= 32768)
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos_table + positions[r] * head_dim;
         const float *s = sin_signed + positions[r] * head_dim;
@@ -866,6 +881,36 @@ static _Thread_local struct {
     size_t cap;
 } dg_attn_tls;
 
+#if defined(DG_AVX512)
+/* The lane sums of 16 vectors as one vector: out[i] = sum of v[i]'s lanes (pairs of vectors
+ * merged within 128-bit lanes, then across them: 45 operations for 16 sums). */
+static inline __m512 dg_sum16(const __m512 v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int j = 0; j < 4; j++)
+        b[j] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * j], a[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(a[2 * j], a[2 * j + 1], 0xEE));
+    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+/* Scores of one query head against `count` (<= 16) consecutive float K rows of a page, times
+ * `scale`, into out[0..count). D is a multiple of 16. */
+static inline void dg_scores16(const float *qh, const float *k, int64_t count, int64_t D, float scale, float *out) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) {
+        const __m512 qv = _mm512_loadu_ps(qh + i);
+        for (int t = 0; t < 16; t++)
+            if (t < count) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + t * D + i), acc[t]);
+    }
+    const __mmask16 keep = (__mmask16)((1u << count) - 1u);
+    _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(dg_sum16(acc), _mm512_set1_ps(scale)));
+}
+#endif
+
 /* One query token per sequence. q [B, H, D] (row b at q + b * q_stride); the caches are
  * [pages, KVH, page_size, D], float32 or, with scales, int8 with one scale per (page, head,
  * slot), float32 or float16 (scale_half); page_tables [B, max_pages]; out [B, H * D]. Query heads h share
@@ -898,6 +943,18 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         for (int64_t p = 0, t = 0; t < len; p++) {
             const int64_t base = (table[p] * KVH + kh) * page_size;
             const int64_t count = len - t < page_size ? len - t : page_size;
+#if defined(DG_AVX512)
+            if (!quant && D % 16 == 0) { /* 16 rows per head at a time, one transpose-sum */
+                for (int64_t j = 0; j < count; j += 16) {
+                    const int64_t n16 = count - j < 16 ? count - j : 16;
+                    for (int64_t g = 0; g < per_kv; g++)
+                        dg_scores16(qg + g * D, (const float *)k_cache + (base + j) * D, n16, D, scale,
+                                    scores + g * len + t + j);
+                }
+                t += count;
+                continue;
+            }
+#endif
             for (int64_t j = 0; j < count; j++, t++) {
                 const int64_t slot = base + j;
                 const float ks = quant ? dg_scale_at(k_scale, slot, scale_half) : 1.0f;
@@ -997,6 +1054,172 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
             }
         }
     }
+}
+
+/* ---- paged attention for query chunks (prefill, mixed steps) -----------------------------------
+ *
+ * Each sequence b brings query_lens[b] new tokens, the last ones of its seq_lens[b]; token i of
+ * them sits at position seq_lens[b] - query_lens[b] + i and sees the keys at positions up to its
+ * own. A task is (sequence, K/V head, block of up to DG_QB query tokens): its rows are every
+ * (token, query head of the group) pair, attended flash-style over the sequence's pages in
+ * place: per block of 16 keys, K is transposed once into [D][16] so each score row is D
+ * broadcast FMAs with no horizontal sums, then an online softmax and V rows summed into the
+ * rows' outputs. Float32 cache; 512-bit builds only (returns -1 elsewhere, or for a D that is
+ * not a multiple of 16 up to 256, and the caller takes the torch path). */
+#if defined(DG_AVX512)
+#define DG_QB 32
+
+/* exp(x) for 16 floats (the polynomial of dg_exp8; 2^n by scalef). */
+static inline __m512 dg_exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static _Thread_local struct {
+    float *buf;
+    size_t cap;
+} dg_flash_tls;
+
+/* Scores of up to 8 rows (queries qs, D apart, pre-scaled) against a transposed key block kt [D][16]. */
+#define DG_SCORE_TILE(R)                                                                               \
+    static inline void dg_score_tile_##R(const float *qs, const float *kt, int64_t D, float *sc) {     \
+        __m512 acc[R];                                                                                 \
+        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                      \
+        for (int64_t d = 0; d < D; d++) {                                                              \
+            const __m512 kv = _mm512_loadu_ps(kt + d * 16);                                            \
+            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * D + d]), kv, acc[r]); \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(sc + r * 16, acc[r]);                             \
+    }
+DG_SCORE_TILE(1)
+DG_SCORE_TILE(2)
+DG_SCORE_TILE(3)
+DG_SCORE_TILE(4)
+DG_SCORE_TILE(5)
+DG_SCORE_TILE(6)
+DG_SCORE_TILE(7)
+DG_SCORE_TILE(8)
+
+static void dg_flash_task(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                          const int64_t *table, int64_t ctx0, int64_t i0, int64_t ni, int64_t tok0, int64_t kh,
+                          int64_t H, int64_t KVH, int64_t D, int64_t page_size, float scale, float *out,
+                          float *buf) {
+    const int64_t per_kv = H / KVH, rows = ni * per_kv, nv = D / 16;
+    float *qs = buf, *o = qs + rows * D, *mx = o + rows * D, *sum = mx + rows, *sc = sum + rows, *kt = sc + rows * 16;
+    /* row r = (token i = r / per_kv, head g = r % per_kv); its position ctx0 + i0 + i */
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = q + (tok0 + i0 + r / per_kv) * q_stride + (kh * per_kv + r % per_kv) * D;
+        for (int64_t d = 0; d < D; d++) qs[r * D + d] = src[d] * scale;
+        for (int64_t d = 0; d < D; d++) o[r * D + d] = 0.0f;
+        mx[r] = -INFINITY, sum[r] = 0.0f;
+    }
+    const int64_t n_keys = ctx0 + i0 + ni; /* the last row sees them all */
+    for (int64_t kb = 0, count = 0; kb < n_keys; kb += count) {
+        /* 16 keys never cross a page when page_size is a multiple of 16; else blocks end at pages */
+        const int64_t page = kb / page_size, off = kb % page_size;
+        count = n_keys - kb < 16 ? n_keys - kb : 16;
+        if (page_size - off < count) count = page_size - off;
+        const int64_t slot = (table[page] * KVH + kh) * page_size + off;
+        const float *kr = k_cache + slot * D, *vr = v_cache + slot * D;
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t j = 0; j < 16; j++) kt[d * 16 + j] = j < count ? kr[j * D + d] : 0.0f;
+        /* rows whose position is below kb see none of this block: they come first (rows go by token) */
+        const int64_t first_tok = kb > ctx0 + i0 ? kb - ctx0 - i0 : 0;
+        int64_t r = first_tok * per_kv;
+        for (; r < rows; r += 8) {
+            const int64_t rt = rows - r < 8 ? rows - r : 8;
+            switch (rt) {
+                case 8: dg_score_tile_8(qs + r * D, kt, D, sc); break;
+                case 7: dg_score_tile_7(qs + r * D, kt, D, sc); break;
+                case 6: dg_score_tile_6(qs + r * D, kt, D, sc); break;
+                case 5: dg_score_tile_5(qs + r * D, kt, D, sc); break;
+                case 4: dg_score_tile_4(qs + r * D, kt, D, sc); break;
+                case 3: dg_score_tile_3(qs + r * D, kt, D, sc); break;
+                case 2: dg_score_tile_2(qs + r * D, kt, D, sc); break;
+                default: dg_score_tile_1(qs + r * D, kt, D, sc); break;
+            }
+            for (int64_t t = 0; t < rt; t++) {
+                const int64_t row = r + t, pos = ctx0 + i0 + row / per_kv;
+                const int64_t visible = pos - kb + 1 < count ? pos - kb + 1 : count;
+                if (visible <= 0) continue;
+                const __mmask16 keep = (__mmask16)((1u << visible) - 1u);
+                const __m512 s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sc + t * 16));
+                const float m_new = fmaxf(mx[row], _mm512_reduce_max_ps(s));
+                const float alpha = expf(mx[row] - m_new); /* 0 on the first block (mx = -inf) */
+                const __m512 pv = _mm512_maskz_mov_ps(keep, dg_exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+                mx[row] = m_new;
+                sum[row] = sum[row] * alpha + _mm512_reduce_add_ps(pv);
+                float p[16];
+                _mm512_storeu_ps(p, pv);
+                float *orow = o + row * D;
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int64_t c = 0; c < nv; c++) {
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), va);
+                    for (int64_t j = 0; j < visible; j++)
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vr + j * D + 16 * c), acc);
+                    _mm512_storeu_ps(orow + 16 * c, acc);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = out + (tok0 + i0 + r / per_kv) * H * D + (kh * per_kv + r % per_kv) * D;
+        const float inv = 1.0f / sum[r];
+        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+    }
+}
+#endif
+
+int dg_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                       const int64_t *page_tables, int64_t max_pages, const int64_t *seq_lens,
+                       const int64_t *query_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
+                       float scale, float *out) {
+#if defined(DG_AVX512)
+    if (D % 16 || D > 256 || H % KVH) return -1;
+    int64_t tasks = 0;
+    for (int64_t b = 0; b < B; b++) tasks += (query_lens[b] + DG_QB - 1) / DG_QB;
+    int64_t *task_b = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * tasks + 1));
+    if (!task_b) return -2;
+    int64_t *task_i = task_b + tasks, *task_tok = task_i + tasks;
+    for (int64_t b = 0, n = 0, tok = 0; b < B; tok += query_lens[b], b++)
+        for (int64_t i = 0; i < query_lens[b]; i += DG_QB, n++) task_b[n] = b, task_i[n] = i, task_tok[n] = tok;
+    const int64_t per_kv = H / KVH, rows = DG_QB * per_kv;
+    const size_t need = (size_t)(2 * rows * D + 2 * rows + rows * 16 + D * 16);
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks * KVH; t++) {
+        if (need > dg_flash_tls.cap) {
+            float *buf = (float *)malloc(need * sizeof(float));
+            if (!buf) {
+                failed = 1;
+                continue;
+            }
+            free(dg_flash_tls.buf);
+            dg_flash_tls.buf = buf, dg_flash_tls.cap = need;
+        }
+        const int64_t n = t / KVH, kh = t % KVH, b = task_b[n], i0 = task_i[n];
+        const int64_t ni = query_lens[b] - i0 < DG_QB ? query_lens[b] - i0 : DG_QB;
+        dg_flash_task(q, q_stride, k_cache, v_cache, page_tables + b * max_pages, seq_lens[b] - query_lens[b], i0,
+                      ni, task_tok[n], kh, H, KVH, D, page_size, scale, out, dg_flash_tls.buf);
+    }
+    free(task_b);
+    return failed ? -2 : 0;
+#else
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)page_tables, (void)max_pages, (void)seq_lens;
+    (void)query_lens, (void)B, (void)H, (void)KVH, (void)D, (void)page_size, (void)scale, (void)out;
+    return -1;
+#endif
 }
 
 /* ---- one whole decoder layer for a decode step -------------------------------------------------
