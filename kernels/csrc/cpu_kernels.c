@@ -419,7 +419,9 @@ DG_Q4X8_TILE(4)
  * lanes (vpdpbusd), then the same float steps as the 256-bit tiles, so both give equal results.
  * Work is split over (band of 64 activation rows, group pair): a long prefill keeps one band's
  * activations in cache while the weights stream. An odd last group reads itself twice and
- * stores its own 8 lanes only. */
+ * stores its own 8 lanes only. Calls of one or two rows stay on the 256-bit tiles: they are
+ * bound by streaming the weights, and one stream per task (one group) reads faster there than
+ * two (measured on Zen 5: 30 layers at one row 1.85 ms against 2.14 ms). */
 #define DG_BAND 64
 #define DG_SPLIT 4 /* tiles of up to this many rows sum each block in two chains */
 
@@ -597,8 +599,10 @@ static int dg_matmul_q8x16(const block_q8x8 *w, int64_t n, int64_t k, const int8
 void dg_matmul_q4x8(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
                     const float *ssum, int64_t m, float *y) {
 #if defined(DG_AVX512)
-    dg_matmul_q4x16(w, n, k, qx, sx, ssum, m, y);
-    return;
+    if (m > 2) {
+        dg_matmul_q4x16(w, n, k, qx, sx, ssum, m, y);
+        return;
+    }
 #endif
     const int64_t nb = k / QK, groups = n / 8;
 #pragma omp parallel for schedule(static)
@@ -675,7 +679,7 @@ DG_Q8X8_TILE(4)
 void dg_matmul_q8x8(const block_q8x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx, int64_t m,
                     float *y) {
 #if defined(DG_AVX512)
-    if (dg_matmul_q8x16(w, n, k, qx, sx, m, y)) return;
+    if (m > 2 && dg_matmul_q8x16(w, n, k, qx, sx, m, y)) return;
 #endif
     const int64_t nb = k / QK, groups = n / 8;
 #pragma omp parallel for schedule(static)
