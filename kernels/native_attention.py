@@ -31,6 +31,7 @@ class _PreparedNativeAttention:
             self._tables = batch.page_tables.contiguous()
             self._lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
             self._query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
+        self._chunks = not self._decode  # until the library says it has no kernel for them
 
     def write_kv(self, cache: KVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         self._torch.write_kv(cache, k, v)
@@ -41,10 +42,11 @@ class _PreparedNativeAttention:
             return self._torch.attend(q, cache)
         if not self._decode:
             out = None
-            if not cache.quantized:  # query chunks over a float32 cache, in place
+            if self._chunks and not cache.quantized:  # query chunks over a float32 cache, in place
                 out = self._lib.paged_attention(
                     q, cache.k, cache.v, self._tables, self._lens, self._query_lens, head_dim**-0.5
                 )
+                self._chunks = out is not None  # no kernel here: ask once per forward, not per layer
             return out if out is not None else self._torch.attend(q, cache)
         return self._lib.decode_attention(
             q.contiguous(),
