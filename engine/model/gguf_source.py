@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -16,7 +18,9 @@ import torch
 
 from engine.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from engine.model.config import ModelConfig, RopeScaling, RopeScalingKind
-from engine.model.gguf_blocks import RawTensor, int4_groups
+from engine.model.derived_files import DerivedFiles
+from engine.model.gguf_blocks import RawTensor, dequantize_q8_0, int4_groups
+from engine.model.weight_source import LazyTensors
 from kernels.int4_groups import Int4Groups
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -100,25 +104,110 @@ def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-class GGUFSource:
-    """A WeightSource over one .gguf file."""
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of the file: its GGUF name and type, its dims (ggml order, fastest first) and
+    its bytes as the gguf reader views them (float types as floats, block types as rows of bytes)."""
 
-    def __init__(self, path: Path) -> None:
+    name: str
+    tensor_type: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    """What the source needs from a GGUF header: the scalar metadata and the tensor table.
+    Parsing it takes seconds (the metadata holds the whole vocabulary); the index is kept
+    between starts (derived_files.py) and the tensors are mapped from the file by offset."""
+
+    metadata: dict[str, int | float | str | bool]
+    tensors: tuple[tuple[str, int, tuple[int, ...], int, str, tuple[int, ...]], ...]
+    # (name, ggml type, dims, byte offset in the file, numpy dtype, the reader's array shape)
+
+    @staticmethod
+    def from_reader(reader: gguf.GGUFReader) -> GGUFIndex:
+        metadata: dict[str, int | float | str | bool] = {}
+        for key, field in reader.fields.items():
+            if field.types and field.types[0] is not gguf.GGUFValueType.ARRAY:
+                value = field.contents()
+                if isinstance(value, int | float | str | bool):
+                    metadata[key] = value
+        tensors = tuple(
+            (
+                t.name,
+                int(t.tensor_type),
+                tuple(int(d) for d in t.shape),
+                int(t.data_offset),
+                t.data.dtype.str,
+                tuple(int(d) for d in t.data.shape),
+            )
+            for t in reader.tensors
+        )
+        return GGUFIndex(metadata, tensors)
+
+    def to_json(self) -> str:
+        return json.dumps({"metadata": self.metadata, "tensors": self.tensors})
+
+    @staticmethod
+    def from_json(text: str) -> GGUFIndex:
+        data = json.loads(text)
+        tensors = tuple(
+            (str(n), int(ty), tuple(int(d) for d in dims), int(off), str(dt), tuple(int(d) for d in shape))
+            for n, ty, dims, off, dt, shape in data["tensors"]
+        )
+        return GGUFIndex(dict(data["metadata"]), tensors)
+
+    def map_tensors(self, path: Path) -> list[StoredTensor]:
+        """The tensors viewed in place from a read-only map of the file (what the reader does)."""
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        out = []
+        for name, ty, dims, offset, dtype, shape in self.tensors:
+            item = np.dtype(dtype)
+            count = int(np.prod(shape)) * item.itemsize
+            if offset + count > mapped.size:
+                raise ModelFormatError(f"{path.name}: tensor {name} lies past the end of the file")
+            data = mapped[offset : offset + count].view(item).reshape(shape)
+            out.append(StoredTensor(name, gguf.GGMLQuantizationType(ty), dims, data))
+        return out
+
+
+class GGUFSource:
+    """A WeightSource over one .gguf file.
+
+    `derived`: where the header's index is kept between starts (read if it is there and
+    readable, written after a parse otherwise); None parses the header every time."""
+
+    def __init__(self, path: Path, derived: DerivedFiles | None = None) -> None:
         if not path.is_file():
             raise ModelNotFoundError(f"model file not found: {path}")
-        try:
-            self._reader = gguf.GGUFReader(str(path))
-        except Exception as exc:  # the reader raises bare ValueErrors/struct errors on junk
-            raise ModelFormatError(f"{path} is not a readable GGUF file: {exc}") from exc
         self._path = path
+        index = None if derived is None else self._cached_index(derived.gguf_index)
+        if index is None:
+            try:
+                reader = gguf.GGUFReader(str(path))
+                index = GGUFIndex.from_reader(reader)
+            except Exception as exc:  # the reader raises bare ValueErrors/struct errors on junk
+                raise ModelFormatError(f"{path} is not a readable GGUF file: {exc}") from exc
+            if derived is not None:
+                derived.publish_file(derived.gguf_index, index.to_json())
+        self._metadata = index.metadata
+        self._tensors = index.map_tensors(path)
         self._config = self._read_config()
-        self._by_name = {n: t for t in self._reader.tensors if (n := canonical_name(t.name)) is not None}
-        for t in self._reader.tensors:
+        self._by_name = {n: t for t in self._tensors if (n := canonical_name(t.name)) is not None}
+        for t in self._tensors:
             if canonical_name(t.name) is not None and t.tensor_type not in _FLOAT_TYPES | _BLOCK_TYPES:
                 raise UnsupportedModelError(
                     f"{path.name}: tensor {t.name} has quant type {t.tensor_type.name}, which dyngen cannot "
                     f"load; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
                 )
+
+    @staticmethod
+    def _cached_index(index_file: Path) -> GGUFIndex | None:
+        try:
+            return GGUFIndex.from_json(index_file.read_text())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # absent or damaged: parse the file again
 
     @property
     def path(self) -> Path:
@@ -129,8 +218,7 @@ class GGUFSource:
         return self._config
 
     def _field(self, key: str) -> object:
-        f = self._reader.fields.get(key)
-        return None if f is None else f.contents()
+        return self._metadata.get(key)
 
     def _required(self, key: str) -> object:
         value = self._field(key)
@@ -167,8 +255,8 @@ class GGUFSource:
             )
         hidden = self._int(f"{arch}.embedding_length")
         heads = self._int(f"{arch}.attention.head_count")
-        names = {t.name for t in self._reader.tensors}
-        embd = next((t for t in self._reader.tensors if t.name == "token_embd.weight"), None)
+        names = {t.name for t in self._tensors}
+        embd = next((t for t in self._tensors if t.name == "token_embd.weight"), None)
         if embd is None:
             raise ModelFormatError(f"{self._path.name}: no token_embd.weight tensor")
         vocab = self._int(f"{arch}.vocab_size", int(embd.shape[-1]))
@@ -200,7 +288,7 @@ class GGUFSource:
         )
 
     def tensor_count(self) -> int:
-        return sum(1 for t in self._reader.tensors if canonical_name(t.name) is not None)
+        return sum(1 for t in self._tensors if canonical_name(t.name) is not None)
 
     def _unpermute(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Hugging Face row order for Q and K (whole rows: blocks never straddle rows)."""
@@ -211,16 +299,26 @@ class GGUFSource:
         return tensor
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self._by_name.items():
-            if t.tensor_type in _FLOAT_TYPES:
-                # The reader maps the file read-only; copy so torch owns writable memory.
-                array = np.array(t.data, dtype=np.float32)
-            else:
-                array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            # ggml lists dims fastest first; torch wants them slowest first.
-            shape = tuple(int(d) for d in reversed(t.shape))
-            tensor = torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
-            yield name, self._unpermute(name, tensor)
+        for name in self._by_name:
+            yield name, self.tensor(name)
+
+    def tensor_map(self) -> Mapping[str, torch.Tensor]:
+        return LazyTensors(list(self._by_name), self.tensor)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor (by its Hugging Face name) as float32, dequantized from its blocks."""
+        t = self._by_name[name]
+        # ggml lists dims fastest first; torch wants them slowest first.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if t.tensor_type is gguf.GGMLQuantizationType.Q8_0:
+            return self._unpermute(name, dequantize_q8_0(torch.from_numpy(np.array(t.data)), shape))
+        if t.tensor_type in _FLOAT_TYPES:
+            # The file is mapped read-only; copy so torch owns writable memory.
+            array = np.array(t.data, dtype=np.float32)
+        else:
+            array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        tensor = torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
+        return self._unpermute(name, tensor)
 
     def raw_tensor(self, name: str) -> RawTensor | None:
         """The stored blocks of a quantized tensor (by its Hugging Face name); None for float ones."""

