@@ -55,7 +55,7 @@ class Linear(Protocol):
 
 def make_linear(
     kind: LinearKind,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     stored: Int4Groups | None = None,
     cpu: CpuFeatures | None = None,
@@ -63,9 +63,25 @@ def make_linear(
     """A linear of `kind` for `weight` [out, in].
 
     FLOAT keeps `weight` as given (its dtype is the compute dtype); the quantized kinds
-    quantize it from float32, except INT4 with `stored` groups (a file's 4-bit blocks),
-    which are used exactly as they are.
+    quantize it from float32, except the INT4 kinds with `stored` groups (a file's 4-bit
+    blocks), which are used exactly as they are and need no `weight` (None).
     """
+    if stored is not None and kind is LinearKind.INT4:
+        from kernels.int4_linear import Int4Linear
+
+        return Int4Linear(stored, bias, from_file=True)
+    if kind in (LinearKind.INT4_Q8, LinearKind.INT8_Q8):
+        from kernels.native_library import native_library, native_unavailable_reason
+
+        lib = native_library()
+        if lib is None:
+            raise RuntimeError(f"{kind.value} needs the native kernels: {native_unavailable_reason()}")
+        if stored is not None and kind is LinearKind.INT4_Q8:
+            from kernels.block_linear import Int4BlockLinear
+
+            return Int4BlockLinear(lib, stored, bias, from_file=True)
+    if weight is None:
+        raise ValueError(f"{kind.value} needs the float weight")
     match kind:
         case LinearKind.FLOAT:
             from kernels.float_linear import FloatLinear
@@ -83,20 +99,13 @@ def make_linear(
         case LinearKind.INT4:
             from kernels.int4_linear import Int4Linear
 
-            if stored is not None:
-                return Int4Linear(stored, bias, from_file=True)
             return Int4Linear(Int4Groups.quantize(weight), bias)
         case LinearKind.INT4_Q8 | LinearKind.INT8_Q8:
             from kernels.block_linear import Int4BlockLinear, Int8BlockLinear
-            from kernels.native_library import native_library, native_unavailable_reason
 
-            lib = native_library()
-            if lib is None:
-                raise RuntimeError(f"{kind.value} needs the native kernels: {native_unavailable_reason()}")
+            assert lib is not None  # checked above
             if kind is LinearKind.INT8_Q8:
                 return Int8BlockLinear(lib, weight, bias)
-            if stored is not None:
-                return Int4BlockLinear(lib, stored, bias, from_file=True)
             return Int4BlockLinear(lib, Int4Groups.quantize(weight), bias)
         case _:
             assert_never(kind)

@@ -249,10 +249,22 @@ class LinearTuner:
         self.busy_share = 0.0  # other processes' share of the CPU while this load measured
         self._meter: BusyMeter | None = None
 
-    def build(self, kinds: Sequence[LinearKind], make: Callable[[LinearKind], Linear]) -> Linear:
-        """A linear over the weight `make` builds in any kind; one kind alone is built plainly."""
+    def build(
+        self, kinds: Sequence[LinearKind], make: Callable[[LinearKind], Linear], shape: tuple[int, int]
+    ) -> Linear:
+        """A linear over the weight [out, in] = `shape` that `make` builds in any kind; one kind
+        alone is built plainly. On a cached choice only the chosen kinds are built (each kind
+        costs a quantization or a float copy); otherwise every candidate, to be measured."""
         if len(kinds) == 1:
             return make(kinds[0])
+        name = TuneCache.shape_name(shape[0], shape[1], kinds)
+        choice = self.cache.get(name)
+        if choice is not None and set(choice) == set(BUCKETS):
+            try:
+                chosen = {k: make(k) for k in dict.fromkeys(choice.values())}
+                return TunedLinear({b: chosen[choice[b]] for b in BUCKETS})
+            except ValueError:
+                pass  # a chosen kind cannot hold this weight after all: measure again
         candidates: dict[LinearKind, Linear] = {}
         for k in kinds:
             try:
@@ -263,14 +275,10 @@ class LinearTuner:
             return make(kinds[0])  # raises the first kind's error
         if len(candidates) == 1:
             return next(iter(candidates.values()))
-        first = next(iter(candidates.values()))
-        shape = TuneCache.shape_name(first.out_features, first.in_features, kinds)
-        choice = self.cache.get(shape)
-        if choice is None or any(k not in candidates for k in choice.values()) or set(choice) != set(BUCKETS):
-            self._meter = self._meter or BusyMeter()
-            choice = measure(candidates)
-            self.cache.put(shape, choice)
-            self.measured += 1
+        self._meter = self._meter or BusyMeter()
+        choice = measure(candidates)
+        self.cache.put(name, choice)
+        self.measured += 1
         return TunedLinear({b: candidates[choice[b]] for b in BUCKETS})
 
     @property

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -479,9 +480,17 @@ def build_library(march: str = "native") -> NativeLibrary:
         raise NativeBuildError(str(e)) from e
 
 
-@functools.cache
+_build_lock = threading.Lock()  # a load starts the build on a thread; a second caller waits for it
+
+
 def native_library() -> NativeLibrary | None:
     """The library for this machine's CPU, built on first use; None where it cannot be built."""
+    with _build_lock:
+        return _native_library()
+
+
+@functools.cache
+def _native_library() -> NativeLibrary | None:
     if os.environ.get("DYNGEN_NATIVE", "1") == "0":
         _failure.append("disabled by DYNGEN_NATIVE=0")
         return None

@@ -68,8 +68,8 @@ def test_cache_miss_measures_then_hit_reads(tmp_path: Path, monkeypatch: pytest.
 
     first = LinearTuner(TuneCache(_key(), tmp_path))
     assert not first.cache.hit
-    lin = first.build(KINDS, make)
-    first.build(KINDS, make)  # the same shape again: no second measurement
+    lin = first.build(KINDS, make, (48, 64))
+    first.build(KINDS, make, (48, 64))  # the same shape again: no second measurement
     assert first.measured == 1
     first.finish()
     saved = json.loads(first.cache.path.read_text())
@@ -81,10 +81,19 @@ def test_cache_miss_measures_then_hit_reads(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(autotune, "measure", no_timing)
     second = LinearTuner(TuneCache(_key(), tmp_path))
     assert second.cache.hit
-    again = second.build(KINDS, make)
+    built: list[LinearKind] = []
+
+    def make_counted(kind: LinearKind) -> Linear:
+        built.append(kind)
+        return make(kind)
+
+    again = second.build(KINDS, make_counted, (48, 64))
     assert second.measured == 0 and again.describe() == lin.describe()
+    # A hit builds only the kinds it chose (each build quantizes or copies the weight).
+    chosen = set(json.loads(first.cache.path.read_text())["choices"]["48x64 float,int8_dynamic"].values())
+    assert sorted(k.value for k in built) == sorted(chosen)
     # One kind alone is built plainly, without tuning.
-    assert second.build((LinearKind.FLOAT,), make).kind is LinearKind.FLOAT
+    assert second.build((LinearKind.FLOAT,), make, (48, 64)).kind is LinearKind.FLOAT
 
 
 def test_key_covers_cpu_torch_and_model(tmp_path: Path) -> None:
@@ -113,7 +122,7 @@ def test_measurements_on_a_busy_machine_are_not_cached(
     monkeypatch.setattr(autotune, "BusyMeter", Busy)
     weight = torch.randn(48, 64)
     tuner = LinearTuner(TuneCache(_key(), tmp_path))
-    tuner.build(KINDS, lambda kind: make_linear(kind, weight))
+    tuner.build(KINDS, lambda kind: make_linear(kind, weight), (48, 64))
     tuner.finish()
     assert tuner.measured == 1 and not tuner.kept
     assert not tuner.cache.path.exists()

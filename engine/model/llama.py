@@ -9,8 +9,9 @@ prepared attention of the kernels dispatch.
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from engine.kv_cache import KVCacheKind, PagedKVCache
 from engine.model.config import ModelConfig
 from engine.model.quantization import LinearPlan, LinearRole, describe_linears
 from engine.model.rope import RotaryEmbedding
-from engine.model.weight_source import WeightSource
+from engine.model.weight_source import LazyTensors, WeightSource
 from kernels.attention import AttentionBackend, AttentionKind, resolve_attention, select_attention
 from kernels.block_linear import BlockLinear
 from kernels.cpu_features import cpu_features
@@ -101,16 +102,27 @@ class LlamaModel:
             kinds = self.plan.candidates(role)
             # Quantized kinds quantize from the float32 values, not from a bfloat16 copy.
             as_dtype = dtype if kinds == (LinearKind.FLOAT,) else torch.float32
-            weights = [get(n, shape, as_dtype) for n, shape in parts]
-            weight = weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
             groups = [stored.get(n) for n, _ in parts]
             exact = Int4Groups.cat([g for g in groups if g is not None]) if all(groups) else None
+            shape = (sum(s[0] for _, s in parts), parts[0][1][1])
+
+            @functools.cache
+            def weight() -> torch.Tensor:
+                # Read (and dequantized) only for a kind that needs the float values.
+                weights = [get(n, s, as_dtype) for n, s in parts]
+                return weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
 
             def make(kind: LinearKind) -> Linear:
-                w = weight.to(dtype) if kind is LinearKind.FLOAT else weight
+                if exact is not None and kind in (LinearKind.INT4, LinearKind.INT4_Q8):
+                    if exact.shape != shape:
+                        raise ModelFormatError(
+                            f"{where}: {parts[0][0]} has shape {exact.shape}, expected {shape}"
+                        )
+                    return make_linear(kind, None, bias, stored=exact)
+                w = weight().to(dtype) if kind is LinearKind.FLOAT else weight()
                 return make_linear(kind, w, bias, stored=exact)
 
-            lin = self.tuner.build(kinds, make) if self.tuner is not None else make(kinds[0])
+            lin = self.tuner.build(kinds, make, shape) if self.tuner is not None else make(kinds[0])
             built.append((role, lin))
             return lin
 
@@ -208,10 +220,7 @@ class LlamaModel:
             if not 1 <= num_layers <= config.num_layers:
                 raise InvalidRequestError(f"num_layers must be in [1, {config.num_layers}], got {num_layers}")
             config = replace(config, num_layers=num_layers)
-        tensors: dict[str, torch.Tensor] = {}
-        items: Iterable[tuple[str, torch.Tensor]] = source.tensors()
         bar = tqdm(
-            items,
             total=source.tensor_count(),
             desc=f"loading {source.path.name}",
             unit="tensor",
@@ -219,15 +228,21 @@ class LlamaModel:
             file=sys.stderr,
             leave=False,
         )
-        for name, tensor in bar:
-            tensors[name] = tensor
+        lazy = source.tensor_map()
+        # The last two kept: a tied head asks for the embedding table right after the lookups did.
+        tensors = LazyTensors(
+            list(lazy), functools.lru_cache(maxsize=2)(lazy.__getitem__), lambda _: bar.update()
+        )
         stored: dict[str, Int4Groups] = {}
         if plan is not None and (plan.uses(LinearKind.INT4) or plan.uses(LinearKind.INT4_Q8)):
-            for name, tensor in tensors.items():
-                groups = source.stored_int4(name) if tensor.dim() == 2 else None
+            for name in tensors:
+                groups = source.stored_int4(name)
                 if groups is not None:
                     stored[name] = groups
-        return LlamaModel(config, tensors, dtype, device, attention, plan, stored, tune_dir)
+        try:
+            return LlamaModel(config, tensors, dtype, device, attention, plan, stored, tune_dir)
+        finally:
+            bar.close()
 
     def describe(self) -> str:
         """What runs, for logs and GetModelInfo: activations dtype and each projection's linear kind."""

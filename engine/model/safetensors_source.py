@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -116,6 +116,9 @@ class SafetensorsSource:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                     yield name, f.get_tensor(name).to(torch.float32)
+
+    def tensor_map(self) -> Mapping[str, torch.Tensor]:
+        return dict(self.tensors())  # float weights, all used
 
     def stored_int4(self, name: str) -> Int4Groups | None:
         return None  # safetensors folders hold float weights

@@ -7,7 +7,7 @@ whatever the file stored, so the model is built the same way from any source.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +15,39 @@ import torch
 
 from engine.model.config import ModelConfig
 from kernels.int4_groups import Int4Groups
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Tensors by name, loaded by `load` at each lookup (nothing is kept: the caller keeps what it
+    uses); `loaded` is told each name as it is loaded (a progress bar)."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        load: Callable[[str], torch.Tensor],
+        loaded: Callable[[str], None] | None = None,
+    ) -> None:
+        self._names = tuple(names)
+        self._known = frozenset(names)
+        self._load = load
+        self._loaded = loaded
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        tensor = self._load(name)
+        if self._loaded is not None:
+            self._loaded(name)
+        return tensor
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._known
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class WeightSource(Protocol):
@@ -30,6 +63,11 @@ class WeightSource(Protocol):
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (canonical name, float32 tensor) pairs, dequantized where needed."""
+        ...
+
+    def tensor_map(self) -> Mapping[str, torch.Tensor]:
+        """The same tensors by name, each read (and dequantized) only when asked for: a model
+        that runs a weight's stored blocks never pays for its float copy."""
         ...
 
     def stored_int4(self, name: str) -> Int4Groups | None:
