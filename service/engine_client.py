@@ -49,7 +49,7 @@ from service.ipc import (
     Tag,
     unpack_frames,
 )
-from service.prompts import PromptTokenizer
+from service.prompts import PromptTokenizer, preload_tokenizer_code
 from service.restart_policy import RestartPolicy, RestartTracker
 
 log = structlog.get_logger("dyngen.engine_client")
@@ -148,6 +148,8 @@ class EngineClient:
 
     def start(self) -> None:
         self._generation += 1
+        if self._generation == 1:  # the engine loads for seconds; the front end's tokenizer code meanwhile
+            threading.Thread(target=preload_tokenizer_code, name="tokenizer-preload", daemon=True).start()
         ctx = mp.get_context("spawn")
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         evt_recv, evt_send = ctx.Pipe(duplex=False)

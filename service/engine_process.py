@@ -13,6 +13,7 @@ from engine.errors import DyngenError
 from engine.onednn_caches import bound_onednn_caches
 from service.config import ServiceConfig
 from service.ipc import HEARTBEAT_INTERVAL, Heartbeat, Message, Tag
+from service.prompts import preload_tokenizer_code
 
 
 class PipeSender:
@@ -57,6 +58,8 @@ def run(config_json: str, commands: Connection, events: Connection, runtime_dir:
     if config.torch_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(config.torch_threads)
     bound_onednn_caches()  # else the engine grows with every new matmul shape
+    # The tokenizer's code imports beside torch's (each ~0.7 s; much of torch's is native loading).
+    threading.Thread(target=preload_tokenizer_code, name="tokenizer-preload", daemon=True).start()
     import torch
 
     from service.engine_loop import EngineLoop
