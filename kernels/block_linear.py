@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels.int4_groups import GROUP_SIZE, Int4Groups
-from kernels.linear import LinearKind
+from kernels.linear_kind import LinearKind
 from kernels.native_library import BLOCK, BlockLayout, LinearDesc, NativeLibrary
 
 assert BLOCK == GROUP_SIZE

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from kernels.linear import LinearKind
+from kernels.linear_kind import LinearKind
 
 
 class Int8DynamicLinear:

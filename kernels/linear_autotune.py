@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from kernels.cache_dir import default_cache_dir
 from kernels.cpu_features import CpuFeatures
-from kernels.linear import Linear, LinearKind
+from kernels.linear_kind import Linear, LinearKind
 
 BUCKETS = (1, 8, 64)
 _CALLS = 5  # timed calls per (kind, bucket); the best one counts
@@ -36,11 +37,6 @@ def bucket(rows: int) -> int:
         if rows <= b:
             return b
     return BUCKETS[-1]
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(os.environ.get("DYNGEN_CACHE_DIR", str(Path(base) / "dyngen")))
 
 
 @dataclass(frozen=True)

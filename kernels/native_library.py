@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cache_dir import default_cache_dir
 from kernels.cpu_features import cpu_features
-from kernels.linear_autotune import default_cache_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")

@@ -36,8 +36,8 @@ from engine.model.quantization import QuantMode
 from engine.scheduler import SchedulerConfig
 from kernels.cpu_features import cpu_features
 from service.config import ServiceConfig
-from service.engine_process import PipeSender
 from service.ipc import Accepted, EngineStats, ErrorCode, Message, Ready, Rejection, Submit, Tag, pack_frames
+from service.pipe_sender import PipeSender
 from service.speculation_flags import speculation_options
 
 log = logging.getLogger("dyngen.engine")

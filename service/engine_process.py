@@ -6,39 +6,13 @@ import logging
 import os
 import sys
 import threading
-import time
 from multiprocessing.connection import Connection
 
 from engine.errors import DyngenError
 from engine.onednn_caches import bound_onednn_caches
 from service.config import ServiceConfig
-from service.ipc import HEARTBEAT_INTERVAL, Heartbeat, Message, Tag
+from service.pipe_sender import PipeSender
 from service.prompts import preload_tokenizer_code
-
-
-class PipeSender:
-    """The engine's one way out: the loop and the heartbeat thread share the pipe under a lock."""
-
-    def __init__(self, out: Connection) -> None:
-        self._out = out
-        self._lock = threading.Lock()
-        self.loop_pass: float | None = None  # monotonic time the engine loop last went round
-
-    def send(self, tag: Tag, request: int, payload: bytes) -> None:
-        data = Message(tag, request, payload).encode()
-        with self._lock:
-            self._out.send_bytes(data)
-
-    def heartbeats(self) -> None:
-        """Runs on its own thread: proves the process is scheduled, and says how old the loop's pass is."""
-        while True:
-            last = self.loop_pass
-            age = 0.0 if last is None else time.monotonic() - last
-            try:
-                self.send(Tag.HEARTBEAT, 0, Heartbeat(age).to_bytes())
-            except (OSError, EOFError):
-                return  # the front end is gone
-            time.sleep(HEARTBEAT_INTERVAL)
 
 
 def run(config_json: str, commands: Connection, events: Connection, runtime_dir: str) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernels.linear_autotune import default_cache_dir
+from kernels.cache_dir import default_cache_dir
 
 FORMAT = 1  # a change to what is stored here makes old folders unused
 KEEP = 16  # model folders kept; the least recently written go first (tests make many tiny models)
