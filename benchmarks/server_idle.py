@@ -63,7 +63,7 @@ def measure(spin_count: int, idle_seconds: float) -> Row:
     env.pop("GOMP_SPINCOUNT", None)
     process = subprocess.Popen(
         [
-            *(sys.executable, "-m", "clients.cli", "serve", "--port", str(port)),
+            *(sys.executable, "-m", "service.cli", "serve", "--port", str(port)),
             *("--omp-spin-count", str(spin_count), "--cache-tokens", "32768"),
         ],
         env=env,

@@ -131,7 +131,7 @@ def run_service(dtype: WeightDtype, requests: list[Request], concurrency: int) -
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     process = subprocess.Popen(
         [
-            *(sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--dtype", dtype.value),
+            *(sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--dtype", dtype.value),
             *("--cache-tokens", "32768", "--max-batch-size", "64"),
         ],
         env=env,

@@ -675,7 +675,7 @@ def run(
         port = free_port()
         target = f"127.0.0.1:{port}"
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        command = [sys.executable, "-m", "clients.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
         command += [
             "--max-batch-size",
             str(streams),

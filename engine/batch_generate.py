@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import defaults
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.forward_batch import SequenceInput
 from engine.ids import PageId
@@ -32,7 +33,7 @@ class GenerationSettings:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
-    max_chunk_tokens: int = 2048  # tokens per forward, prefill chunks and decode together
+    max_chunk_tokens: int = defaults.MAX_CHUNK_SIZE  # tokens per forward, prefill chunks and decode together
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine import defaults
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.ids import PageId
 from engine.job_state import JobState, PrefixCopy
@@ -46,9 +47,9 @@ from engine.pages import PagePool, common_prefix_len, extend_chain
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_size: int = 64  # running jobs at once
-    max_chunk_size: int = 2048  # tokens per forward: decode tokens plus prefill chunks
-    max_q_size: int = 1024  # jobs waiting for admission
+    max_batch_size: int = defaults.MAX_BATCH_SIZE
+    max_chunk_size: int = defaults.MAX_CHUNK_SIZE
+    max_q_size: int = defaults.MAX_QUEUE
     max_skips: int = 4
     prefix_cache: bool = True  # reuse full pages across jobs (off: every job computes its whole prompt)
 

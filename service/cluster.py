@@ -82,7 +82,7 @@ class Cluster:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self.processes[i] = subprocess.Popen(
             [
-                *(sys.executable, "-m", "clients.cli", "serve", "--host", b.host, "--port", str(b.port)),
+                *(sys.executable, "-m", "service.cli", "serve", "--host", b.host, "--port", str(b.port)),
                 *("--replica-id", b.name, "--drain-delay-seconds", str(self.config.leave_seconds)),
                 *self.serve_flags,
             ],

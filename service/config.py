@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from engine import defaults
+
 # --dtype and --draft-dtype: engine.model.loader.WeightDtype's values, named here so that parsing
 # flags imports no model code (and no torch); tests/test_frontend_imports.py checks they agree.
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
@@ -21,13 +23,13 @@ class ServiceConfig:
     model: str | None = None  # .gguf file or HF folder; None = the shipped model
     dtype: str = "auto"  # float32, bfloat16, or auto: by the CPU (engine/model/loader.py WeightDtype.resolve)
     quant: str = "auto"  # linear kinds: none, int8, int4 or auto (engine/model/quantization.py)
-    page_size: int = 64  # engine.generator.GeneratorConfig's default (see there why)
-    cache_tokens: int = 32768
+    page_size: int = defaults.PAGE_SIZE
+    cache_tokens: int = defaults.CACHE_TOKENS
     kv_cache: str = "float"  # float (the model's dtype) or int8 (a float16 scale per token and head)
-    max_batch_size: int = 64
-    max_queue: int = 1024
-    chunk_size: int = 2048
-    sampling_threads: int = 2
+    max_batch_size: int = defaults.MAX_BATCH_SIZE
+    max_queue: int = defaults.MAX_QUEUE
+    chunk_size: int = defaults.MAX_CHUNK_SIZE
+    sampling_threads: int = defaults.SAMPLING_THREADS
     torch_threads: int = 0  # 0 = one per core
     omp_wait_policy: str = "active"  # active (dedicated machine) or passive (CPU shared with others)
     # With active waiting: how long an OpenMP worker spins after a parallel region before it sleeps

@@ -18,7 +18,6 @@ from engine.errors import (
     PromptTooLongError,
     QueueFullError,
 )
-from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import (
     JobEvent,
     JobFinished,
@@ -30,12 +29,9 @@ from engine.jobs import (
     StopReason,
     TokensGenerated,
 )
-from engine.kv_cache import KVCacheKind
-from engine.model.loader import WeightDtype, load_model
-from engine.model.quantization import QuantMode
-from engine.scheduler import SchedulerConfig
 from kernels.cpu_features import cpu_features
 from service.config import ServiceConfig
+from service.engine_build import EngineSettings, build_engine
 from service.ipc import Accepted, EngineStats, ErrorCode, Message, Ready, Rejection, Submit, Tag, pack_frames
 from service.pipe_sender import PipeSender
 from service.speculation_flags import speculation_options
@@ -84,10 +80,6 @@ class EngineLoop:
     def __init__(self, config: ServiceConfig, out: PipeSender, runtime_dir: str) -> None:
         self.config = config
         self.out = out
-        loaded = load_model(
-            config.model_path, WeightDtype(config.dtype), progress=False, quant=QuantMode(config.quant)
-        )
-        self.loaded = loaded
         speculation = speculation_options(
             config.speculate,
             config.num_draft_tokens,
@@ -97,23 +89,20 @@ class EngineLoop:
             config.draft_layers,
             config.draft_dtype,
         )
-        self.generator = DynamicGenerator(
-            loaded.model,
-            loaded.tokenizer,
-            GeneratorConfig(
-                page_size=config.page_size,
-                num_pages=config.num_pages,
-                sampling_threads=config.sampling_threads,
-                scheduler=SchedulerConfig(
-                    max_batch_size=config.max_batch_size,
-                    max_chunk_size=config.chunk_size,
-                    max_q_size=config.max_queue,
-                ),
-                speculation=speculation.config,
-                kv_cache=KVCacheKind(config.kv_cache),
-            ),
-            draft_model=speculation.load_draft(config.model_path, progress=False),
+        settings = EngineSettings(
+            config.model_path,
+            config.dtype,
+            config.quant,
+            config.page_size,
+            config.cache_tokens,
+            config.kv_cache,
+            config.max_batch_size,
+            config.chunk_size,
+            config.max_queue,
+            config.sampling_threads,
         )
+        loaded, self.generator = build_engine(settings, speculation, progress=False)
+        self.loaded = loaded
         if config.warmup:
             self.generator.warmup()
         # The front end tokenizes (so a huge prompt never stalls decoding here): it loads the

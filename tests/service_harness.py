@@ -101,7 +101,7 @@ def launch_server(*flags: str) -> ServerProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     process = subprocess.Popen(
         [
-            *(sys.executable, "-m", "clients.cli", "serve", "--host", "127.0.0.1", "--port", str(port)),
+            *(sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)),
             *("--metrics-port", str(metrics_port), *flags),
         ],
         stdout=subprocess.DEVNULL,

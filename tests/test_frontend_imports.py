@@ -24,7 +24,7 @@ ENGINE_ONLY = ("torch", "llguidance")
 # (every subcommand's flags are built) and the server's modules.
 SERVE_IMPORTS = """
 import json, sys
-from clients.cli import build_parser
+from service.cli import build_parser
 build_parser().parse_args(["serve", "--port", "0"])
 import service.config, service.server, service.servicer, service.engine_client, service.prompts
 import service.limits, service.auth, service.metrics, service.ipc, service.event_buffer

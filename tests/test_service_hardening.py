@@ -400,7 +400,7 @@ def test_tokens_own_jobs_and_salt_the_prefix_cache(tiny_model: Path, tmp_path: P
         cli = [
             sys.executable,
             "-m",
-            "clients.cli",
+            "service.cli",
             "generate",
             "hi",
             "--server",

@@ -17,10 +17,8 @@ from pathlib import Path
 
 from dyngen_client import cli as client_cli
 from dyngen_client.cli import CliError, json_record, positive_int, prompt_texts
+from engine import defaults
 from engine.errors import DyngenError
-
-DEFAULT_PAGE_SIZE = 64  # engine.generator.GeneratorConfig's default (see there why)
-DEFAULT_CACHE_TOKENS = 16384
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
         "quality gate, timed at load per shape and cached (see engine/model/quantization.py)",
     )
     gen.add_argument(
-        "--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE, help="KV cache page size in tokens"
+        "--page-size", type=positive_int, default=defaults.PAGE_SIZE, help="KV cache page size in tokens"
     )
     gen.add_argument(
-        "--cache-tokens", type=positive_int, default=DEFAULT_CACHE_TOKENS, help="KV cache size in tokens"
+        "--cache-tokens", type=positive_int, default=defaults.CACHE_TOKENS, help="KV cache size in tokens"
     )
     gen.add_argument(
         "--kv-cache",
@@ -62,8 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache storage: float = the model's dtype; int8 = int8 K/V with a float16 scale per "
         "token and head (~3.9x less memory than float32, ~1.9x less than bfloat16)",
     )
-    gen.add_argument("--max-batch-size", type=positive_int, default=64, help="jobs running at once")
-    gen.add_argument("--chunk-size", type=positive_int, default=2048, help="tokens per forward")
+    gen.add_argument(
+        "--max-batch-size", type=positive_int, default=defaults.MAX_BATCH_SIZE, help="jobs running at once"
+    )
+    gen.add_argument(
+        "--chunk-size", type=positive_int, default=defaults.MAX_CHUNK_SIZE, help="tokens per forward"
+    )
     gen.add_argument("--quiet", action="store_true", help="no progress bar while loading")
     add_speculation_arguments(gen)
     client_cli.add_connection_arguments(gen, None, "run through a dyngen server instead of in-process")
@@ -81,12 +83,10 @@ def run_generate(args: argparse.Namespace) -> int:
         return client_cli.run_generate(args)
     texts = prompt_texts(args)
     # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
-    from engine.generator import DynamicGenerator, GeneratorConfig
     from engine.jobs import JobSpec, SamplingSettings
-    from engine.kv_cache import KVCacheKind
-    from engine.model.loader import WeightDtype, load_model
     from engine.model.tokenizer import ChatMessage
-    from engine.scheduler import SchedulerConfig
+    from service.engine_build import EngineSettings, build_engine
+    from service.speculation_flags import speculation_from_args
 
     sampling = SamplingSettings(
         temperature=args.temperature,
@@ -96,27 +96,20 @@ def run_generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
     )
-    from engine.model.quantization import QuantMode
-
-    loaded = load_model(
-        args.model, WeightDtype(args.dtype), progress=not args.quiet, quant=QuantMode(args.quant)
+    settings = EngineSettings(
+        args.model,
+        args.dtype,
+        args.quant,
+        args.page_size,
+        args.cache_tokens,
+        args.kv_cache,
+        args.max_batch_size,
+        args.chunk_size,
     )
+    loaded, generator = build_engine(settings, speculation_from_args(args), progress=not args.quiet)
     if not args.quiet:
         print(f"model: {loaded.model.describe()}", file=sys.stderr)
     tok = loaded.tokenizer
-    from service.speculation_flags import speculation_from_args
-
-    speculation = speculation_from_args(args)
-    config = GeneratorConfig(
-        page_size=args.page_size,
-        num_pages=max(1, args.cache_tokens // args.page_size),
-        scheduler=SchedulerConfig(max_batch_size=args.max_batch_size, max_chunk_size=args.chunk_size),
-        speculation=speculation.config,
-        kv_cache=KVCacheKind(args.kv_cache),
-    )
-    generator = DynamicGenerator(
-        loaded.model, tok, config, speculation.load_draft(args.model, progress=not args.quiet)
-    )
     if not args.quiet:
         print(f"kv cache: {generator.cache.describe()}", file=sys.stderr)
     specs = [

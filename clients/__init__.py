@@ -1,1 +1,0 @@
-"""Clients of dyngen: the `dyngen` command line, and (later) the Python gRPC client."""
