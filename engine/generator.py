@@ -326,8 +326,7 @@ class DynamicGenerator:
                     logits = out.logits[out.row : out.row + seq.logit_positions]
                     self._verify(job, out.chunk.draft, logits, events)
                     continue
-                job.computed = seq.end_pos
-                self._register_full_pages(job)
+                self._rewind_drafts(job, self.scheduler.advance(job, seq.end_pos))
                 if seq.want_logits:
                     sampled.append(out)
                 elif job.computed <= job.prompt_len:
@@ -369,17 +368,11 @@ class DynamicGenerator:
     def _stage(self, c: ScheduledChunk, now: float, events: list[JobEvent]) -> SequenceInput:
         """The model input of one chunk (and the job's start event, the first time it runs)."""
         job = c.job
-        if job.prefix_copy is not None:
-            copy, job.prefix_copy = job.prefix_copy, None
-            try:
-                self.cache.copy_prefix(copy.source, copy.target, copy.tokens)
-            finally:
-                self.pool.release([copy.source])
+        self.scheduler.begin_chunk(job, self.cache.copy_prefix)
         if not job.started:
             job.started = True
             job.scheduled_at = now
             events.append(JobStarted(job.job_id, job.spec.identifier, job.prompt_len, job.cached_tokens))
-        job.stage = JobStage.DECODE if job.computed >= job.prompt_len else JobStage.PREFILL
         if c.draft:
             tokens = [*job.tokens[job.computed :], *c.draft]
             return SequenceInput(tokens, job.computed, job.pages, True, len(tokens))
@@ -495,7 +488,8 @@ class DynamicGenerator:
         active = len(self.scheduler.running) <= spec.max_batch_size
         for job in self.scheduler.running:
             left = job.spec.max_new_tokens - job.new_tokens - 1  # the verify step adds one token of its own
-            job.draft_budget = min(spec.num_draft_tokens, left) if active and self._speculates(job) else 0
+            budget = min(spec.num_draft_tokens, left) if active and self._speculates(job) else 0
+            self.scheduler.set_draft_budget(job, budget)
 
     def _draft(self, chunks: list[ScheduledChunk], events: list[JobEvent]) -> list[ScheduledChunk]:
         """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to them."""
@@ -558,10 +552,8 @@ class DynamicGenerator:
             self._accept(job, token, None, events)
             if job.stage is JobStage.FINISHED:
                 return
-        # K/V are valid for the last token and the accepted drafts; a rejected tail is overwritten
-        # later, and no page holding it is registered before then.
-        job.computed = base + 1 + accepted
-        self._register_full_pages(job)
+        # K/V are valid for the last token and the accepted drafts only.
+        self._rewind_drafts(job, self.scheduler.advance(job, base + 1 + accepted))
 
     def _grammar_masks(
         self, job: JobState, draft: tuple[int, ...]
@@ -735,52 +727,19 @@ class DynamicGenerator:
         return result.token_id, result.logprob, row
 
     def _truncate_cache(self, job: JobState, keep: int) -> None:
-        """Make the job's K/V hold at most its first `keep` tokens and its pages writable past them.
-
-        Pages registered in the pool are read-only: one the job holds alone is unregistered, a
-        shared one is copied (the kept slots) into a fresh page. No page to copy into: the job is
-        preempted, and its re-admission recomputes what it keeps (mostly prefix hits).
-        """
-        ps = self.pool.page_size
-        job.computed = min(job.computed, keep)
-        first = keep // ps
-        for i in range(first, job.registered):
-            page = job.pages[i]
-            if self.pool.ref_count(page) == 1:
-                self.pool.unregister(page)
-                continue
-            fresh = self.pool.allocate(1)
-            if fresh is None:
-                self.scheduler.preempt(job)
-                self._on_preempt(job)
-                break
-            if i == first and keep % ps:
-                self.cache.copy_prefix(page, fresh[0], keep % ps)
-            self.pool.release([page])
-            job.pages[i] = fresh[0]
-        job.registered = min(job.registered, first)
-        del job.page_hashes[first:]
+        """Take the job's K/V back to its first `keep` tokens (the scheduler's truncate)."""
+        if not self.scheduler.truncate(job, keep, self.cache.copy_prefix):
+            self._on_preempt(job)
         self._forget_drafts(job)  # its drafter state saw the tokens taken back
 
-    def _register_full_pages(self, job: JobState) -> None:
-        """Make every newly filled page findable; switch to an identical page if one exists."""
-        ps = self.pool.page_size
-        if not self.scheduler.config.prefix_cache:
-            return
-        while (job.registered + 1) * ps <= job.computed:
-            i = job.registered
-            parent = job.pages[i - 1] if i > 0 else None
-            page = self.pool.register_full(
-                job.pages[i], parent, job.tokens[i * ps : (i + 1) * ps], job.spec.cache_salt
-            )
-            if page != job.pages[i] and self.drafter is not None:
-                self.drafter.rewind(job.job_id, i * ps)
-            job.pages[i] = page
-            job.registered += 1
+    def _rewind_drafts(self, job: JobState, positions: list[int]) -> None:
+        """A drafter keyed by pages forgets what it saw past a page the scheduler swapped."""
+        if self.drafter is not None:
+            for position in positions:
+                self.drafter.rewind(job.job_id, position)
 
     def _on_preempt(self, job: JobState) -> None:
-        job.stage = JobStage.QUEUED
-        self._forget_drafts(job)
+        self._forget_drafts(job)  # the scheduler has sent it back to the queue
 
     def _forget_drafts(self, job: JobState) -> None:
         if self.drafter is None:
@@ -833,10 +792,9 @@ class DynamicGenerator:
             rejected_draft_tokens=job.rejected_drafts,
             error=error,
         )
-        job.stage = JobStage.FINISHED
         self.jobs.pop(job.job_id, None)
         try:
-            self.scheduler.remove(job)
+            self.scheduler.remove(job)  # FINISHED from here on
         except Exception:
             # The scheduler has let go of the job; only its pages' release failed.
             logger.exception("job %s: releasing its pages failed", job.job_id[:8])

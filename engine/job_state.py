@@ -1,7 +1,10 @@
 """A job's mutable state inside the generator: tokens, page table, progress, per-job helpers.
 
-Owned by the generator thread alone. Per-job sampler state and text stream live here,
-never on shared settings objects, so nothing leaks from one job to another.
+Used on the generator thread alone. Each field has one writing module: progress and pages
+(`computed`, `pages`, `registered`, `stage`, `prefix_copy`, `draft_budget`, ...) the scheduler,
+which the generator tells what a forward did; tokens and output state the generator
+(tests/test_job_state_owners.py). Per-job sampler state and text stream live here, never on
+shared settings objects, so nothing leaks from one job to another.
 """
 
 from __future__ import annotations

@@ -88,12 +88,86 @@ class Scheduler:
         self.queue.append(job)
 
     def remove(self, job: JobState) -> None:
-        """Take a job out (finish or cancel) and give its pages back."""
+        """Take a job out (finish or cancel) and give its pages back; it is FINISHED from here on,
+        even if giving the pages back fails."""
+        job.stage = JobStage.FINISHED
         if job in self.running:
             self.running.remove(job)
         elif job in self.queue:
             self.queue.remove(job)
         self._release(job)
+
+    # -- the generator's reports: progress and pages are written here only ----------------------
+
+    def begin_chunk(self, job: JobState, copy_prefix: Callable[[PageId, PageId, int], None]) -> None:
+        """Before a scheduled chunk of `job` runs: the partial prefix hit found at admission is
+        copied (by `copy_prefix`, the cache's) and its source page let go; the stage follows progress."""
+        if job.prefix_copy is not None:
+            copy, job.prefix_copy = job.prefix_copy, None
+            try:
+                copy_prefix(copy.source, copy.target, copy.tokens)
+            finally:
+                self.pool.release([copy.source])
+        job.stage = JobStage.DECODE if job.computed >= job.prompt_len else JobStage.PREFILL
+
+    def set_draft_budget(self, job: JobState, tokens: int) -> None:
+        """Draft tokens `job` may verify with its next decode step (0: it does not speculate)."""
+        job.draft_budget = tokens
+
+    def advance(self, job: JobState, computed: int) -> list[int]:
+        """`job`'s K/V now hold its first `computed` tokens (a forward ran; after speculation,
+        the verified ones only: a rejected tail is overwritten later, and no page holding it is
+        registered before then). Newly filled pages are registered; returns the token positions
+        where a page was swapped for an identical registered one (a drafter keyed by pages rewinds)."""
+        job.computed = computed
+        return self._register_full_pages(job)
+
+    def _register_full_pages(self, job: JobState) -> list[int]:
+        """Make every newly filled page findable; switch to an identical page if one exists."""
+        ps = self.pool.page_size
+        swapped: list[int] = []
+        if not self.config.prefix_cache:
+            return swapped
+        while (job.registered + 1) * ps <= job.computed:
+            i = job.registered
+            parent = job.pages[i - 1] if i > 0 else None
+            page = self.pool.register_full(
+                job.pages[i], parent, job.tokens[i * ps : (i + 1) * ps], job.spec.cache_salt
+            )
+            if page != job.pages[i]:
+                swapped.append(i * ps)
+            job.pages[i] = page
+            job.registered += 1
+        return swapped
+
+    def truncate(self, job: JobState, keep: int, copy_prefix: Callable[[PageId, PageId, int], None]) -> bool:
+        """Make `job`'s K/V hold at most its first `keep` tokens and its pages writable past them.
+
+        Pages registered in the pool are read-only: one the job holds alone is unregistered, a
+        shared one is copied (the kept slots, by `copy_prefix`) into a fresh page. No page to copy
+        into: the job is preempted (False), and its re-admission recomputes what it keeps (mostly
+        prefix hits)."""
+        ps = self.pool.page_size
+        job.computed = min(job.computed, keep)
+        first = keep // ps
+        kept = True
+        for i in range(first, job.registered):
+            page = job.pages[i]
+            if self.pool.ref_count(page) == 1:
+                self.pool.unregister(page)
+                continue
+            fresh = self.pool.allocate(1)
+            if fresh is None:
+                self.preempt(job)
+                kept = False
+                break
+            if i == first and keep % ps:
+                copy_prefix(page, fresh[0], keep % ps)
+            self.pool.release([page])
+            job.pages[i] = fresh[0]
+        job.registered = min(job.registered, first)
+        del job.page_hashes[first:]
+        return kept
 
     def inflight_pages(self) -> int:
         """Prompt pages running jobs are computing that queued jobs may wait for."""
