@@ -12,3 +12,7 @@ MAX_BATCH_SIZE = 64  # running jobs at once
 MAX_CHUNK_SIZE = 2048  # tokens per forward: decode tokens plus prefill chunks
 MAX_QUEUE = 1024  # jobs waiting for admission
 SAMPLING_THREADS = 2
+# The KV cache's storage (kernels.kv_layer.KVCacheKind's values): float = the model's dtype;
+# float16 = half a float32 cache's bytes; int8 = int8 with a float16 scale per token and head.
+KV_CACHE_KINDS = ("float", "float16", "int8")
+KV_CACHE = "float"

@@ -7,7 +7,8 @@ attention can gather whole pages and multiply them in place, with no per-token c
 Which page belongs to which sequence is the page tables' business (the caller's);
 this module only owns the storage.
 
-Kinds (kernels.kv_layer.KVCacheKind): FLOAT keeps K/V in the model's dtype; INT8 keeps
+Kinds (kernels.kv_layer.KVCacheKind): FLOAT keeps K/V in the model's dtype; FLOAT16 in
+float16 (half a float32 cache's bytes, which decode attention reads every step); INT8 keeps
 them as int8 in the same layout plus a float16 scale per token and head
 ([layers, num_pages, kv_heads, page_size]), quantized as they are written and
 dequantized inside attention: ~3.8x the tokens of a float32 cache in the same memory.
@@ -49,6 +50,8 @@ class CacheShape:
         match kind:
             case KVCacheKind.FLOAT:
                 per_head = self.head_dim * _elem(dtype)
+            case KVCacheKind.FLOAT16:
+                per_head = self.head_dim * _elem(torch.float16)
             case KVCacheKind.INT8:
                 per_head = self.head_dim * _elem(torch.int8) + _elem(KV_SCALE_DTYPE)
             case _:
@@ -90,7 +93,7 @@ class PagedKVCache:
         self.dtype = dtype
         self.kind = kind
         dims = (shape.num_layers, shape.num_pages, shape.num_kv_heads, shape.page_size, shape.head_dim)
-        store = torch.int8 if kind is KVCacheKind.INT8 else dtype
+        store = {KVCacheKind.INT8: torch.int8, KVCacheKind.FLOAT16: torch.float16}.get(kind, dtype)
         self.k = _zeroed(dims, store, device)
         self.v = _zeroed(dims, store, device)
         self.k_scale: torch.Tensor | None = None
@@ -155,6 +158,8 @@ class PagedKVCache:
         match self.kind:
             case KVCacheKind.FLOAT:
                 what = f"float ({str(self.dtype).removeprefix('torch.')})"
+            case KVCacheKind.FLOAT16:
+                what = "float16"
             case KVCacheKind.INT8:
                 what = "int8 (float16 scale per token and head)"
             case _:

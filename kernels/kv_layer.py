@@ -1,7 +1,8 @@
 """One layer's view of the paged KV cache, as the attention backends read and write it.
 
 K and V are [num_pages, kv_heads, page_size, head_dim] (head-major pages, see
-engine.kv_cache). A float cache holds them in the model's dtype. An int8 cache holds
+engine.kv_cache). A float cache holds them in the model's dtype, a float16 one in float16
+(rounded to nearest as written; attention computes in the queries' dtype). An int8 cache holds
 them as int8 with one scale per token and head ([num_pages, kv_heads, page_size],
 float16), symmetric: x ~ q * scale with scale = absmax(x over head_dim) / 127 and
 q = round(x / scale) in [-127, 127], so |x - q * scale| <= scale / 2 per element.
@@ -19,6 +20,7 @@ import torch
 
 class KVCacheKind(enum.Enum):
     FLOAT = "float"  # K/V in the model's dtype
+    FLOAT16 = "float16"  # K/V in float16 whatever the model's dtype: half a float32 cache's bytes
     INT8 = "int8"  # K/V int8, a float16 scale per token and head
 
 

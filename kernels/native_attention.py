@@ -2,9 +2,9 @@
 
 A step where every sequence brings one new token (steady decoding) is attended by one
 native call that walks each sequence's page table in place: no page gather, no padding
-mask, one softmax pass per (sequence, K/V head), in float32 over a float32 or int8 cache.
-Steps with query chunks (prefill, mixed steps, speculative verification) over a float32
-cache are attended in place too, flash-style, where the build has that kernel (512-bit
+mask, one softmax pass per (sequence, K/V head), in float32 over a float32, float16 or int8
+cache. Steps with query chunks (prefill, mixed steps, speculative verification) over a float32
+or float16 cache are attended in place too, flash-style, where the build has that kernel (512-bit
 builds). Everything else (K/V writes, int8 caches' chunks, other dtypes, other builds)
 is the torch path's, so the two never disagree on layout or on what is written.
 """
@@ -38,11 +38,11 @@ class _PreparedNativeAttention:
 
     def attend(self, q: torch.Tensor, cache: KVLayer) -> torch.Tensor:
         head_dim = int(q.shape[-1])
-        if not self._float or (not cache.quantized and cache.k.dtype != torch.float32):
+        if not self._float or (not cache.quantized and cache.k.dtype not in (torch.float32, torch.float16)):
             return self._torch.attend(q, cache)
         if not self._decode:
             out = None
-            if self._chunks and not cache.quantized:  # query chunks over a float32 cache, in place
+            if self._chunks and not cache.quantized:  # query chunks over a float32/float16 cache, in place
                 out = self._lib.paged_attention(
                     q, cache.k, cache.v, self._tables, self._lens, self._query_lens, head_dim**-0.5
                 )

@@ -180,25 +180,10 @@ class NativeLibrary:
         lib.dg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
         lib.dg_linear.restype = ctypes.c_int
         desc = ctypes.POINTER(LinearDesc)
-        lib.dg_decode_layer.argtypes = [
-            _P,
-            _P,
-            desc,
-            desc,
-            desc,
-            desc,
-            _P,
-            _P,
-            _F,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-        ]
-        lib.dg_decode_layer.argtypes += [_I, _P, _I, _I, _I, _I, _I, _F]
+        # x, h, the four linears, ffn_norm, next_norm, eps, cos, sin, positions, k, v, kv_half,
+        # slots, page_tables, max_pages, seq_lens, B, H, KVH, D, page_size, attn_scale
+        lib.dg_decode_layer.argtypes = [_P, _P, desc, desc, desc, desc, _P, _P, _F, _P, _P, _P, _P, _P]
+        lib.dg_decode_layer.argtypes += [ctypes.c_int, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F]
         lib.dg_decode_layer.restype = ctypes.c_int
         lib.dg_add_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, _F]
         lib.dg_add_rms_norm.restype = None
@@ -214,6 +199,7 @@ class NativeLibrary:
             _P,
             _P,
             ctypes.c_int,
+            ctypes.c_int,
             _P,
             _I,
             _P,
@@ -226,7 +212,26 @@ class NativeLibrary:
             _P,
         ]
         lib.dg_decode_attention.restype = None
-        lib.dg_paged_attention.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P]
+        lib.dg_to_half_array.argtypes = [_P, _I, _P]
+        lib.dg_to_half_array.restype = None
+        lib.dg_paged_attention.argtypes = [
+            _P,
+            _I,
+            _P,
+            _P,
+            ctypes.c_int,
+            _P,
+            _I,
+            _P,
+            _P,
+            _I,
+            _I,
+            _I,
+            _I,
+            _I,
+            _F,
+            _P,
+        ]
         lib.dg_paged_attention.restype = ctypes.c_int
         self._lib = lib
         self.block_q4_bytes = int(lib.dg_block_q4_size())
@@ -281,6 +286,7 @@ class NativeLibrary:
             step.positions.data_ptr(),
             layer.k_cache.data_ptr(),
             layer.v_cache.data_ptr(),
+            int(layer.k_cache.dtype == torch.float16),
             step.slots.data_ptr(),
             step.page_tables.data_ptr(),
             step.page_tables.shape[1],
@@ -363,6 +369,12 @@ class NativeLibrary:
         self._lib.dg_silu_mul(_f32(gate_up), rows, width // 2, _f32(out))
         return out
 
+    def to_half(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 -> float16 as the decoder layer writes a float16 KV cache (nearest, ties to even)."""
+        out = torch.empty(x.shape, dtype=torch.float16)
+        self._lib.dg_to_half_array(_f32(x), x.numel(), int(out.data_ptr()))
+        return out
+
     def decode_attention(
         self,
         q: torch.Tensor,
@@ -375,8 +387,8 @@ class NativeLibrary:
         scale: float,
     ) -> torch.Tensor:
         """One query per sequence: q [B, H, D] float32 against a layer's paged cache
-        [pages, KVH, page_size, D] (float32, or int8 with [pages, KVH, page_size] float32/float16
-        scales) -> [B, H * D]."""
+        [pages, KVH, page_size, D] (float32 or float16, or int8 with [pages, KVH, page_size]
+        float32/float16 scales) -> [B, H * D]."""
         b, heads, dim = q.shape
         _, kv_heads, page_size, _ = k_cache.shape
         if q.stride(2) != 1 or q.stride(1) != dim:
@@ -384,9 +396,11 @@ class NativeLibrary:
         if page_tables.dtype is not torch.int64 or seq_lens.dtype is not torch.int64:
             raise ValueError("decode_attention: page tables and lengths must be int64")
         quant = k_scale is not None and v_scale is not None
-        want = torch.int8 if quant else torch.float32
-        if k_cache.dtype is not want or v_cache.dtype is not want:
-            raise ValueError(f"decode_attention: a {'quantized' if quant else 'float'} cache must be {want}")
+        want = (torch.int8,) if quant else (torch.float32, torch.float16)
+        if k_cache.dtype not in want or v_cache.dtype is not k_cache.dtype:
+            raise ValueError(
+                f"decode_attention: a {'quantized' if quant else 'float'} cache must be one of {want}"
+            )
         if (
             quant
             and k_scale is not None
@@ -403,6 +417,7 @@ class NativeLibrary:
             _ptr(k_scale) if quant and k_scale is not None else None,
             _ptr(v_scale) if quant and v_scale is not None else None,
             int(quant and k_scale is not None and k_scale.dtype == torch.float16),
+            int(k_cache.dtype == torch.float16),
             _ptr(page_tables),
             int(page_tables.shape[1]),
             _ptr(seq_lens),
@@ -426,7 +441,7 @@ class NativeLibrary:
         query_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor | None:
-        """Causal attention of query chunks over a float32 paged cache: q [T, H, D] holds each
+        """Causal attention of query chunks over a float32 or float16 paged cache: q [T, H, D] holds each
         sequence's query_lens[b] new tokens in turn (the last ones of its seq_lens[b]) -> [T, H * D].
         None where this build has no kernel for it (not a 512-bit build, or D not a multiple of 16)."""
         tokens, heads, dim = q.shape
@@ -440,12 +455,15 @@ class NativeLibrary:
             raise ValueError(
                 f"paged_attention: query lengths add up to {int(query_lens.sum())}, q has {tokens}"
             )
+        if k_cache.dtype not in (torch.float32, torch.float16) or v_cache.dtype is not k_cache.dtype:
+            raise ValueError(f"paged_attention: the cache must be float32 or float16, not {k_cache.dtype}")
         out = torch.empty((tokens, heads * dim), dtype=torch.float32)
         rc = self._lib.dg_paged_attention(
             int(q.data_ptr()),
             q.stride(0),
-            _f32(k_cache),
-            _f32(v_cache),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            int(k_cache.dtype == torch.float16),
             _ptr(page_tables),
             int(page_tables.shape[1]),
             _ptr(seq_lens),

@@ -144,9 +144,9 @@ class _PreparedTorchAttention:
     def write_kv(self, cache: KVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         head_dim = cache.k.shape[-1]
         rows = self._write_rows
-        if cache.k_scale is None or cache.v_scale is None:
-            cache.k.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim))
-            cache.v.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim))
+        if cache.k_scale is None or cache.v_scale is None:  # a float cache, in its own dtype
+            cache.k.view(-1, head_dim).index_copy_(0, rows, k.reshape(-1, head_dim).to(cache.k.dtype))
+            cache.v.view(-1, head_dim).index_copy_(0, rows, v.reshape(-1, head_dim).to(cache.v.dtype))
             return
         for x, store, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
             q, scale = quantize_kv(x.reshape(-1, head_dim))
@@ -181,6 +181,8 @@ class _PreparedTorchAttention:
         k = self._gather(g, cache.k, shape)[:, :, : g.keys]
         v = self._gather(g, cache.v, shape)[:, :, : g.keys]
         ks = vs = None
+        if cache.k_scale is None and k.dtype != q.dtype:  # a float16 cache under float32 queries
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if cache.k_scale is not None and cache.v_scale is not None:
             # Each key's scale, gathered with its block: [B, kv, keys] float32.
             ks, vs = (

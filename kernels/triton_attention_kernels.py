@@ -264,6 +264,9 @@ def prefill_kernel(
             v_s = tl.load(vs_head + page * stride_vsp + in_page, mask=valid, other=0.0).to(tl.float32)
             k = (k.to(tl.float32) * k_s[:, None]).to(q_ptr.dtype.element_ty)
             v = (v.to(tl.float32) * v_s[:, None]).to(q_ptr.dtype.element_ty)
+        else:  # a float16 cache under other queries: computed in the queries' dtype
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         # The interpreter's dot is wrong on bfloat16 (numpy has none): give it float32 operands.
         if UPCAST_DOT:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")

@@ -25,7 +25,7 @@ class ServiceConfig:
     quant: str = "auto"  # linear kinds: none, int8, int4 or auto (engine/model/quantization.py)
     page_size: int = defaults.PAGE_SIZE
     cache_tokens: int = defaults.CACHE_TOKENS
-    kv_cache: str = "float"  # float (the model's dtype) or int8 (a float16 scale per token and head)
+    kv_cache: str = defaults.KV_CACHE
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     max_queue: int = defaults.MAX_QUEUE
     chunk_size: int = defaults.MAX_CHUNK_SIZE
@@ -134,9 +134,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("cache_tokens", int, d.cache_tokens, "KV cache size in tokens")
     opt(
         "kv_cache",
-        _choice("float", "int8"),
+        _choice(*defaults.KV_CACHE_KINDS),
         d.kv_cache,
-        "KV cache storage: float or int8 (~3.9x less memory than float32, ~1.9x than bfloat16)",
+        "KV cache storage: float (the model's dtype), float16 (half float32's bytes) or int8 "
+        "(~3.9x less memory than float32, ~1.9x than bfloat16)",
     )
     opt("max_batch_size", int, d.max_batch_size, "jobs running at once")
     opt("max_queue", int, d.max_queue, "jobs waiting for admission before RESOURCE_EXHAUSTED")

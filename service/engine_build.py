@@ -24,7 +24,7 @@ class EngineSettings:
     quant: str = "auto"
     page_size: int = defaults.PAGE_SIZE
     cache_tokens: int = defaults.CACHE_TOKENS
-    kv_cache: str = KVCacheKind.FLOAT.value
+    kv_cache: str = defaults.KV_CACHE
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     max_queue: int = defaults.MAX_QUEUE

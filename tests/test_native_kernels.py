@@ -268,7 +268,45 @@ def test_silu_mul(lib: NativeLibrary) -> None:
     assert torch.allclose(lib.silu_mul(gu), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("quant", [None, torch.float32, torch.float16])
+def test_float16_conversion_rounds_as_torch(lib: NativeLibrary) -> None:
+    """The decoder layer's float16 cache writes equal torch's .half() (the per-op path's), bit for bit."""
+    torch.manual_seed(3)
+    tiny = torch.finfo(torch.float16).tiny
+    edges = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            65504.0,
+            65519.0,
+            65520.0,
+            1e6,
+            -1e6,
+            float("inf"),
+            float("-inf"),
+            tiny,
+            tiny / 2,
+            tiny / 1024,
+            tiny / 2048,
+            tiny / 4096,
+            2.0**-25,
+            2.0**-25 * 1.0001,
+            2.0**-26,
+            1.0 + 2.0**-11,
+            1.0 + 3 * 2.0**-11,
+            1.0 + 2.0**-11 + 2.0**-20,
+            3e-5,
+            -7e-6,
+        ],
+    )
+    spread = torch.randn(20000) * torch.exp2(torch.randint(-30, 18, (20000,)).float())
+    x = torch.cat([edges, spread, torch.randn(5000)])
+    got = lib.to_half(x)
+    assert torch.equal(got.view(torch.int16), x.half().view(torch.int16))
+    assert torch.isnan(lib.to_half(torch.tensor([float("nan")]))).all()
+
+
+@pytest.mark.parametrize("quant", [None, torch.float32, torch.float16, "half"])
 @pytest.mark.parametrize(
     ("page_size", "dim", "seq_lens"),
     [
@@ -279,7 +317,11 @@ def test_silu_mul(lib: NativeLibrary) -> None:
     ],
 )
 def test_decode_attention_matches_the_torch_path(
-    lib: NativeLibrary, quant: torch.dtype | None, page_size: int, dim: int, seq_lens: tuple[int, int, int]
+    lib: NativeLibrary,
+    quant: torch.dtype | str | None,
+    page_size: int,
+    dim: int,
+    seq_lens: tuple[int, int, int],
 ) -> None:
     torch.manual_seed(6)
     pages, kvh, heads = 9, 2, 6
@@ -287,7 +329,10 @@ def test_decode_attention_matches_the_torch_path(
     v = torch.randn(pages, kvh, page_size, dim)
     k_scale = v_scale = None
     kq, vq = k, v
-    if quant is not None:
+    if quant == "half":  # a float16 cache: the reference sees its values
+        kq, vq = k.half(), v.half()
+        k, v = kq.float(), vq.float()
+    elif isinstance(quant, torch.dtype):
         k_scale = (k.abs().amax(-1) / 127).to(quant)
         v_scale = (v.abs().amax(-1) / 127).to(quant)
         kq = torch.round(k / k_scale.float()[..., None]).clamp(-127, 127).to(torch.int8)
@@ -317,13 +362,16 @@ def test_decode_attention_matches_the_torch_path(
         (16, 48, ((0, 1), (3, 33), (0, 64))),
     ],
 )
+@pytest.mark.parametrize("half", [False, True])
 def test_chunked_attention_matches_plain_causal_attention(
-    lib: NativeLibrary, page_size: int, dim: int, chunks: tuple[tuple[int, int], ...]
+    lib: NativeLibrary, page_size: int, dim: int, chunks: tuple[tuple[int, int], ...], half: bool
 ) -> None:
     torch.manual_seed(page_size + dim)
     kvh, heads, pages = 2, 6, 40
     k = torch.randn(pages, kvh, page_size, dim)
     v = torch.randn(pages, kvh, page_size, dim)
+    kc, vc = (k.half(), v.half()) if half else (k, v)
+    k, v = kc.float(), vc.float()  # the reference sees the cache's values
     seq_lens = [c + n for c, n in chunks]
     per_seq = max(-(-n // page_size) for n in seq_lens)
     order = torch.randperm(pages)  # each sequence's pages scattered over the pool
@@ -332,8 +380,8 @@ def test_chunked_attention_matches_plain_causal_attention(
     q = torch.randn(tokens, heads * dim + 16)[:, : heads * dim].view(tokens, heads, dim)  # rows with a stride
     got = lib.paged_attention(
         q,
-        k,
-        v,
+        kc,
+        vc,
         tables,
         torch.tensor(seq_lens),
         torch.tensor([n for _, n in chunks]),
@@ -382,8 +430,9 @@ def test_native_attention_and_fused_ops_match_the_torch_model(tmp_path: Path, ki
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", [KVCacheKind.FLOAT, KVCacheKind.FLOAT16])
 def test_one_call_decoder_layers_match_the_per_op_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: KVCacheKind
 ) -> None:
     """Decode steps of a block-quantized model run each layer as one native call; same logits as per op."""
     lib = native_library()
@@ -405,12 +454,12 @@ def test_one_call_decoder_layers_match_the_per_op_path(
     prompts = [[(5 * i + 11 * j) % 300 + 3 for j in range(2 + 9 * i)] for i in range(3)]
     settings = GenerationSettings(max_new_tokens=10, ignore_eos=True, max_chunk_tokens=16)
     fused = generate_batch(
-        model, model.new_cache(num_pages=40, page_size=8), prompts, settings, keep_logits=True
+        model, model.new_cache(num_pages=40, page_size=8, kind=kind), prompts, settings, keep_logits=True
     )
     assert calls > 0  # the decode steps took the one-call path
     monkeypatch.setattr(type(model), "_native_layers", lambda *_: None)
     per_op = generate_batch(
-        model, model.new_cache(num_pages=40, page_size=8), prompts, settings, keep_logits=True
+        model, model.new_cache(num_pages=40, page_size=8, kind=kind), prompts, settings, keep_logits=True
     )
     for ours, theirs in zip(fused, per_op, strict=True):
         assert ours.token_ids == theirs.token_ids

@@ -218,3 +218,24 @@ def test_dispatch() -> None:
     assert resolve_attention(AttentionKind.TRITON, cpu) is AttentionKind.TRITON
     assert isinstance(select_attention(AttentionKind.TORCH, cpu), TorchPagedAttention)
     assert isinstance(select_attention(AttentionKind.TRITON, cpu), TritonPagedAttention)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_float16_cache_under_float32_queries_matches_torch(page_size: int) -> None:
+    """KVCacheKind.FLOAT16: the write rounds to float16 as torch's does; attention reads it in float32."""
+    batch, num_pages = build_batch(page_size, seed=page_size + 11)
+    heads, head_dim = KV_HEADS * 3, 64
+    gen = torch.Generator().manual_seed(page_size)
+    shape = (num_pages, KV_HEADS, page_size, head_dim)
+    k_cache, v_cache = torch.randn(*shape, generator=gen).half(), torch.randn(*shape, generator=gen).half()
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen)
+    k, v = (torch.randn(batch.num_tokens, KV_HEADS, head_dim, generator=gen) for _ in range(2))
+    ref = TorchPagedAttention().prepare(batch, heads, KV_HEADS, torch.float32)
+    ref.write_kv(KVLayer(ref_k, ref_v), k, v)
+    expected = ref.attend(q, KVLayer(ref_k, ref_v))
+    ours = TritonPagedAttention().prepare(batch, heads, KV_HEADS, torch.float32)
+    ours.write_kv(KVLayer(k_cache, v_cache), k, v)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    got = ours.attend(q, KVLayer(k_cache, v_cache))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)

@@ -298,8 +298,8 @@ class LlamaModel:
         layers: list[DecodeLayer] | None = []
         usable = (
             isinstance(self.attention, NativePagedAttention)
-            and cache.kind is KVCacheKind.FLOAT
-            and cache.k.dtype == torch.float32
+            and not cache.layer(0).quantized
+            and cache.k.dtype in (torch.float32, torch.float16)
         )
         for i, layer in enumerate(self.layers if usable else []):
             d = [desc(layer.qkv), desc(layer.o), desc(layer.gate_up), desc(layer.down)]

@@ -53,6 +53,34 @@ static inline float dg_half(uint16_t h) {
 #endif
 }
 
+/* float32 to float16 bits, rounding to nearest even (as F16C's vcvtps2ph and torch's .half()). */
+static inline uint16_t dg_to_half(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax >= 0x7F800000u) return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000u ? 0x200 : 0)); /* inf, nan */
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00); /* rounds past 65504: inf */
+    if (ax < 0x38800000u) { /* below the smallest normal half: subnormal or zero */
+        if (ax < 0x33000000u) return sign; /* under half the smallest subnormal */
+        /* value = m * 2^(e - 150) = (m >> (126 - e)) units of 2^-24, the subnormal's unit */
+        const uint32_t e = ax >> 23, m = (ax & 0x7FFFFFu) | 0x800000u, drop = 126 - e;
+        const uint32_t q = m >> drop, rest = m & ((1u << drop) - 1u), half = 1u << (drop - 1);
+        return (uint16_t)(sign | (q + (rest > half || (rest == half && (q & 1u)))));
+    }
+    const uint32_t q = ((ax >> 13) - (112u << 10)), rest = ax & 0x1FFFu; /* rebias 127 -> 15 */
+    return (uint16_t)(sign | (q + (rest > 0x1000u || (rest == 0x1000u && (q & 1u)))));
+#endif
+}
+
+/* x [n] float32 -> float16 bits, as the decoder layer writes a float16 cache (its tests' entry). */
+void dg_to_half_array(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = dg_to_half(x[i]);
+}
+
 #define QK 32
 
 typedef struct {
@@ -867,6 +895,7 @@ typedef __m512 dg_vf;
 #define dg_vadd _mm512_add_ps
 #define dg_vsum _mm512_reduce_add_ps
 #define dg_vload_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define dg_vload_h(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #elif defined(DG_AVX2)
 #define DG_VW 8
 typedef __m256 dg_vf;
@@ -878,6 +907,7 @@ typedef __m256 dg_vf;
 #define dg_vadd _mm256_add_ps
 #define dg_vsum dg_hsum
 #define dg_vload_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define dg_vload_h(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #endif
 
 static _Thread_local struct {
@@ -913,20 +943,34 @@ static inline void dg_scores16(const float *qh, const float *k, int64_t count, i
     const __mmask16 keep = (__mmask16)((1u << count) - 1u);
     _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(dg_sum16(acc), _mm512_set1_ps(scale)));
 }
+
+/* dg_scores16 over float16 K rows. */
+static inline void dg_scores16_h(const float *qh, const uint16_t *k, int64_t count, int64_t D, float scale,
+                                 float *out) {
+    __m512 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) {
+        const __m512 qv = _mm512_loadu_ps(qh + i);
+        for (int t = 0; t < 16; t++)
+            if (t < count) acc[t] = _mm512_fmadd_ps(qv, dg_vload_h(k + t * D + i), acc[t]);
+    }
+    const __mmask16 keep = (__mmask16)((1u << count) - 1u);
+    _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(dg_sum16(acc), _mm512_set1_ps(scale)));
+}
 #endif
 
 /* One query token per sequence. q [B, H, D] (row b at q + b * q_stride); the caches are
- * [pages, KVH, page_size, D], float32 or, with scales, int8 with one scale per (page, head,
- * slot), float32 or float16 (scale_half); page_tables [B, max_pages]; out [B, H * D]. Query heads h share
+ * [pages, KVH, page_size, D], float32, float16 (kv_half) or, with scales, int8 with one scale per
+ * (page, head, slot), float32 or float16 (scale_half); page_tables [B, max_pages]; out [B, H * D]. Query heads h share
  * K/V head h / (H / KVH). Work is split over (sequence, K/V head); each task walks its page table
  * page by page, scores every query head of the group against one K row read, and sums V rows
  * into each head's output held in registers (a head's D values at a time, up to 128). */
 void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                         const void *k_scale, const void *v_scale, int scale_half, const int64_t *page_tables,
-                         int64_t max_pages, const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
-                         int64_t D, int64_t page_size, float scale, float *out) {
+                         const void *k_scale, const void *v_scale, int scale_half, int kv_half,
+                         const int64_t *page_tables, int64_t max_pages, const int64_t *seq_lens, int64_t B,
+                         int64_t H, int64_t KVH, int64_t D, int64_t page_size, float scale, float *out) {
     const int64_t per_kv = H / KVH;
-    const int quant = k_scale != NULL;
+    const int quant = k_scale != NULL, half = kv_half && !quant;
 #pragma omp parallel for schedule(dynamic, 1) if (B * KVH > 1)
     for (int64_t task = 0; task < B * KVH; task++) {
         const int64_t b = task / KVH, kh = task % KVH;
@@ -951,9 +995,14 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
             if (!quant && D % 16 == 0) { /* 16 rows per head at a time, one transpose-sum */
                 for (int64_t j = 0; j < count; j += 16) {
                     const int64_t n16 = count - j < 16 ? count - j : 16;
-                    for (int64_t g = 0; g < per_kv; g++)
-                        dg_scores16(qg + g * D, (const float *)k_cache + (base + j) * D, n16, D, scale,
-                                    scores + g * len + t + j);
+                    for (int64_t g = 0; g < per_kv; g++) {
+                        if (half)
+                            dg_scores16_h(qg + g * D, (const uint16_t *)k_cache + (base + j) * D, n16, D, scale,
+                                          scores + g * len + t + j);
+                        else
+                            dg_scores16(qg + g * D, (const float *)k_cache + (base + j) * D, n16, D, scale,
+                                        scores + g * len + t + j);
+                    }
                 }
                 t += count;
                 continue;
@@ -971,6 +1020,9 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                     if (quant) {
                         const int8_t *kr = (const int8_t *)k_cache + slot * D;
                         for (; i + DG_VW <= D; i += DG_VW) acc = dg_vfma(dg_vload(qh + i), dg_vload_i8(kr + i), acc);
+                    } else if (half) {
+                        const uint16_t *kr = (const uint16_t *)k_cache + slot * D;
+                        for (; i + DG_VW <= D; i += DG_VW) acc = dg_vfma(dg_vload(qh + i), dg_vload_h(kr + i), acc);
                     } else {
                         const float *kr = (const float *)k_cache + slot * D;
                         for (; i + DG_VW <= D; i += DG_VW) acc = dg_vfma(dg_vload(qh + i), dg_vload(kr + i), acc);
@@ -980,6 +1032,9 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                     if (quant) {
                         const int8_t *kr = (const int8_t *)k_cache + slot * D;
                         for (; i < D; i++) dot += qh[i] * (float)kr[i];
+                    } else if (half) {
+                        const uint16_t *kr = (const uint16_t *)k_cache + slot * D;
+                        for (; i < D; i++) dot += qh[i] * dg_half(kr[i]);
                     } else {
                         const float *kr = (const float *)k_cache + slot * D;
                         for (; i < D; i++) dot += qh[i] * kr[i];
@@ -1031,8 +1086,14 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                     const int64_t base = (table[p] * KVH + kh) * page_size;
                     const int64_t count = len - t < page_size ? len - t : page_size;
                     for (int64_t j = 0; j < count; j++, t++) {
-                        const float *vr = quant ? vrows + t * D : (const float *)v_cache + (base + j) * D;
                         const dg_vf pv = dg_vset1(sg[t]);
+                        if (half) {
+                            const uint16_t *vh = (const uint16_t *)v_cache + (base + j) * D;
+                            for (int v = 0; v < NV; v++)
+                                if (v < nv) acc[v] = dg_vfma(pv, dg_vload_h(vh + i0 + v * DG_VW), acc[v]);
+                            continue;
+                        }
+                        const float *vr = quant ? vrows + t * D : (const float *)v_cache + (base + j) * D;
                         for (int v = 0; v < NV; v++)
                             if (v < nv) acc[v] = dg_vfma(pv, dg_vload(vr + i0 + v * DG_VW), acc[v]);
                     }
@@ -1051,6 +1112,11 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                     const int64_t base = (table[p] * KVH + kh) * page_size;
                     const int64_t count = len - t < page_size ? len - t : page_size;
                     for (int64_t j = 0; j < count; j++, t++) {
+                        if (half) {
+                            const uint16_t *vh = (const uint16_t *)v_cache + (base + j) * D;
+                            for (int64_t i = i0; i < D; i++) o[i] += sg[t] * dg_half(vh[i]);
+                            continue;
+                        }
                         const float *vr = quant ? vrows + t * D : (const float *)v_cache + (base + j) * D;
                         for (int64_t i = i0; i < D; i++) o[i] += sg[t] * vr[i];
                     }
@@ -1068,7 +1134,7 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
  * (token, query head of the group) pair, attended flash-style over the sequence's pages in
  * place: per block of 16 keys, K is transposed once into [D][16] so each score row is D
  * broadcast FMAs with no horizontal sums, then an online softmax and V rows summed into the
- * rows' outputs. Float32 cache; 512-bit builds only (returns -1 elsewhere, or for a D that is
+ * rows' outputs. Float32 or float16 (kv_half) cache; 512-bit builds only (returns -1 elsewhere, or for a D that is
  * not a multiple of 16 up to 256, and the caller takes the torch path). */
 #if defined(DG_AVX512)
 #define DG_QB 32
@@ -1105,7 +1171,7 @@ DG_SCORE_TILE(6)
 DG_SCORE_TILE(7)
 DG_SCORE_TILE(8)
 
-static void dg_flash_task(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+static void dg_flash_task(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int half,
                           const int64_t *table, int64_t ctx0, int64_t i0, int64_t ni, int64_t tok0, int64_t kh,
                           int64_t H, int64_t KVH, int64_t D, int64_t page_size, float scale, float *out,
                           float *buf) {
@@ -1125,9 +1191,15 @@ static void dg_flash_task(const float *q, int64_t q_stride, const float *k_cache
         count = n_keys - kb < 16 ? n_keys - kb : 16;
         if (page_size - off < count) count = page_size - off;
         const int64_t slot = (table[page] * KVH + kh) * page_size + off;
-        const float *kr = k_cache + slot * D, *vr = v_cache + slot * D;
-        for (int64_t d = 0; d < D; d++)
-            for (int64_t j = 0; j < 16; j++) kt[d * 16 + j] = j < count ? kr[j * D + d] : 0.0f;
+        const float *kr = (const float *)k_cache + slot * D, *vr = (const float *)v_cache + slot * D;
+        const uint16_t *kh16 = (const uint16_t *)k_cache + slot * D, *vh = (const uint16_t *)v_cache + slot * D;
+        if (half) {
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t j = 0; j < 16; j++) kt[d * 16 + j] = j < count ? dg_half(kh16[j * D + d]) : 0.0f;
+        } else {
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t j = 0; j < 16; j++) kt[d * 16 + j] = j < count ? kr[j * D + d] : 0.0f;
+        }
         /* rows whose position is below kb see none of this block: they come first (rows go by token) */
         const int64_t first_tok = kb > ctx0 + i0 ? kb - ctx0 - i0 : 0;
         int64_t r = first_tok * per_kv;
@@ -1160,8 +1232,12 @@ static void dg_flash_task(const float *q, int64_t q_stride, const float *k_cache
                 const __m512 va = _mm512_set1_ps(alpha);
                 for (int64_t c = 0; c < nv; c++) {
                     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), va);
-                    for (int64_t j = 0; j < visible; j++)
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vr + j * D + 16 * c), acc);
+                    if (half)
+                        for (int64_t j = 0; j < visible; j++)
+                            acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), dg_vload_h(vh + j * D + 16 * c), acc);
+                    else
+                        for (int64_t j = 0; j < visible; j++)
+                            acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vr + j * D + 16 * c), acc);
                     _mm512_storeu_ps(orow + 16 * c, acc);
                 }
             }
@@ -1175,7 +1251,7 @@ static void dg_flash_task(const float *q, int64_t q_stride, const float *k_cache
 }
 #endif
 
-int dg_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+int dg_paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_half,
                        const int64_t *page_tables, int64_t max_pages, const int64_t *seq_lens,
                        const int64_t *query_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
                        float scale, float *out) {
@@ -1204,13 +1280,13 @@ int dg_paged_attention(const float *q, int64_t q_stride, const float *k_cache, c
         }
         const int64_t n = t / KVH, kh = t % KVH, b = task_b[n], i0 = task_i[n];
         const int64_t ni = query_lens[b] - i0 < DG_QB ? query_lens[b] - i0 : DG_QB;
-        dg_flash_task(q, q_stride, k_cache, v_cache, page_tables + b * max_pages, seq_lens[b] - query_lens[b], i0,
+        dg_flash_task(q, q_stride, k_cache, v_cache, kv_half, page_tables + b * max_pages, seq_lens[b] - query_lens[b], i0,
                       ni, task_tok[n], kh, H, KVH, D, page_size, scale, out, dg_flash_tls.buf);
     }
     free(task_b);
     return failed ? -2 : 0;
 #else
-    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)page_tables, (void)max_pages, (void)seq_lens;
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)kv_half, (void)page_tables, (void)max_pages, (void)seq_lens;
     (void)query_lens, (void)B, (void)H, (void)KVH, (void)D, (void)page_size, (void)scale, (void)out;
     return -1;
 #endif
@@ -1218,7 +1294,8 @@ int dg_paged_attention(const float *q, int64_t q_stride, const float *k_cache, c
 
 /* ---- one whole decoder layer for a decode step -------------------------------------------------
  *
- * Every sequence brings one token (B rows), activations and the K/V cache are float32, and all
+ * Every sequence brings one token (B rows), activations are float32, the K/V cache float32 or
+ * float16 (kv_half), and all
  * four projections are block linears: then the layer is one call, not a dozen, so the host
  * work per layer (argument checks, allocations, calls) is paid once. Same ops, same order and
  * same kernels as the per-op path: norms, linears, rotary, the K/V write at each row's slot,
@@ -1251,7 +1328,7 @@ static float *dg_layer_scratch(size_t floats) {
 int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_linear_desc *o,
                     const dg_linear_desc *gate_up, const dg_linear_desc *down, const float *ffn_norm,
                     const float *next_norm, float eps, const float *cos_table, const float *sin_signed,
-                    const int64_t *positions, float *k_cache, float *v_cache, const int64_t *slots,
+                    const int64_t *positions, void *k_cache, void *v_cache, int kv_half, const int64_t *slots,
                     const int64_t *page_tables, int64_t max_pages, const int64_t *seq_lens, int64_t B,
                     int64_t H, int64_t KVH, int64_t D, int64_t page_size, float attn_scale) {
     const int64_t hidden = o->n, width = qkv->n, inter = down->k;
@@ -1264,12 +1341,18 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
         const int64_t page = slots[b] / page_size, off = slots[b] % page_size;
         for (int64_t kh = 0; kh < KVH; kh++) {
             const int64_t at = ((page * KVH + kh) * page_size + off) * D;
-            memcpy(k_cache + at, qkv_out + b * width + (H + kh) * D, (size_t)D * sizeof(float));
-            memcpy(v_cache + at, qkv_out + b * width + (H + KVH + kh) * D, (size_t)D * sizeof(float));
+            const float *k = qkv_out + b * width + (H + kh) * D, *v = qkv_out + b * width + (H + KVH + kh) * D;
+            if (kv_half) {
+                uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
+                for (int64_t d = 0; d < D; d++) kd[d] = dg_to_half(k[d]), vd[d] = dg_to_half(v[d]);
+            } else {
+                memcpy((float *)k_cache + at, k, (size_t)D * sizeof(float));
+                memcpy((float *)v_cache + at, v, (size_t)D * sizeof(float));
+            }
         }
     }
-    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, page_tables, max_pages, seq_lens, B, H,
-                        KVH, D, page_size, attn_scale, attn);
+    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, kv_half, page_tables, max_pages, seq_lens,
+                        B, H, KVH, D, page_size, attn_scale, attn);
     if (dg_linear(o->layout, o->blocks, hidden, o->k, attn, B, delta)) return -1;
     dg_add_rms_norm(x, delta, ffn_norm, h, B, hidden, eps);
     if (dg_linear(gate_up->layout, gate_up->blocks, gate_up->n, gate_up->k, h, B, gu)) return -1;
