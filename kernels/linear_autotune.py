@@ -47,7 +47,9 @@ class TuneKey:
     torch_version: str
     model: str
     kinds: tuple[str, ...]
-    method: str = "cold-cache-3"  # how `measure` times; a change invalidates old choices
+    method: str = (
+        "cold-cache-3/saving-0.2"  # how `measure` times and `choose` picks; a change invalidates old choices
+    )
     native_source: str = ""  # digest of the native kernels' source when native kinds compete
 
     @staticmethod
@@ -129,6 +131,10 @@ def _evictor() -> torch.Tensor:
 # a forward is bound by streaming its weight: cold lone calls there vary by +-30% run to run.
 BYTES_MARGIN = 0.15
 BYTES_MARGIN_ONE_ROW = 0.5
+# A slower kind wins on bytes only when it saves at least this share of them: between kinds of
+# near-equal bytes the timing decides (the head's int8_weight, 6% fewer bytes than int8_q8, won
+# one-row ties and made single stream 10% slower: 345 against 383 tok/s, Zen 5).
+BYTES_SAVING = 0.2
 
 
 def measure(candidates: Mapping[LinearKind, Linear]) -> Choice:
@@ -159,13 +165,21 @@ def choose(
     seconds: Mapping[LinearKind, float], weight_bytes: Mapping[LinearKind, int], rows: int
 ) -> LinearKind:
     """The kind to run at `rows` rows given each kind's best time: the fastest, except that within
-    the margin fewer weight bytes win. A lone call times a weight in isolation, but in a forward
+    the margin a kind with far fewer weight bytes (BYTES_SAVING) wins. A lone call times a weight in isolation, but in a forward
     every layer's weights stream from memory one after another, so bytes cost more there than
     here (measured: cold single calls picked int8 kinds at one row where int4_q8 made the whole
     decode step 15% faster)."""
-    fastest = min(seconds.values())
+    fastest = min(seconds, key=lambda k: seconds[k])
     margin = BYTES_MARGIN_ONE_ROW if rows == 1 else BYTES_MARGIN
-    close = [k for k in seconds if seconds[k] <= fastest * (1 + margin)]
+    close = [
+        k
+        for k in seconds
+        if k is fastest
+        or (
+            seconds[k] <= seconds[fastest] * (1 + margin)
+            and weight_bytes[k] <= weight_bytes[fastest] * (1 - BYTES_SAVING)
+        )
+    ]
     return min(close, key=lambda k: (weight_bytes[k], seconds[k]))
 
 

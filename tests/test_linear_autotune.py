@@ -53,6 +53,10 @@ def test_near_ties_go_to_the_kind_with_fewer_weight_bytes() -> None:
     close = {LinearKind.FLOAT: 0.0020, LinearKind.INT4_Q8: 0.0022}
     assert autotune.choose(close, nbytes, 64) is LinearKind.INT4_Q8
     assert autotune.choose({**close, LinearKind.INT4_Q8: 0.0031}, nbytes, 1) is LinearKind.FLOAT
+    # Near-equal bytes are no reason to run the slower kind: the timing decides.
+    similar = {LinearKind.INT8_WEIGHT: 1000, LinearKind.INT8_Q8: 1062}
+    slower = {LinearKind.INT8_WEIGHT: 0.0030, LinearKind.INT8_Q8: 0.0024}
+    assert autotune.choose(slower, similar, 1) is LinearKind.INT8_Q8
 
 
 def _key(cpu: CpuFeatures | None = None) -> TuneKey:

@@ -89,6 +89,7 @@ class LinearPlan:
 # Among these the load-time autotune picks the fastest per weight shape and step size.
 AUTO_BODY_KINDS = (LinearKind.FLOAT, LinearKind.INT4, LinearKind.INT8_WEIGHT)
 AUTO_HEAD_KINDS = (LinearKind.FLOAT, LinearKind.INT8_WEIGHT)
+NATIVE_BODY_KINDS = (LinearKind.INT4_Q8, LinearKind.INT8_Q8)  # where the native kernels build
 
 
 def plan_for(mode: QuantMode, cpu: CpuFeatures, native: bool | None = None) -> LinearPlan:
@@ -107,9 +108,14 @@ def plan_for(mode: QuantMode, cpu: CpuFeatures, native: bool | None = None) -> L
         case QuantMode.INT4:
             return LinearPlan(i4, i4, i4, i4, i8)
         case QuantMode.AUTO:
-            native_body = (LinearKind.INT4_Q8, LinearKind.INT8_Q8) if native else ()
-            native_head = (LinearKind.INT8_Q8,) if native else ()
-            return LinearPlan.tuned(AUTO_BODY_KINDS + native_body, AUTO_HEAD_KINDS + native_head)
+            if native:
+                # The body among the block kinds only: a decode step runs each layer as one native
+                # call only when all four projections are block linears (llama.py _native_layers),
+                # which outweighs any one linear's edge: with `down` on torch's int4 kernel at one row
+                # (chosen alone, a tie the fewer weight bytes won) single stream ran 232 tok/s; all
+                # block kinds, 390 (Zen 5, 2 cores).
+                return LinearPlan.tuned(NATIVE_BODY_KINDS, (*AUTO_HEAD_KINDS, LinearKind.INT8_Q8))
+            return LinearPlan.tuned(AUTO_BODY_KINDS, AUTO_HEAD_KINDS)
         case _:
             assert_never(mode)
 
