@@ -111,3 +111,15 @@ def test_lower_layers_import_no_higher_ones() -> None:
         and LAYERS[up] > LAYERS[top]
     ]
     assert wrong == []
+
+
+def test_clients_import_no_server_code() -> None:
+    """clients/ holds the client packages only: nothing in it imports the engine, kernels or service."""
+    wrong = []
+    for path in sorted((ROOT / "clients").rglob("*.py")):
+        if "node_modules" in path.parts:
+            continue
+        for name in _imported(ast.parse(path.read_text(encoding="utf-8"))):
+            if name.split(".")[0] in ("engine", "kernels", "service", "benchmarks"):
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert wrong == []
