@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import defaults
-from engine.constraints import GrammarCompiler, MaskOverlap, MaskWorker, mask_words, token_bitmask
+from engine.constraints import GrammarCompiler, MaskOverlap, MaskWorker
 from engine.errors import DyngenError, ErrorKind, InvalidRequestError, JobNotFoundError, PromptTooLongError
 from engine.forward_batch import SequenceInput
-from engine.job_state import HeldToken, JobState
+from engine.job_state import JobState
 from engine.jobs import (
     JobError,
     JobEvent,
@@ -61,27 +61,22 @@ from engine.sampler import (
     SamplerState,
 )
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.speculation_step import SpeculationStep
 from engine.speculative import (
-    Draft,
     Drafter,
     DrafterKind,
     DraftModelDrafter,
-    DraftRequest,
     NgramDrafter,
     SpeculationConfig,
-    accept_greedy,
-    accept_sampled,
 )
-from engine.text_stream import BannedMatch, TextStream
+from engine.text_stream import TextStream
 from engine.token_healing import TokenHealer
+from engine.token_intake import TokenIntake
 
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 200
 
-# A job whose banned strings keep matching gives up (StopReason.ERROR) after this many rewinds:
-# each costs a sampler call, and a model set on a banned string could otherwise loop for long.
-MAX_REWINDS = 256
 
 # Ids appear in logs and metrics: printable, bounded, no separators to forge.
 _JOB_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -187,24 +182,36 @@ class DynamicGenerator:
         self._masks: MaskWorker | None = None  # its thread starts with the first constrained job
         self.mask_overlap = c.mask_overlap.resolve()
         self._eos = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
+        self.intake = TokenIntake(
+            self.sampler, self.healer, self._eos, model.config.vocab_size, self._finish, self._truncate_cache
+        )
         self._orders = 0
         self._iterations = 0
         self._pending_events: list[JobEvent] = []
-        self._accepted_drafts = 0
-        self._rejected_drafts = 0
         self._failed_jobs = 0
-        self.drafter: Drafter | None = None
+        drafter: Drafter | None = None
         match c.speculation.kind:
             case DrafterKind.NONE:
                 pass
             case DrafterKind.NGRAM:
-                self.drafter = NgramDrafter(c.speculation.max_ngram)
+                drafter = NgramDrafter(c.speculation.max_ngram)
             case DrafterKind.DRAFT_MODEL:
                 if draft_model is None:
                     raise InvalidRequestError("speculation kind draft_model needs a draft model")
-                self.drafter = DraftModelDrafter(
-                    draft_model, model.config.vocab_size, c.num_pages, c.page_size
-                )
+                drafter = DraftModelDrafter(draft_model, model.config.vocab_size, c.num_pages, c.page_size)
+        self.speculation = SpeculationStep(
+            c.speculation,
+            drafter,
+            self.scheduler,
+            self.intake,
+            self.sampler,
+            model.config.vocab_size,
+            self._contain,
+        )
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.speculation.drafter
 
     # -- the job API ---------------------------------------------------------------------------
 
@@ -284,8 +291,8 @@ class DynamicGenerator:
             iterations=self._iterations,
             prefix_hit_tokens=p.prefix_hit_tokens,
             prefix_query_tokens=p.prefix_query_tokens,
-            accepted_draft_tokens=self._accepted_drafts,
-            rejected_draft_tokens=self._rejected_drafts,
+            accepted_draft_tokens=self.speculation.accepted,
+            rejected_draft_tokens=self.speculation.rejected,
             failed_jobs=self._failed_jobs,
         )
 
@@ -301,8 +308,8 @@ class DynamicGenerator:
         job alone (StopReason.ERROR); every other job goes on as if it had not happened.
         """
         events, self._pending_events = self._pending_events, []
-        self._plan_speculation()
-        chunks = self._draft(self.scheduler.schedule(on_preempt=self._on_preempt), events)
+        self.speculation.plan()
+        chunks = self.speculation.draft(self.scheduler.schedule(on_preempt=self._on_preempt), events)
         if not chunks:
             return events
         now = time.perf_counter()
@@ -324,9 +331,9 @@ class DynamicGenerator:
             try:
                 if out.chunk.draft:
                     logits = out.logits[out.row : out.row + seq.logit_positions]
-                    self._verify(job, out.chunk.draft, logits, events)
+                    self.speculation.verify(job, out.chunk.draft, logits, events)
                     continue
-                self._rewind_drafts(job, self.scheduler.advance(job, seq.end_pos))
+                self.speculation.rewind(job, self.scheduler.advance(job, seq.end_pos))
                 if seq.want_logits:
                     sampled.append(out)
                 elif job.computed <= job.prompt_len:
@@ -430,7 +437,7 @@ class DynamicGenerator:
         for out in sampled:
             try:
                 job = out.chunk.job
-                ready.append((out, self._sample_request(job, allowed=allowed.get(job.job_id))))
+                ready.append((out, self.intake.sample_request(job, allowed=allowed.get(job.job_id))))
             except Exception as exc:
                 self._contain(out.chunk.job, "preparing its sampling", exc, events)
         if not ready:
@@ -460,295 +467,20 @@ class DynamicGenerator:
                     self._contain(out.chunk.job, "sampling", exc, events)
         for out, result in taken:
             try:
-                self._accept(out.chunk.job, result.token_id, result.logprob, events, out.logits[out.row])
+                self.intake.accept(
+                    out.chunk.job, result.token_id, result.logprob, events, out.logits[out.row]
+                )
             except Exception as exc:
                 self._contain(out.chunk.job, "taking its sampled token", exc, events)
-
-    # -- speculation ---------------------------------------------------------------------------
-
-    def _speculates(self, job: JobState) -> bool:
-        s = job.spec.sampling
-        # Penalties depend on every earlier token, drafts included, and logprobs are reported
-        # per sampled token: such jobs decode one token at a time.
-        return (
-            job.decoding
-            and not job.spec.return_logprobs
-            and s.repetition_penalty == 1.0
-            and s.frequency_penalty == 0.0
-            and s.presence_penalty == 0.0
-            and not job.spec.banned_strings  # a rewind needs each held token's own logits row
-            and not job.healing  # its next token is held to the prompt's taken-back text
-        )
-
-    def _plan_speculation(self) -> None:
-        """Decide how many draft tokens each decoding job may verify in the next step."""
-        if self.drafter is None:
-            return  # budgets stay 0: no per-job work in the loop when speculation is off
-        spec = self.config.speculation
-        active = len(self.scheduler.running) <= spec.max_batch_size
-        for job in self.scheduler.running:
-            left = job.spec.max_new_tokens - job.new_tokens - 1  # the verify step adds one token of its own
-            budget = min(spec.num_draft_tokens, left) if active and self._speculates(job) else 0
-            self.scheduler.set_draft_budget(job, budget)
-
-    def _draft(self, chunks: list[ScheduledChunk], events: list[JobEvent]) -> list[ScheduledChunk]:
-        """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to them."""
-        # Only a decode step verifies drafts; a prefill chunk (e.g. of a re-admitted job) never does.
-        wanting = [c for c in chunks if c.job.draft_budget > 0 and c.num_tokens > 1 and c.job.decoding]
-        if self.drafter is None or not wanting:
-            return chunks
-        drafter = self.drafter
-        requests = [DraftRequest(c.job.job_id, c.job.tokens, c.job.pages, c.num_tokens - 1) for c in wanting]
-        drafts: dict[int, Draft] = {}
-        try:
-            drafts = dict(zip((id(c) for c in wanting), drafter.propose(requests), strict=True))
-        except Exception as exc:
-            if len(wanting) > 1:
-                logger.warning(
-                    "drafting for %d jobs failed (%s); drafting one at a time",
-                    len(wanting),
-                    type(exc).__name__,
-                )
-            for c, request in zip(wanting, requests, strict=True):
-                try:
-                    (drafts[id(c)],) = drafter.propose([request])
-                except Exception as exc:
-                    self._contain(c.job, "drafting", exc, events)
-        out = []
-        for c in chunks:
-            if c.job.stage is JobStage.FINISHED:
-                continue  # failed while drafting
-            draft = drafts.get(id(c))
-            if draft is None:
-                out.append(c)
-            else:
-                out.append(ScheduledChunk(c.job, 1 + len(draft.tokens), draft.tokens))
-        return out
-
-    def _verify(
-        self, job: JobState, draft: tuple[int, ...], logits: torch.Tensor, events: list[JobEvent]
-    ) -> None:
-        """Keep the acceptable prefix of `draft` plus one token of the target's own."""
-        drafted = len(draft)
-        masks: list[torch.Tensor | None] = [None] * (drafted + 1)
-        if job.constraint is not None:
-            draft, masks = self._grammar_masks(job, draft)
-            logits = logits[: len(draft) + 1]
-        requests = [self._sample_request(job, ahead=i, allowed=masks[i]) for i in range(len(draft) + 1)]
-        probs = self.sampler.processed_probs(logits, requests)
-        if job.spec.sampling.greedy:
-            choice = probs.argmax(dim=-1).tolist()
-            accepted = accept_greedy(choice, draft)
-            bonus = int(choice[accepted])
-        else:
-            accepted, dist = accept_sampled(probs, Draft(draft), job.sampler.generator)
-            bonus = self.sampler.draw(dist, job.sampler)
-        job.accepted_drafts += accepted
-        job.rejected_drafts += drafted - accepted
-        self._accepted_drafts += accepted
-        self._rejected_drafts += drafted - accepted
-        base = job.computed
-        for token in (*draft[:accepted], bonus):
-            self._accept(job, token, None, events)
-            if job.stage is JobStage.FINISHED:
-                return
-        # K/V are valid for the last token and the accepted drafts only.
-        self._rewind_drafts(job, self.scheduler.advance(job, base + 1 + accepted))
-
-    def _grammar_masks(
-        self, job: JobState, draft: tuple[int, ...]
-    ) -> tuple[tuple[int, ...], list[torch.Tensor | None]]:
-        """A constrained job's draft cut where its grammar refuses a token, and the grammar's mask
-        at each position of what is left (plus the bonus position). The matcher walks the draft
-        and is rolled back: only tokens taken by `_accept` advance it."""
-        c = job.constraint
-        assert c is not None
-        bitmask = torch.zeros((len(draft) + 1, mask_words(self.model.config.vocab_size)), dtype=torch.int32)
-        c.fill(bitmask, 0)
-        taken = 0
-        for token in draft:
-            if not c.try_accept(token):
-                break
-            taken += 1
-            if c.complete:  # the job ends with this token; the bonus is never taken
-                bitmask[taken] = -1
-                break
-            c.fill(bitmask, taken)
-        c.rollback(taken)
-        return draft[:taken], list(bitmask[: taken + 1])
-
-    def _sample_request(
-        self, job: JobState, ahead: int = 0, allowed: torch.Tensor | None = None
-    ) -> SampleRequest:
-        """The request for the job's next token (`ahead` tokens further on, when verifying drafts);
-        `allowed`: its grammar's token mask."""
-        spec = job.spec
-        position = job.new_tokens + ahead
-        banned: frozenset[int] = frozenset()
-        if position < spec.min_new_tokens:
-            banned = spec.stop_token_ids | (frozenset() if spec.ignore_eos else self._eos)
-        if job.position_bans:
-            banned |= job.position_bans.get(position, frozenset())
-        if job.constraint is not None and allowed is None:
-            raise RuntimeError("a constrained job must not sample without its token mask")
-        if job.healing:
-            if ahead:
-                raise RuntimeError("a job still healing its prompt's last word must not verify drafts")
-            allowed = self.healer.mask(job.healing)
-        return SampleRequest(job.sampler, banned, spec.return_logprobs, spec.top_logprobs, allowed)
-
-    def _accept(
-        self,
-        job: JobState,
-        token: int,
-        logprob: TokenLogprob | None,
-        events: list[JobEvent],
-        logits: torch.Tensor | None = None,
-    ) -> None:
-        """Take one new token of the job (`logits`: the row it was sampled from): stream its text,
-        finish the job on a stop condition, or rewind past a banned string and take another."""
-        again = self._take(job, token, logprob, logits, events)
-        while again is not None:
-            again = self._take(job, *again, events)
-
-    def _take(
-        self,
-        job: JobState,
-        token: int,
-        logprob: TokenLogprob | None,
-        logits: torch.Tensor | None,
-        events: list[JobEvent],
-    ) -> tuple[int, TokenLogprob | None, torch.Tensor] | None:
-        """`_accept` for one token; returns the token sampled again after a rewind, if there was one."""
-        spec = job.spec
-        now = time.perf_counter()
-        if job.first_token_at is None:
-            job.first_token_at = now
-        if token in spec.stop_token_ids or (not spec.ignore_eos and token in self._eos):
-            reason = StopReason.STOP_TOKEN if token in spec.stop_token_ids else StopReason.EOS
-            self._finish_releasing(job, reason, token, events)
-            return None
-        if job.constraint is not None:
-            job.constraint.accept(token)
-        job.tokens.append(token)
-        job.sampler.accept(token)
-        if job.healing:
-            job.healing = self.healer.remaining(job.healing, (token,))
-        delta = job.text.push([token])
-        if delta.banned is not None:
-            return self._rewind(job, delta.banned, token, logits)
-        # Tokens are streamed with their text: the stream releases the oldest `released` of the
-        # tokens it holds (this one included, unless it may be the start of a banned string).
-        if not job.held and delta.released == 1:  # nothing held back: the usual case
-            logprobs = () if logprob is None else (logprob,)
-            events.append(TokensGenerated(job.job_id, spec.identifier, delta.text, (token,), logprobs))
-        else:
-            # A token that may start a banned string keeps its logits row, to be sampled again.
-            kept = logits if job.text.held > 0 else None
-            job.held.append(HeldToken(token, logprob, None if kept is None else kept.clone()))
-            out = job.held[: delta.released]
-            del job.held[: delta.released]
-            if out or delta.text:
-                events.append(self._released(job, delta.text, out))
-        if delta.stop_string is not None:
-            events.append(self._finish(job, StopReason.STOP_STRING, None, delta.stop_string, ""))
-        elif job.constraint is not None and job.constraint.complete:
-            self._finish_releasing(job, StopReason.GRAMMAR, None, events)
-        elif job.new_tokens >= spec.max_new_tokens:
-            self._finish_releasing(job, StopReason.MAX_NEW_TOKENS, None, events)
-        return None
-
-    def _finish_releasing(
-        self, job: JobState, reason: StopReason, token: int | None, events: list[JobEvent]
-    ) -> None:
-        """Finish a job that no stop string ended: its held text, and held tokens, are final now."""
-        text = job.text.finish()
-        if job.held:
-            held, job.held = job.held, []
-            events.append(self._released(job, text, held))
-            text = ""
-        events.append(self._finish(job, reason, token, None, text))
-
-    @staticmethod
-    def _released(job: JobState, text: str, held: list[HeldToken]) -> TokensGenerated:
-        """The event streaming held tokens with the text they complete."""
-        logprobs = tuple(h.logprob for h in held if h.logprob is not None)
-        return TokensGenerated(job.job_id, job.spec.identifier, text, tuple(h.token for h in held), logprobs)
-
-    def _rewind(
-        self, job: JobState, match: BannedMatch, token: int, logits: torch.Tensor | None
-    ) -> tuple[int, TokenLogprob | None, torch.Tensor]:
-        """A banned string completed: take the job back to before output token `match.token`, ban
-        that token at that position, and sample the position again from its kept logits row."""
-        if job.rewinds >= MAX_REWINDS:
-            raise InvalidRequestError(
-                f"banned strings: gave up after {MAX_REWINDS} rewinds (the model keeps writing "
-                f"{match.string!r}); remove the ban or change the prompt"
-            )
-        job.rewinds += 1
-        position = match.token
-        # The stream holds job.held plus `token` (pushed last, not in job.held yet).
-        k = position - (job.new_tokens - len(job.held) - 1)
-        if k == len(job.held):
-            first, row = token, logits
-        else:
-            first, row = job.held[k].token, job.held[k].logits
-        if row is None:
-            raise RuntimeError("a banned string matched at a token sampled without its logits row")
-        keep = job.prompt_len + position
-        dropped = len(job.tokens) - keep
-        job.text.rewind(position)
-        del job.held[k:]
-        del job.tokens[keep:]
-        job.sampler.rewind(job.tokens[job.prompt_len :])
-        if job.heal is not None:
-            job.healing = self.healer.remaining(job.heal.removed, job.tokens[job.prompt_len :])
-        if job.constraint is not None:
-            job.constraint.rollback(dropped)
-        self._truncate_cache(job, keep)
-        # Bans further on were made after another prefix: they no longer apply.
-        bans = {p: b for p, b in job.position_bans.items() if p < position}
-        bans[position] = job.position_bans.get(position, frozenset()) | {first}
-        job.position_bans = bans
-        allowed = None
-        if job.constraint is not None:
-            allowed = token_bitmask([job.constraint], self.model.config.vocab_size)[0]
-        request = self._sample_request(job, allowed=allowed)
-        (result,) = self.sampler.sample(row.unsqueeze(0), [request])
-        t = result.token_id
-        # With every token banned or masked, the sampler falls back past the bans (or to token 0).
-        if t in bans[position] or (
-            request.allowed is not None and not int(request.allowed[t // 32]) >> (t % 32) & 1
-        ):
-            raise InvalidRequestError(
-                f"banned strings leave no token to write at output position {position} "
-                f"(every allowed token starts {match.string!r})"
-            )
-        return result.token_id, result.logprob, row
 
     def _truncate_cache(self, job: JobState, keep: int) -> None:
         """Take the job's K/V back to its first `keep` tokens (the scheduler's truncate)."""
         if not self.scheduler.truncate(job, keep, self.cache.copy_prefix):
             self._on_preempt(job)
-        self._forget_drafts(job)  # its drafter state saw the tokens taken back
-
-    def _rewind_drafts(self, job: JobState, positions: list[int]) -> None:
-        """A drafter keyed by pages forgets what it saw past a page the scheduler swapped."""
-        if self.drafter is not None:
-            for position in positions:
-                self.drafter.rewind(job.job_id, position)
+        self.speculation.forget(job)  # its drafter state saw the tokens taken back
 
     def _on_preempt(self, job: JobState) -> None:
-        self._forget_drafts(job)  # the scheduler has sent it back to the queue
-
-    def _forget_drafts(self, job: JobState) -> None:
-        if self.drafter is None:
-            return
-        try:
-            self.drafter.forget(job.job_id)
-        except Exception:
-            # Its per-job state may linger; every job, this one included, can still run.
-            logger.exception("job %s: the drafter failed to forget it", job.job_id[:8])
+        self.speculation.forget(job)  # the scheduler has sent it back to the queue
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -798,7 +530,7 @@ class DynamicGenerator:
         except Exception:
             # The scheduler has let go of the job; only its pages' release failed.
             logger.exception("job %s: releasing its pages failed", job.job_id[:8])
-        self._forget_drafts(job)
+        self.speculation.forget(job)
         return finished
 
     # -- convenience ---------------------------------------------------------------------------

@@ -1,0 +1,179 @@
+"""Speculative decoding inside the generator's iteration, around a drafter (speculative.py).
+
+Before scheduling, `plan` gives each decoding job its draft budget (through the scheduler,
+which owns it: the step must hold pages for the drafts too); after scheduling, `draft` asks
+the drafter for the scheduled jobs' drafts and widens their chunks to carry them; after the
+forward, `verify` keeps the acceptable prefix of a draft plus one token of the target's own,
+takes those tokens (token_intake.py) and tells the scheduler how far the cache is valid.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from engine.constraints import mask_words
+from engine.job_state import JobState
+from engine.jobs import JobEvent, JobStage
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.speculation_config import SpeculationConfig
+from engine.speculative import Draft, Drafter, DraftRequest, accept_greedy, accept_sampled
+from engine.token_intake import TokenIntake
+
+logger = logging.getLogger(__name__)
+
+# contain(job, where, exception, events): fail that job alone (the generator's containment)
+Contain = Callable[[JobState, str, Exception, list[JobEvent]], None]
+
+
+class SpeculationStep:
+    def __init__(
+        self,
+        config: SpeculationConfig,
+        drafter: Drafter | None,
+        scheduler: Scheduler,
+        intake: TokenIntake,
+        sampler: Sampler,
+        vocab_size: int,
+        contain: Contain,
+    ) -> None:
+        self._config = config
+        self.drafter = drafter
+        self._scheduler = scheduler
+        self._intake = intake
+        self._sampler = sampler
+        self._vocab_size = vocab_size
+        self._contain = contain
+        self.accepted = 0  # draft tokens accepted, over all jobs
+        self.rejected = 0
+
+    def _speculates(self, job: JobState) -> bool:
+        s = job.spec.sampling
+        # Penalties depend on every earlier token, drafts included, and logprobs are reported
+        # per sampled token: such jobs decode one token at a time.
+        return (
+            job.decoding
+            and not job.spec.return_logprobs
+            and s.repetition_penalty == 1.0
+            and s.frequency_penalty == 0.0
+            and s.presence_penalty == 0.0
+            and not job.spec.banned_strings  # a rewind needs each held token's own logits row
+            and not job.healing  # its next token is held to the prompt's taken-back text
+        )
+
+    def plan(self) -> None:
+        """Decide how many draft tokens each decoding job may verify in the next step."""
+        if self.drafter is None:
+            return  # budgets stay 0: no per-job work in the loop when speculation is off
+        spec = self._config
+        active = len(self._scheduler.running) <= spec.max_batch_size
+        for job in self._scheduler.running:
+            left = job.spec.max_new_tokens - job.new_tokens - 1  # the verify step adds one token of its own
+            budget = min(spec.num_draft_tokens, left) if active and self._speculates(job) else 0
+            self._scheduler.set_draft_budget(job, budget)
+
+    def draft(self, chunks: list[ScheduledChunk], events: list[JobEvent]) -> list[ScheduledChunk]:
+        """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to them."""
+        # Only a decode step verifies drafts; a prefill chunk (e.g. of a re-admitted job) never does.
+        wanting = [c for c in chunks if c.job.draft_budget > 0 and c.num_tokens > 1 and c.job.decoding]
+        if self.drafter is None or not wanting:
+            return chunks
+        drafter = self.drafter
+        requests = [DraftRequest(c.job.job_id, c.job.tokens, c.job.pages, c.num_tokens - 1) for c in wanting]
+        drafts: dict[int, Draft] = {}
+        try:
+            drafts = dict(zip((id(c) for c in wanting), drafter.propose(requests), strict=True))
+        except Exception as exc:
+            if len(wanting) > 1:
+                logger.warning(
+                    "drafting for %d jobs failed (%s); drafting one at a time",
+                    len(wanting),
+                    type(exc).__name__,
+                )
+            for c, request in zip(wanting, requests, strict=True):
+                try:
+                    (drafts[id(c)],) = drafter.propose([request])
+                except Exception as exc:
+                    self._contain(c.job, "drafting", exc, events)
+        out = []
+        for c in chunks:
+            if c.job.stage is JobStage.FINISHED:
+                continue  # failed while drafting
+            draft = drafts.get(id(c))
+            if draft is None:
+                out.append(c)
+            else:
+                out.append(ScheduledChunk(c.job, 1 + len(draft.tokens), draft.tokens))
+        return out
+
+    def verify(
+        self, job: JobState, draft: tuple[int, ...], logits: torch.Tensor, events: list[JobEvent]
+    ) -> None:
+        """Keep the acceptable prefix of `draft` plus one token of the target's own."""
+        drafted = len(draft)
+        masks: list[torch.Tensor | None] = [None] * (drafted + 1)
+        if job.constraint is not None:
+            draft, masks = self._grammar_masks(job, draft)
+            logits = logits[: len(draft) + 1]
+        requests = [
+            self._intake.sample_request(job, ahead=i, allowed=masks[i]) for i in range(len(draft) + 1)
+        ]
+        probs = self._sampler.processed_probs(logits, requests)
+        if job.spec.sampling.greedy:
+            choice = probs.argmax(dim=-1).tolist()
+            accepted = accept_greedy(choice, draft)
+            bonus = int(choice[accepted])
+        else:
+            accepted, dist = accept_sampled(probs, Draft(draft), job.sampler.generator)
+            bonus = self._sampler.draw(dist, job.sampler)
+        job.accepted_drafts += accepted
+        job.rejected_drafts += drafted - accepted
+        self.accepted += accepted
+        self.rejected += drafted - accepted
+        base = job.computed
+        for token in (*draft[:accepted], bonus):
+            self._intake.accept(job, token, None, events)
+            if job.stage is JobStage.FINISHED:
+                return
+        # K/V are valid for the last token and the accepted drafts only.
+        self.rewind(job, self._scheduler.advance(job, base + 1 + accepted))
+
+    def _grammar_masks(
+        self, job: JobState, draft: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], list[torch.Tensor | None]]:
+        """A constrained job's draft cut where its grammar refuses a token, and the grammar's mask
+        at each position of what is left (plus the bonus position). The matcher walks the draft
+        and is rolled back: only tokens taken by `_accept` advance it."""
+        c = job.constraint
+        assert c is not None
+        bitmask = torch.zeros((len(draft) + 1, mask_words(self._vocab_size)), dtype=torch.int32)
+        c.fill(bitmask, 0)
+        taken = 0
+        for token in draft:
+            if not c.try_accept(token):
+                break
+            taken += 1
+            if c.complete:  # the job ends with this token; the bonus is never taken
+                bitmask[taken] = -1
+                break
+            c.fill(bitmask, taken)
+        c.rollback(taken)
+        return draft[:taken], list(bitmask[: taken + 1])
+
+    def rewind(self, job: JobState, positions: list[int]) -> None:
+        """A drafter keyed by pages forgets what it saw past a page the scheduler swapped."""
+        if self.drafter is not None:
+            for position in positions:
+                self.drafter.rewind(job.job_id, position)
+
+    def forget(self, job: JobState) -> None:
+        if self.drafter is None:
+            return
+        try:
+            self.drafter.forget(job.job_id)
+        except Exception:
+            # Its per-job state may linger; every job, this one included, can still run.
+            logger.exception("job %s: the drafter failed to forget it", job.job_id[:8])

@@ -1,0 +1,198 @@
+"""Token intake: what becomes of each token a job samples, on the generator thread.
+
+A sampled token is taken (the stop token and EOS checks, the grammar, the text stream with its
+stop strings and held text), streamed as TokensGenerated with the text it completes, or held
+while it may still start a banned string; a banned string that completes rewinds the job past
+its first token, bans that token at that position and samples the position again from its
+kept logits row. Stop conditions end the job through the generator's `finish` (which releases
+its pages through the scheduler); a rewind takes the cache back through `truncate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.constraints import token_bitmask
+from engine.errors import InvalidRequestError
+from engine.job_state import HeldToken, JobState
+from engine.jobs import JobEvent, JobFinished, StopReason, TokenLogprob, TokensGenerated
+from engine.sampler import Sampler, SampleRequest
+from engine.text_stream import BannedMatch
+from engine.token_healing import TokenHealer
+
+# A job whose banned strings keep matching gives up (StopReason.ERROR) after this many rewinds:
+# each costs a sampler call, and a model set on a banned string could otherwise loop for long.
+MAX_REWINDS = 256
+
+# finish(job, reason, stop token, stop string, final text) -> the job's JobFinished
+Finish = Callable[[JobState, StopReason, int | None, str | None, str], JobFinished]
+
+
+class TokenIntake:
+    def __init__(
+        self,
+        sampler: Sampler,
+        healer: TokenHealer,
+        eos: frozenset[int],
+        vocab_size: int,
+        finish: Finish,
+        truncate: Callable[[JobState, int], None],
+    ) -> None:
+        self._sampler = sampler
+        self._healer = healer
+        self._eos = eos
+        self._vocab_size = vocab_size
+        self._end = finish
+        self._truncate = truncate
+
+    def sample_request(
+        self, job: JobState, ahead: int = 0, allowed: torch.Tensor | None = None
+    ) -> SampleRequest:
+        """The request for the job's next token (`ahead` tokens further on, when verifying drafts);
+        `allowed`: its grammar's token mask."""
+        spec = job.spec
+        position = job.new_tokens + ahead
+        banned: frozenset[int] = frozenset()
+        if position < spec.min_new_tokens:
+            banned = spec.stop_token_ids | (frozenset() if spec.ignore_eos else self._eos)
+        if job.position_bans:
+            banned |= job.position_bans.get(position, frozenset())
+        if job.constraint is not None and allowed is None:
+            raise RuntimeError("a constrained job must not sample without its token mask")
+        if job.healing:
+            if ahead:
+                raise RuntimeError("a job still healing its prompt's last word must not verify drafts")
+            allowed = self._healer.mask(job.healing)
+        return SampleRequest(job.sampler, banned, spec.return_logprobs, spec.top_logprobs, allowed)
+
+    def accept(
+        self,
+        job: JobState,
+        token: int,
+        logprob: TokenLogprob | None,
+        events: list[JobEvent],
+        logits: torch.Tensor | None = None,
+    ) -> None:
+        """Take one new token of the job (`logits`: the row it was sampled from): stream its text,
+        finish the job on a stop condition, or rewind past a banned string and take another."""
+        again = self._take(job, token, logprob, logits, events)
+        while again is not None:
+            again = self._take(job, *again, events)
+
+    def _take(
+        self,
+        job: JobState,
+        token: int,
+        logprob: TokenLogprob | None,
+        logits: torch.Tensor | None,
+        events: list[JobEvent],
+    ) -> tuple[int, TokenLogprob | None, torch.Tensor] | None:
+        """`_accept` for one token; returns the token sampled again after a rewind, if there was one."""
+        spec = job.spec
+        now = time.perf_counter()
+        if job.first_token_at is None:
+            job.first_token_at = now
+        if token in spec.stop_token_ids or (not spec.ignore_eos and token in self._eos):
+            reason = StopReason.STOP_TOKEN if token in spec.stop_token_ids else StopReason.EOS
+            self._finish_releasing(job, reason, token, events)
+            return None
+        if job.constraint is not None:
+            job.constraint.accept(token)
+        job.tokens.append(token)
+        job.sampler.accept(token)
+        if job.healing:
+            job.healing = self._healer.remaining(job.healing, (token,))
+        delta = job.text.push([token])
+        if delta.banned is not None:
+            return self._rewind(job, delta.banned, token, logits)
+        # Tokens are streamed with their text: the stream releases the oldest `released` of the
+        # tokens it holds (this one included, unless it may be the start of a banned string).
+        if not job.held and delta.released == 1:  # nothing held back: the usual case
+            logprobs = () if logprob is None else (logprob,)
+            events.append(TokensGenerated(job.job_id, spec.identifier, delta.text, (token,), logprobs))
+        else:
+            # A token that may start a banned string keeps its logits row, to be sampled again.
+            kept = logits if job.text.held > 0 else None
+            job.held.append(HeldToken(token, logprob, None if kept is None else kept.clone()))
+            out = job.held[: delta.released]
+            del job.held[: delta.released]
+            if out or delta.text:
+                events.append(self._released(job, delta.text, out))
+        if delta.stop_string is not None:
+            events.append(self._end(job, StopReason.STOP_STRING, None, delta.stop_string, ""))
+        elif job.constraint is not None and job.constraint.complete:
+            self._finish_releasing(job, StopReason.GRAMMAR, None, events)
+        elif job.new_tokens >= spec.max_new_tokens:
+            self._finish_releasing(job, StopReason.MAX_NEW_TOKENS, None, events)
+        return None
+
+    def _finish_releasing(
+        self, job: JobState, reason: StopReason, token: int | None, events: list[JobEvent]
+    ) -> None:
+        """Finish a job that no stop string ended: its held text, and held tokens, are final now."""
+        text = job.text.finish()
+        if job.held:
+            held, job.held = job.held, []
+            events.append(self._released(job, text, held))
+            text = ""
+        events.append(self._end(job, reason, token, None, text))
+
+    @staticmethod
+    def _released(job: JobState, text: str, held: list[HeldToken]) -> TokensGenerated:
+        """The event streaming held tokens with the text they complete."""
+        logprobs = tuple(h.logprob for h in held if h.logprob is not None)
+        return TokensGenerated(job.job_id, job.spec.identifier, text, tuple(h.token for h in held), logprobs)
+
+    def _rewind(
+        self, job: JobState, match: BannedMatch, token: int, logits: torch.Tensor | None
+    ) -> tuple[int, TokenLogprob | None, torch.Tensor]:
+        """A banned string completed: take the job back to before output token `match.token`, ban
+        that token at that position, and sample the position again from its kept logits row."""
+        if job.rewinds >= MAX_REWINDS:
+            raise InvalidRequestError(
+                f"banned strings: gave up after {MAX_REWINDS} rewinds (the model keeps writing "
+                f"{match.string!r}); remove the ban or change the prompt"
+            )
+        job.rewinds += 1
+        position = match.token
+        # The stream holds job.held plus `token` (pushed last, not in job.held yet).
+        k = position - (job.new_tokens - len(job.held) - 1)
+        if k == len(job.held):
+            first, row = token, logits
+        else:
+            first, row = job.held[k].token, job.held[k].logits
+        if row is None:
+            raise RuntimeError("a banned string matched at a token sampled without its logits row")
+        keep = job.prompt_len + position
+        dropped = len(job.tokens) - keep
+        job.text.rewind(position)
+        del job.held[k:]
+        del job.tokens[keep:]
+        job.sampler.rewind(job.tokens[job.prompt_len :])
+        if job.heal is not None:
+            job.healing = self._healer.remaining(job.heal.removed, job.tokens[job.prompt_len :])
+        if job.constraint is not None:
+            job.constraint.rollback(dropped)
+        self._truncate(job, keep)
+        # Bans further on were made after another prefix: they no longer apply.
+        bans = {p: b for p, b in job.position_bans.items() if p < position}
+        bans[position] = job.position_bans.get(position, frozenset()) | {first}
+        job.position_bans = bans
+        allowed = None
+        if job.constraint is not None:
+            allowed = token_bitmask([job.constraint], self._vocab_size)[0]
+        request = self.sample_request(job, allowed=allowed)
+        (result,) = self._sampler.sample(row.unsqueeze(0), [request])
+        t = result.token_id
+        # With every token banned or masked, the sampler falls back past the bans (or to token 0).
+        if t in bans[position] or (
+            request.allowed is not None and not int(request.allowed[t // 32]) >> (t % 32) & 1
+        ):
+            raise InvalidRequestError(
+                f"banned strings leave no token to write at output position {position} "
+                f"(every allowed token starts {match.string!r})"
+            )
+        return result.token_id, result.logprob, row
