@@ -1,7 +1,9 @@
 """`python -m benchmarks quality`: what each quantized mode costs in model quality.
 
-For each linear plan: perplexity of the shipped model on English prose, and teacher-forced
-top-1 agreement with the float32 path (the file's weights dequantized). The text ships
+For each linear plan: perplexity of the shipped model on English prose, and, teacher-forced,
+the mean KL divergence from the float32 path (the file's weights dequantized) and top-1
+agreement with it; and llama.cpp's same figures on the same file and text
+(quality_llamacpp.py) where the peers' llama.cpp build exists. The text ships
 with Python itself: the prose paragraphs of the standard library's `pydoc_data.topics`
 (the language reference's explanations, code examples and grammar left out), cut into
 windows scored one forward each. A mode passes the gate, and may be chosen by
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks import quality_llamacpp
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
 from engine.kv_cache import KVCacheKind
@@ -60,15 +63,26 @@ def prose() -> str:
     return "\n\n".join(dict.fromkeys(keep))  # some topics repeat paragraphs
 
 
-@dataclass(frozen=True)
+@dataclass
 class Score:
-    nll_sum: float
-    tokens: int
-    argmax: torch.Tensor  # [scored tokens] int64
+    """One plan's running totals over the scored tokens."""
+
+    nll_sum: float = 0.0
+    kld_sum: float = 0.0  # KL(float path || this plan) per token, summed
+    agree: int = 0  # tokens whose argmax equals the float path's
+    tokens: int = 0
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll_sum / self.tokens)
+
+    @property
+    def kld(self) -> float:
+        return self.kld_sum / self.tokens
+
+    @property
+    def top1(self) -> float:
+        return self.agree / self.tokens
 
 
 def windows(ids: list[int], tokens: int) -> Iterator[list[int]]:
@@ -76,22 +90,33 @@ def windows(ids: list[int], tokens: int) -> Iterator[list[int]]:
         yield ids[start : start + WINDOW]
 
 
-def score(model: LlamaModel, ids: list[int], tokens: int, kv: KVCacheKind = KVCacheKind.FLOAT) -> Score:
-    pages = WINDOW // PAGE_SIZE
-    cache = model.new_cache(num_pages=pages, page_size=PAGE_SIZE, kind=kv)
-    table = [PageId(p) for p in range(pages)]
-    nll = 0.0
-    count = 0
-    argmax: list[torch.Tensor] = []
-    for window in windows(ids, tokens):
+class Scorer:
+    """One plan's model and cache, scoring a window at a time (every plan sees each window in
+    turn, so its log-probabilities meet the float path's without keeping all of them)."""
+
+    def __init__(self, model: LlamaModel, kv: KVCacheKind = KVCacheKind.FLOAT) -> None:
+        self.model = model
+        self.cache = model.new_cache(num_pages=WINDOW // PAGE_SIZE, page_size=PAGE_SIZE, kind=kv)
+        self.score = Score()
+        self.seconds = 0.0
+
+    def log_probs(self, window: list[int]) -> torch.Tensor:
+        """[len(window) - 1, vocab]: position i's log-probabilities of token i + 1."""
+        t0 = time.perf_counter()
+        table = [PageId(p) for p in range(WINDOW // PAGE_SIZE)]
         seq = SequenceInput(window, 0, table, logit_positions=len(window))
-        batch = ForwardBatch.build([seq], PAGE_SIZE, model.device)
-        logits = model.forward(batch, cache)[:-1]  # position i predicts token i + 1
+        batch = ForwardBatch.build([seq], PAGE_SIZE, self.model.device)
+        out = torch.log_softmax(self.model.forward(batch, self.cache)[:-1].float(), dim=-1)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def add(self, window: list[int], mine: torch.Tensor, reference: torch.Tensor) -> None:
         target = torch.tensor(window[1:])
-        nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
-        count += len(window) - 1
-        argmax.append(logits.argmax(-1))
-    return Score(nll, count, torch.cat(argmax))
+        s = self.score
+        s.nll_sum -= float(mine.gather(1, target[:, None]).sum())
+        s.kld_sum += float((reference.exp() * (reference - mine)).sum())
+        s.agree += int((mine.argmax(-1) == reference.argmax(-1)).sum())
+        s.tokens += len(window) - 1
 
 
 def exactness(source: GGUFSource, tensors: dict[str, torch.Tensor], stored: dict[str, Int4Groups]) -> str:
@@ -149,24 +174,28 @@ def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
         "",
         f"CPU: {cpu.summary()}",
         "",
-        "| plan | linears | perplexity | vs float | top-1 agreement | gate (<= +1%) | seconds |",
-        "| --- | --- | ---: | ---: | ---: | --- | ---: |",
+        "| plan | linears | perplexity | vs float | mean KL divergence | top-1 agreement | gate (<= +1%) | seconds |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
-    reference: Score | None = None
-    for label, plan, kv in plans:
-        model = LlamaModel(source.config, tensors, plan=plan, stored_int4=stored)
-        t0 = time.perf_counter()
-        s = score(model, ids, tokens, kv)
-        seconds = time.perf_counter() - t0
-        reference = reference or s
-        rel = s.perplexity / reference.perplexity - 1
-        agree = float((s.argmax == reference.argmax).float().mean())
+    scorers = [
+        (label, Scorer(LlamaModel(source.config, tensors, plan=plan, stored_int4=stored), kv), kv)
+        for label, plan, kv in plans
+    ]
+    for window in windows(ids, tokens):
+        reference = scorers[0][1].log_probs(window)  # the float path, first in `plans`
+        for _, scorer, _ in scorers:
+            mine = reference if scorer is scorers[0][1] else scorer.log_probs(window)
+            scorer.add(window, mine, reference)
+    base = scorers[0][1].score.perplexity
+    for label, scorer, kv in scorers:
+        s = scorer.score
+        rel = s.perplexity / base - 1
         gate = "pass" if rel <= GATE else "FAIL"
-        what = model.describe() + ("; kv cache int8" if kv is int8_kv else "")
+        what = scorer.model.describe() + ("; kv cache int8" if kv is int8_kv else "")
         lines.append(
-            f"| {label} | {what} | {s.perplexity:.3f} | {rel * 100:+.2f}% | {agree * 100:.1f}% "
-            f"| {gate} | {seconds:.0f} |"
+            f"| {label} | {what} | {s.perplexity:.3f} | {rel * 100:+.2f}% | {s.kld:.4f} | {s.top1 * 100:.1f}% "
+            f"| {gate} | {scorer.seconds:.0f} |"
         )
-        del model
+    lines.append(quality_llamacpp.row(path, prose(), tokens))
     lines += ["", exactness(source, tensors, stored)]
     return "\n".join(lines)
