@@ -85,12 +85,14 @@ def measure(model: Path, text: str, tokens: int, cache: Path | None = None) -> L
 
 def row(model: Path, text: str, tokens: int) -> str:
     """The quality table's llama.cpp row (its columns: plan, linears, perplexity, vs float, KLD,
-    top-1, gate, seconds), or a row saying why there is none."""
+    top-1, the same over second halves, gate, seconds), or a row saying why there is none. Its
+    figures are over second halves of windows: they go in both places."""
     try:
         q = measure(model, text, tokens)
     except (PeerError, OSError, subprocess.SubprocessError) as exc:
-        return f"| llama.cpp Q4_1 | not measured: {str(exc).splitlines()[0]} | | | | | | |"
+        return f"| llama.cpp Q4_1 | not measured: {str(exc).splitlines()[0]} | | | | | | | |"
     return (
-        f"| llama.cpp Q4_1 (vs its own F32 of the file; its windows) | the file's blocks | {q.ppl:.3f} "
-        f"| {(q.ppl_ratio - 1) * 100:+.2f}% | {q.kld:.4f} | {q.top1 * 100:.1f}% | | |"
+        f"| llama.cpp Q4_1 (vs its own F32 of the file; second halves of its windows) | the file's blocks "
+        f"| {q.ppl:.3f} | {(q.ppl_ratio - 1) * 100:+.2f}% | {q.kld:.4f} | {q.top1 * 100:.1f}% "
+        f"| {q.kld:.4f}, {q.top1 * 100:.1f}% | | |"
     )
