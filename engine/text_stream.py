@@ -105,6 +105,9 @@ class TextStream:
         self._pushed = 0  # output tokens pushed and not rewound
         self._must_rewind = False
         self._closed = False
+        # The stop string the held-back text completed at finish (text held for a banned string
+        # that might follow reaches the stop strings only then); None when it completed none.
+        self.finish_stop: str | None = None
 
     @property
     def held(self) -> int:
@@ -160,7 +163,8 @@ class TextStream:
         self._must_rewind = False
 
     def finish(self) -> str:
-        """Release the held-back text at the end of a job that no stop string ended."""
+        """Release the held-back text at the end of a job that no stop string ended so far. That
+        text may complete a stop string after all (`finish_stop`): it is cut there."""
         if self._closed:
             return ""
         self._closed = True
@@ -172,6 +176,7 @@ class TextStream:
             cut = min((i for s in self._bans.strings if (i := tail.find(s)) >= 0), default=len(tail))
             tail = tail[:cut]
         released, stop = self._stops.feed(tail)
+        self.finish_stop = stop
         return released if stop is not None else released + self._stops.release()
 
     def _skipped(self, piece: str) -> str:

@@ -132,13 +132,17 @@ class TokenIntake:
     def _finish_releasing(
         self, job: JobState, reason: StopReason, token: int | None, events: list[JobEvent]
     ) -> None:
-        """Finish a job that no stop string ended: its held text, and held tokens, are final now."""
+        """Finish a job that no stop string ended: its held text, and held tokens, are final now.
+        A stop string that text completes after all ends the job as a stop string would."""
         text = job.text.finish()
+        stop = job.text.finish_stop
+        if stop is not None:
+            reason, token = StopReason.STOP_STRING, None
         if job.held:
             held, job.held = job.held, []
             events.append(self._released(job, text, held))
             text = ""
-        events.append(self._end(job, reason, token, None, text))
+        events.append(self._end(job, reason, token, stop, text))
 
     @staticmethod
     def _released(job: JobState, text: str, held: list[HeldToken]) -> TokensGenerated:

@@ -61,6 +61,8 @@ def _simulate(tok: HFTokenizer, candidates: list[int], bans: list[str], stops: l
     if stopped is None:
         streamed.append(stream.finish())
         released += stream.held  # finish releases every held token
+        # Text held for a possible banned string meets the stop strings only at finish.
+        stopped = stream.finish_stop
     text = "".join(streamed)
     for ban in bans:
         assert ban not in text
@@ -284,3 +286,11 @@ def test_banned_jobs_under_preemption_match_an_unpressed_run(smollm: LoadedModel
     assert all(b not in t for t in got for b in bans)
     stats = tight.stats()
     assert stats.pages_used == 0 and stats.running == 0
+
+
+def test_a_stop_string_completed_in_text_held_for_a_ban_ends_the_stream_at_finish(real: HFTokenizer) -> None:
+    """'.' may start the banned '.a', so it is held; at finish it completes the stop string 'c.'."""
+    stream = TextStream(real, ["c."], True, [".a"])
+    ids = real.encode("c.", add_special_tokens=False)
+    assert "".join(stream.push([t]).text for t in ids) == ""
+    assert stream.finish() == "" and stream.finish_stop == "c."
