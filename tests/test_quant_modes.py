@@ -17,7 +17,7 @@ from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_model
-from engine.model.quantization import LinearPlan, QuantMode, plan_for
+from engine.model.quantization import LinearPlan, LinearRole, QuantMode, plan_for
 from kernels.cpu_features import cpu_features
 from kernels.linear import LinearKind
 from kernels.native_library import native_library, native_unavailable_reason
@@ -103,3 +103,17 @@ def test_load_model_takes_the_mode(tmp_path: Path) -> None:
     loaded = load_model(_write(tmp_path, QType.Q4_0), progress=False, quant=QuantMode.INT8)
     assert loaded.model.plan == plan_for(QuantMode.INT8, cpu_features())
     assert "qkv int8" in loaded.model.describe()
+
+
+def test_auto_chooses_the_body_among_block_kinds_where_native() -> None:
+    """So every decode step can run each layer as one native call (all four projections block linears)."""
+    cpu = cpu_features()
+    native = plan_for(QuantMode.AUTO, cpu, native=True)
+    body = (LinearRole.QKV, LinearRole.OUT, LinearRole.GATE_UP, LinearRole.DOWN)
+    for role in body:
+        assert native.candidates(role) == (LinearKind.INT4_Q8, LinearKind.INT8_Q8)
+    assert LinearKind.INT8_Q8 in native.candidates(LinearRole.HEAD)
+    elsewhere = plan_for(QuantMode.AUTO, cpu, native=False)
+    for role in body:
+        assert not {LinearKind.INT4_Q8, LinearKind.INT8_Q8} & set(elsewhere.candidates(role))
+        assert len(elsewhere.candidates(role)) > 1
