@@ -47,15 +47,9 @@ class CacheShape:
 
     def bytes_per_token(self, dtype: torch.dtype, kind: KVCacheKind = KVCacheKind.FLOAT) -> int:
         """K and V of one token over all layers, scales included; `dtype` is the model's."""
-        match kind:
-            case KVCacheKind.FLOAT:
-                per_head = self.head_dim * _elem(dtype)
-            case KVCacheKind.FLOAT16:
-                per_head = self.head_dim * _elem(torch.float16)
-            case KVCacheKind.INT8:
-                per_head = self.head_dim * _elem(torch.int8) + _elem(KV_SCALE_DTYPE)
-            case _:
-                assert_never(kind)
+        per_head = self.head_dim * _elem(storage_dtype(kind, dtype))
+        if kind is KVCacheKind.INT8:
+            per_head += _elem(KV_SCALE_DTYPE)
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
     def pages_within(
@@ -63,6 +57,19 @@ class CacheShape:
     ) -> int:
         """Whole pages of this geometry that fit in `budget_bytes` (num_pages is ignored)."""
         return budget_bytes // (self.page_size * self.bytes_per_token(dtype, kind))
+
+
+def storage_dtype(kind: KVCacheKind, dtype: torch.dtype) -> torch.dtype:
+    """What a cache of `kind` stores K/V as, for a model computing in `dtype`."""
+    match kind:
+        case KVCacheKind.FLOAT:
+            return dtype
+        case KVCacheKind.FLOAT16:
+            return torch.float16
+        case KVCacheKind.INT8:
+            return torch.int8
+        case _:
+            assert_never(kind)
 
 
 def _zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -93,7 +100,7 @@ class PagedKVCache:
         self.dtype = dtype
         self.kind = kind
         dims = (shape.num_layers, shape.num_pages, shape.num_kv_heads, shape.page_size, shape.head_dim)
-        store = {KVCacheKind.INT8: torch.int8, KVCacheKind.FLOAT16: torch.float16}.get(kind, dtype)
+        store = storage_dtype(kind, dtype)
         self.k = _zeroed(dims, store, device)
         self.v = _zeroed(dims, store, device)
         self.k_scale: torch.Tensor | None = None

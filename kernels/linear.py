@@ -41,30 +41,31 @@ def make_linear(
     quantize it from float32, except the INT4 kinds with `stored` groups (a file's 4-bit
     blocks), which are used exactly as they are and need no `weight` (None).
     """
-    if stored is not None and kind is LinearKind.INT4:
-        return Int4Linear(stored, bias, from_file=True)
-    if kind in (LinearKind.INT4_Q8, LinearKind.INT8_Q8):
-        lib = native_library()
-        if lib is None:
-            raise RuntimeError(f"{kind.value} needs the native kernels: {native_unavailable_reason()}")
-        if stored is not None and kind is LinearKind.INT4_Q8:
-            return Int4BlockLinear(lib, stored, bias, from_file=True)
-    if weight is None:
-        raise ValueError(f"{kind.value} needs the float weight")
+
+    def float_weight() -> torch.Tensor:
+        if weight is None:
+            raise ValueError(f"{kind.value} needs the float weight")
+        return weight
+
+    def groups() -> Int4Groups:
+        return stored if stored is not None else Int4Groups.quantize(float_weight())
+
     match kind:
         case LinearKind.FLOAT:
-            return FloatLinear(weight, bias)
+            return FloatLinear(float_weight(), bias)
         case LinearKind.INT8_WEIGHT:
-            return Int8WeightLinear.quantize(weight, bias)
+            return Int8WeightLinear.quantize(float_weight(), bias)
         case LinearKind.INT8_DYNAMIC:
             features = cpu if cpu is not None else cpu_features()
-            return Int8DynamicLinear(weight, bias, reduce_range=not features.vnni)
+            return Int8DynamicLinear(float_weight(), bias, reduce_range=not features.vnni)
         case LinearKind.INT4:
-            return Int4Linear(Int4Groups.quantize(weight), bias)
+            return Int4Linear(groups(), bias, from_file=stored is not None)
         case LinearKind.INT4_Q8 | LinearKind.INT8_Q8:
-            assert lib is not None  # checked above
+            lib = native_library()
+            if lib is None:
+                raise RuntimeError(f"{kind.value} needs the native kernels: {native_unavailable_reason()}")
             if kind is LinearKind.INT8_Q8:
-                return Int8BlockLinear(lib, weight, bias)
-            return Int4BlockLinear(lib, Int4Groups.quantize(weight), bias)
+                return Int8BlockLinear(lib, float_weight(), bias)
+            return Int4BlockLinear(lib, groups(), bias, from_file=stored is not None)
         case _:
             assert_never(kind)

@@ -97,14 +97,14 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     settings = EngineSettings(
-        args.model,
-        args.dtype,
-        args.quant,
-        args.page_size,
-        args.cache_tokens,
-        args.kv_cache,
-        args.max_batch_size,
-        args.chunk_size,
+        model=args.model,
+        dtype=args.dtype,
+        quant=args.quant,
+        page_size=args.page_size,
+        cache_tokens=args.cache_tokens,
+        kv_cache=args.kv_cache,
+        max_batch_size=args.max_batch_size,
+        chunk_size=args.chunk_size,
     )
     loaded, generator = build_engine(settings, speculation_from_args(args), progress=not args.quiet)
     if not args.quiet:

@@ -90,16 +90,16 @@ class EngineLoop:
             config.draft_dtype,
         )
         settings = EngineSettings(
-            config.model_path,
-            config.dtype,
-            config.quant,
-            config.page_size,
-            config.cache_tokens,
-            config.kv_cache,
-            config.max_batch_size,
-            config.chunk_size,
-            config.max_queue,
-            config.sampling_threads,
+            model=config.model_path,
+            dtype=config.dtype,
+            quant=config.quant,
+            page_size=config.page_size,
+            cache_tokens=config.cache_tokens,
+            kv_cache=config.kv_cache,
+            max_batch_size=config.max_batch_size,
+            chunk_size=config.chunk_size,
+            max_queue=config.max_queue,
+            sampling_threads=config.sampling_threads,
         )
         loaded, self.generator = build_engine(settings, speculation, progress=False)
         self.loaded = loaded

@@ -105,8 +105,6 @@ def load_model(
     `keep_derived`: keep what is derived from a GGUF file for the next start (derived_files.py)."""
     bound_onednn_caches()  # before the first matmul (autotuning) reads them
     model_path = path if path is not None else default_model_path()
-    if not model_path.exists():
-        raise ModelNotFoundError(f"model not found: {model_path}")
     derived = DerivedFiles.of(model_path) if keep_derived and model_path.is_file() else None
     # Work that can go beside the weights' goes on threads: a first start's native build (a
     # compiler process; the linears wait for it) and the tokenizer (mostly importing transformers,
