@@ -930,29 +930,20 @@ static inline __m512 dg_sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
 
-/* Scores of one query head against `count` (<= 16) consecutive float K rows of a page, times
- * `scale`, into out[0..count). D is a multiple of 16. */
-static inline void dg_scores16(const float *qh, const float *k, int64_t count, int64_t D, float scale, float *out) {
+/* Scores of one query head against `count` (<= 16) consecutive K rows of a page, float32 or
+ * float16 (half), times `scale`, into out[0..count). D is a multiple of 16. */
+static inline void dg_scores16(const float *qh, const void *k, int half, int64_t count, int64_t D, float scale,
+                               float *out) {
     __m512 acc[16];
     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t i = 0; i < D; i += 16) {
         const __m512 qv = _mm512_loadu_ps(qh + i);
         for (int t = 0; t < 16; t++)
-            if (t < count) acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + t * D + i), acc[t]);
-    }
-    const __mmask16 keep = (__mmask16)((1u << count) - 1u);
-    _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(dg_sum16(acc), _mm512_set1_ps(scale)));
-}
-
-/* dg_scores16 over float16 K rows. */
-static inline void dg_scores16_h(const float *qh, const uint16_t *k, int64_t count, int64_t D, float scale,
-                                 float *out) {
-    __m512 acc[16];
-    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) {
-        const __m512 qv = _mm512_loadu_ps(qh + i);
-        for (int t = 0; t < 16; t++)
-            if (t < count) acc[t] = _mm512_fmadd_ps(qv, dg_vload_h(k + t * D + i), acc[t]);
+            if (t < count) {
+                const __m512 kv = half ? dg_vload_h((const uint16_t *)k + t * D + i)
+                                       : _mm512_loadu_ps((const float *)k + t * D + i);
+                acc[t] = _mm512_fmadd_ps(qv, kv, acc[t]);
+            }
     }
     const __mmask16 keep = (__mmask16)((1u << count) - 1u);
     _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(dg_sum16(acc), _mm512_set1_ps(scale)));
@@ -995,14 +986,9 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
             if (!quant && D % 16 == 0) { /* 16 rows per head at a time, one transpose-sum */
                 for (int64_t j = 0; j < count; j += 16) {
                     const int64_t n16 = count - j < 16 ? count - j : 16;
-                    for (int64_t g = 0; g < per_kv; g++) {
-                        if (half)
-                            dg_scores16_h(qg + g * D, (const uint16_t *)k_cache + (base + j) * D, n16, D, scale,
-                                          scores + g * len + t + j);
-                        else
-                            dg_scores16(qg + g * D, (const float *)k_cache + (base + j) * D, n16, D, scale,
-                                        scores + g * len + t + j);
-                    }
+                    const char *rows = (const char *)k_cache + (base + j) * D * (half ? 2 : 4);
+                    for (int64_t g = 0; g < per_kv; g++)
+                        dg_scores16(qg + g * D, rows, half, n16, D, scale, scores + g * len + t + j);
                 }
                 t += count;
                 continue;
