@@ -15,7 +15,7 @@ from pathlib import Path
 from benchmarks.peer_process import answer_parts
 from benchmarks.peer_prompts import PeerPrompts, Workload
 from benchmarks.single_stream import decode_rate
-from benchmarks.throughput import run_dyngen
+from benchmarks.throughput import run_dyngen, served_kv_cache
 from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.quantization import QuantMode
@@ -28,7 +28,7 @@ def all_at_once(loaded: LoadedModel, w: Workload) -> Mapping[str, object]:
 
 
 def single(loaded: LoadedModel, w: Workload) -> Mapping[str, object]:
-    cache = loaded.model.new_cache(num_pages=2, page_size=256)
+    cache = loaded.model.new_cache(num_pages=2, page_size=256, kind=served_kv_cache(loaded))
     prompt = list(w.prompts[0])
 
     def generate(n: int) -> None:

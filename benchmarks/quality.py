@@ -173,12 +173,13 @@ def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
     cpu = cpu_features()
     i4 = LinearKind.INT4
     i8d = LinearKind.INT8_DYNAMIC
-    float_kv, int8_kv = KVCacheKind.FLOAT, KVCacheKind.INT8
+    float_kv, half_kv, int8_kv = KVCacheKind.FLOAT, KVCacheKind.FLOAT16, KVCacheKind.INT8
     plans: list[tuple[str, LinearPlan, KVCacheKind]] = [
         (f"--quant {m.value}", plan_for(m, cpu), float_kv)
         for m in (QuantMode.NONE, QuantMode.INT8, QuantMode.INT4)
     ]
     plans.insert(1, ("--kv-cache int8", plan_for(QuantMode.NONE, cpu), int8_kv))
+    plans.insert(1, ("--kv-cache float16", plan_for(QuantMode.NONE, cpu), half_kv))
     plans += [
         ("dynamic int8 (fbgemm), all", LinearPlan.uniform(i8d), float_kv),
         ("int4 body, dynamic int8 head", LinearPlan(i4, i4, i4, i4, i8d), float_kv),
@@ -186,7 +187,8 @@ def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
     ]
     if auto:
         # The autotune picks by rows per call; these windows run in its 64-row bucket.
-        plans.append(("--quant auto", plan_for(QuantMode.AUTO, cpu), float_kv))
+        plans.append(("--quant auto --kv-cache float", plan_for(QuantMode.AUTO, cpu), float_kv))
+        plans.append(("--quant auto --kv-cache float16", plan_for(QuantMode.AUTO, cpu), half_kv))
     lines = [
         f"### Quality per linear plan: {tokens} tokens of {TEXT_SOURCE}, windows of {WINDOW}",
         "",
@@ -210,7 +212,7 @@ def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
         s = scorer.score
         rel = s.perplexity / base - 1
         gate = "pass" if rel <= GATE else "FAIL"
-        what = scorer.model.describe() + ("; kv cache int8" if kv is int8_kv else "")
+        what = scorer.model.describe() + ("" if kv is float_kv else f"; kv cache {kv.value}")
         lines.append(
             f"| {label} | {what} | {s.perplexity:.3f} | {rel * 100:+.2f}% | {s.kld:.4f} | {s.top1 * 100:.1f}% "
             f"| {s.late} | {gate} | {scorer.seconds:.0f} |"

@@ -20,8 +20,10 @@ import torch
 from benchmarks import roofline
 from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
+from engine import defaults
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec
+from engine.kv_cache import KVCacheKind, choose_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
@@ -40,11 +42,17 @@ class RunResult:
         return self.new_tokens / self.seconds
 
 
+def served_kv_cache(loaded: LoadedModel) -> KVCacheKind:
+    """The KV cache `dyngen serve` runs this model with by default."""
+    return choose_kv_cache(defaults.KV_CACHE, loaded.model.dtype, loaded.model.plan.quantized)
+
+
 def run_dyngen(
     loaded: LoadedModel, prompts: Sequence[tuple[int, ...]], new_tokens: int, ignore_eos: bool, **config: Any
 ) -> RunResult:
     page_size = int(config.pop("page_size", GeneratorConfig().page_size))
     prefix_cache = bool(config.pop("prefix_cache", True))
+    kv_cache = served_kv_cache(loaded)
     need = sum(-(-(len(p) + new_tokens) // page_size) for p in prompts) + 8
     gen = DynamicGenerator(
         loaded.model,
@@ -53,6 +61,7 @@ def run_dyngen(
             page_size=page_size,
             num_pages=need,
             scheduler=SchedulerConfig(max_batch_size=64, max_chunk_size=2048, prefix_cache=prefix_cache),
+            kv_cache=kv_cache,
         ),
     )
     gen.warmup()

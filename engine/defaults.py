@@ -12,7 +12,9 @@ MAX_BATCH_SIZE = 64  # running jobs at once
 MAX_CHUNK_SIZE = 2048  # tokens per forward: decode tokens plus prefill chunks
 MAX_QUEUE = 1024  # jobs waiting for admission
 SAMPLING_THREADS = 2
-# The KV cache's storage (kernels.kv_layer.KVCacheKind's values): float = the model's dtype;
-# float16 = half a float32 cache's bytes; int8 = int8 with a float16 scale per token and head.
-KV_CACHE_KINDS = ("float", "float16", "int8")
-KV_CACHE = "float"
+# The KV cache's storage (kernels.kv_layer.KVCacheKind's values, and auto): float = the model's
+# dtype; float16 = half a float32 cache's bytes; int8 = int8 with a float16 scale per token and
+# head. auto = float16 where the linears are quantized and the model computes in float32, float
+# elsewhere (engine.kv_cache.choose_kv_cache says why).
+KV_CACHE_KINDS = ("auto", "float", "float16", "int8")
+KV_CACHE = "auto"

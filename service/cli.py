@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache",
         choices=defaults.KV_CACHE_KINDS,
         default=defaults.KV_CACHE,
-        help="KV cache storage: float = the model's dtype; float16 = half float32's bytes; int8 = int8 "
+        help="KV cache storage: auto = float16 for a float32 model with quantized linears, float otherwise; "
+        "float = the model's dtype; float16 = half float32's bytes; int8 = int8 "
         "K/V with a float16 scale per token and head (~3.9x less memory than float32, ~1.9x less than bfloat16)",
     )
     gen.add_argument(

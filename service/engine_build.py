@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine import defaults
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.kv_cache import KVCacheKind
+from engine.kv_cache import choose_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, load_model
 from engine.model.quantization import QuantMode
 from engine.scheduler import SchedulerConfig
@@ -52,7 +52,7 @@ def build_engine(
             max_q_size=settings.max_queue,
         ),
         speculation=speculation.config,
-        kv_cache=KVCacheKind(settings.kv_cache),
+        kv_cache=choose_kv_cache(settings.kv_cache, loaded.model.dtype, loaded.model.plan.quantized),
     )
     draft = speculation.load_draft(settings.model, progress=progress)
     return loaded, DynamicGenerator(loaded.model, loaded.tokenizer, config, draft_model=draft)

@@ -1,0 +1,31 @@
+"""`--kv-cache auto`: which cache kind each model gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import defaults
+from engine.kv_cache import KVCacheKind, choose_kv_cache
+
+
+def test_auto_is_float16_only_for_a_float32_model_with_quantized_linears() -> None:
+    assert choose_kv_cache("auto", torch.float32, quantized=True) is KVCacheKind.FLOAT16
+    # Float weights keep float32 K/V: greedy tokens stay those of the float reference.
+    assert choose_kv_cache("auto", torch.float32, quantized=False) is KVCacheKind.FLOAT
+    # A 2-byte model's float cache is already as small as float16.
+    assert choose_kv_cache("auto", torch.bfloat16, quantized=True) is KVCacheKind.FLOAT
+
+
+@pytest.mark.parametrize("kind", [k for k in KVCacheKind])
+def test_an_explicit_kind_is_taken_as_given(kind: KVCacheKind) -> None:
+    for quantized in (False, True):
+        assert choose_kv_cache(kind.value, torch.float32, quantized) is kind
+
+
+def test_every_offered_choice_resolves() -> None:
+    assert defaults.KV_CACHE in defaults.KV_CACHE_KINDS
+    for setting in defaults.KV_CACHE_KINDS:
+        assert isinstance(choose_kv_cache(setting, torch.float32, True), KVCacheKind)
+    with pytest.raises(ValueError):
+        choose_kv_cache("float8", torch.float32, True)
