@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.jobs import SamplingSettings, TokenLogprob
+from kernels.argmax import argmax_rows
 
 __all__ = [
     "DEFAULT_MIN_SAMPLING_THREADS",
@@ -276,7 +277,7 @@ class Sampler:
             raise ValueError("a job may have only one row per sample call (its RNG draws would interleave)")
         logits = _constrained(logits, requests, overwrite)
         if all(r.plain_greedy for r in requests):
-            return [SampleResult(t) for t in logits.argmax(dim=-1).tolist()]
+            return [SampleResult(t) for t in argmax_rows(logits).tolist()]
         block = self._dispatch(logits, requests, draw=True)
         return [SampleResult(t, lp) for t, lp in zip(block.tokens, block.logprobs, strict=True)]
 

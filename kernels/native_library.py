@@ -190,6 +190,8 @@ class NativeLibrary:
         lib.dg_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P]
         lib.dg_rotary.restype = None
         lib.dg_silu_mul.argtypes = [_P, _I, _I, _P]
+        lib.dg_argmax_rows.argtypes = [_P, _I, _I, _P]
+        lib.dg_argmax_rows.restype = None
         lib.dg_silu_mul.restype = None
         lib.dg_decode_attention.argtypes = [
             _P,
@@ -367,6 +369,16 @@ class NativeLibrary:
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=torch.float32)
         self._lib.dg_silu_mul(_f32(gate_up), rows, width // 2, _f32(out))
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) for x [rows, n] float32 (lowest index among equals, the first NaN's
+        where a row has one), int64 [rows]."""
+        rows, n = x.shape
+        if n == 0:
+            raise ValueError("argmax of an empty row")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._lib.dg_argmax_rows(_f32(x), rows, n, int(out.data_ptr()))
         return out
 
     def to_half(self, x: torch.Tensor) -> torch.Tensor:

@@ -880,6 +880,55 @@ void dg_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
     }
 }
 
+/* ---- greedy choice -------------------------------------------------------------------------- */
+
+/* out[r] = the index of row r's largest value, the lowest index among equals, the first NaN's
+ * if the row has one: what torch.argmax answers, at a vector max's speed (torch's argmax over
+ * 64 x 49152 logits took 0.8 ms here, its amax 0.08 ms). One pass for the maximum, one to find
+ * its first position. */
+void dg_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        float mx = -INFINITY;
+        int nan = 0;
+        int64_t i = 0;
+#if defined(DG_AVX512)
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        __mmask16 unordered = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(row + i);
+            unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vm = _mm512_max_ps(vm, v);
+        }
+        nan = unordered != 0;
+        mx = _mm512_reduce_max_ps(vm);
+#elif defined(DG_AVX2)
+        __m256 vm = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(row + i);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            vm = _mm256_max_ps(vm, v);
+        }
+        nan = _mm256_movemask_ps(unordered) != 0;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vm);
+        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+#endif
+        for (; i < n; i++) {
+            if (row[i] != row[i]) nan = 1;
+            else if (row[i] > mx) mx = row[i];
+        }
+        int64_t at = 0;
+        if (nan) {
+            while (row[at] == row[at]) at++;
+        } else {
+            while (at < n - 1 && row[at] != mx) at++;
+        }
+        out[r] = at;
+    }
+}
+
 /* ---- decode attention over the paged cache --------------------------------------------- */
 
 static inline float dg_scale_at(const void *scales, int64_t i, int half) {
@@ -1121,8 +1170,47 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
             const float inv = 1.0f / sum;
             for (t = 0; t < len; t++) sg[t] *= inv;
         }
+#if defined(DG_AVX512)
+        /* Heads of up to 64 values in a float or float16 cache: up to 4 heads of the group at once,
+         * so each V row is read once for them and 16 sums run side by side (one head's 4 sums
+         * form a chain as long as the rows, bound by the FMA's latency). */
+        int64_t g_done = 0;
+        if (!quant && D % 16 == 0 && D <= 64) {
+            const int64_t nv = D / 16;
+            for (; g_done < per_kv; g_done += 4) {
+                const int64_t hg = per_kv - g_done < 4 ? per_kv - g_done : 4;
+                __m512 acc[4][4];
+                for (int a = 0; a < 4; a++)
+                    for (int v = 0; v < 4; v++) acc[a][v] = _mm512_setzero_ps();
+                for (int64_t p = 0, t = 0; t < len; p++) {
+                    const int64_t base = (table[p] * KVH + kh) * page_size;
+                    const int64_t count = len - t < page_size ? len - t : page_size;
+                    for (int64_t j = 0; j < count; j++, t++) {
+                        if (t % 16 == 0 && g_done == 0) dg_prefetch_step(&pf, pf_step);
+                        __m512 vr[4];
+                        for (int v = 0; v < 4; v++)
+                            if (v < nv)
+                                vr[v] = half ? dg_vload_h((const uint16_t *)v_cache + (base + j) * D + 16 * v)
+                                             : _mm512_loadu_ps((const float *)v_cache + (base + j) * D + 16 * v);
+                        for (int a = 0; a < 4; a++)
+                            if (a < hg) {
+                                const __m512 pv = _mm512_set1_ps(scores[(g_done + a) * len + t]);
+                                for (int v = 0; v < 4; v++)
+                                    if (v < nv) acc[a][v] = _mm512_fmadd_ps(pv, vr[v], acc[a][v]);
+                            }
+                    }
+                }
+                for (int a = 0; a < 4; a++)
+                    if (a < hg)
+                        for (int v = 0; v < 4; v++)
+                            if (v < nv) _mm512_storeu_ps(og + (g_done + a) * D + 16 * v, acc[a][v]);
+            }
+        }
+#else
+        const int64_t g_done = 0;
+#endif
         /* Outputs: per head, up to 128 of its values summed in registers over every V row. */
-        for (int64_t g = 0; g < per_kv; g++) {
+        for (int64_t g = g_done; g < per_kv; g++) {
             const float *sg = scores + g * len;
             float *o = og + g * D;
             int64_t i0 = 0;
