@@ -86,7 +86,7 @@ def run_generate(args: argparse.Namespace) -> int:
     # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
     from engine.jobs import JobSpec, SamplingSettings
     from engine.model.tokenizer import ChatMessage
-    from service.engine_build import EngineSettings, build_engine
+    from service.engine.build import EngineSettings, build_engine
     from service.speculation_flags import speculation_from_args
 
     sampling = SamplingSettings(
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             from service.config import config_from_args
-            from service.server import main as serve_main
+            from service.frontend.server import main as serve_main
 
             return serve_main(config_from_args(args))
         if args.command == "cluster":

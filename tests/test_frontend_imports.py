@@ -26,9 +26,9 @@ SERVE_IMPORTS = """
 import json, sys
 from service.cli import build_parser
 build_parser().parse_args(["serve", "--port", "0"])
-import service.config, service.server, service.servicer, service.engine_client, service.prompts
-import service.limits, service.auth, service.metrics, service.ipc, service.event_buffer
-import service.engine_process  # the spawn target is imported by the parent too; it imports torch in run()
+import service.config, service.frontend.server, service.frontend.servicer, service.frontend.engine_client, service.frontend.prompts
+import service.frontend.limits, service.frontend.auth, service.frontend.metrics, service.ipc, service.frontend.event_buffer
+import service.engine.process  # the spawn target is imported by the parent too; it imports torch in run()
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "llguidance", "transformers"})))
 """
 
@@ -37,7 +37,7 @@ TOKENIZE = """
 import json, sys
 from pathlib import Path
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from service.prompts import PromptTokenizer
+from service.frontend.prompts import PromptTokenizer
 prompts = PromptTokenizer.load(Path(sys.argv[1]))
 text = pb.TokenizeRequest(text=sys.argv[2])
 chat = pb.TokenizeRequest()

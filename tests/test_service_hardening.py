@@ -29,13 +29,13 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from dyngen_client import AsyncClient, Chat, Client, Request, collect, tls_credentials
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from service.auth import AuthConfigError, Authenticator, cache_salt
 from service.config import ServiceConfig
-from service.engine_client import EngineClient, _Process
-from service.event_buffer import EventBuffer
+from service.frontend.auth import AuthConfigError, Authenticator, cache_salt
+from service.frontend.engine_client import EngineClient, _Process
+from service.frontend.event_buffer import EventBuffer
+from service.frontend.limits import Limits, RequestError, check_job_id, check_request
+from service.frontend.restart_policy import RestartPolicy, RestartTracker
 from service.ipc import Accepted, Message, Submit, Tag, pack_frames
-from service.limits import Limits, RequestError, check_job_id, check_request
-from service.restart_policy import RestartPolicy, RestartTracker
 from tests.certs import CertAuthority
 from tests.service_harness import (
     ServerProcess,

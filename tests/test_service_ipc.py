@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.jobs import JobFinished, JobId, JobTimings, StopReason, TokenLogprob, TokensGenerated
-from service.engine_loop import event_to_proto
+from service.engine.codec import event_to_proto
 from service.ipc import Accepted, EngineStats, ErrorCode, Message, Rejection, Tag, pack_frames, unpack_frames
 
 

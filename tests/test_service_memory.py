@@ -7,7 +7,7 @@ job's events into the client's buffers: it has to hold them itself. Each job ask
 tokens with the 20 most likely alternatives per token (the largest events a caller can ask
 for), ignoring EOS, against `dyngen serve` with a tiny random-weight model on 127.0.0.1.
 
-Stated bound. The slow-reader policy (service/event_buffer.py) drops nothing, so what the
+Stated bound. The slow-reader policy (service/frontend/event_buffer.py) drops nothing, so what the
 front end holds grows with what the jobs generated and nobody read: at most 500 x 256 tokens
 here. We measured about 2.2 KiB of front-end RSS per such token (a 20-alternative TokenLogprob
 is ~215 bytes on the wire; held as protobuf objects), about 90 MiB after 40 s and at most

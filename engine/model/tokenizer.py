@@ -110,3 +110,12 @@ class HFTokenizer:
     def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         # The rendered template already holds every special token, as transformers does it.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def preload_tokenizer_code() -> None:
+    """Import transformers' tokenizer classes (~0.7 s) ahead of need: each process of `dyngen serve` calls
+    it on a thread while it waits or loads, so a tokenizer loads in a tenth of that once needed."""
+    import transformers
+
+    for name in ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "TokenizersBackend"):
+        getattr(transformers, name, None)

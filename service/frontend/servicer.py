@@ -27,17 +27,17 @@ from dyngen_client.affinity import AFFINITY_HEADER, affinity_key
 from dyngen_client.errors import ErrorReason, Failure
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.request import Chat
-from service.auth import Authenticator, cache_salt
-from service.engine_client import (
+from service.frontend.auth import Authenticator, cache_salt
+from service.frontend.engine_client import (
     EngineBusyError,
     EngineClient,
     EngineRejectedError,
     JobChannel,
     short_id,
 )
-from service.event_buffer import EngineDownError
+from service.frontend.event_buffer import EngineDownError
+from service.frontend.limits import Limits, RequestError, check_job_id, check_request, check_tokenize_request
 from service.ipc import ErrorCode
-from service.limits import Limits, RequestError, check_job_id, check_request, check_tokenize_request
 
 log = structlog.get_logger("dyngen.service")
 

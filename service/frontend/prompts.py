@@ -21,7 +21,7 @@ from typing import Any
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import DyngenError, ModelFormatError
 from engine.model.tokenizer import ChatMessage, HFTokenizer
-from service.limits import RequestError
+from service.frontend.limits import RequestError
 
 # Tokenizing is CPU work; a small pool keeps many large prompts from starving the event loop's
 # own thread, and bounds how many run at once.
@@ -43,15 +43,6 @@ def saved_tokenizer_class(folder: Path) -> Any | None:
     if isinstance(found, type) and issubclass(found, transformers.PreTrainedTokenizerBase):
         return found
     return None
-
-
-def preload_tokenizer_code() -> None:
-    """Import transformers' tokenizer classes (~0.7 s) ahead of need: the front end calls it on a
-    thread while the engine loads, so the saved tokenizer loads in a tenth of that once ready."""
-    import transformers
-
-    for name in ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "TokenizersBackend"):
-        getattr(transformers, name, None)
 
 
 class SavedTokenizer(HFTokenizer):

@@ -9,10 +9,10 @@ import threading
 from multiprocessing.connection import Connection
 
 from engine.errors import DyngenError
+from engine.model.tokenizer import preload_tokenizer_code
 from engine.onednn_caches import bound_onednn_caches
 from service.config import ServiceConfig
 from service.pipe_sender import PipeSender
-from service.prompts import preload_tokenizer_code
 
 
 def run(config_json: str, commands: Connection, events: Connection, runtime_dir: str) -> None:
@@ -36,7 +36,7 @@ def run(config_json: str, commands: Connection, events: Connection, runtime_dir:
     threading.Thread(target=preload_tokenizer_code, name="tokenizer-preload", daemon=True).start()
     import torch
 
-    from service.engine_loop import EngineLoop
+    from service.engine.loop import EngineLoop
 
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)

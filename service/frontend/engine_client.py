@@ -35,9 +35,12 @@ import structlog
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.ids import new_job_id
+from engine.model.tokenizer import preload_tokenizer_code
 from service.config import ServiceConfig
-from service.engine_process import run as engine_main
-from service.event_buffer import EngineDownError, EventBuffer
+from service.engine.process import run as engine_main
+from service.frontend.event_buffer import EngineDownError, EventBuffer
+from service.frontend.prompts import PromptTokenizer
+from service.frontend.restart_policy import RestartPolicy, RestartTracker
 from service.ipc import (
     Accepted,
     EngineStats,
@@ -49,8 +52,6 @@ from service.ipc import (
     Tag,
     unpack_frames,
 )
-from service.prompts import PromptTokenizer, preload_tokenizer_code
-from service.restart_policy import RestartPolicy, RestartTracker
 
 log = structlog.get_logger("dyngen.engine_client")
 

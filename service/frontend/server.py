@@ -17,13 +17,13 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service.auth import AuthConfigError, Authenticator, TokenInterceptor
 from service.config import ServiceConfig
-from service.engine_client import EngineClient
-from service.limits import Limits
+from service.frontend.auth import AuthConfigError, Authenticator, TokenInterceptor
+from service.frontend.engine_client import EngineClient
+from service.frontend.limits import Limits
+from service.frontend.metrics import Metrics
+from service.frontend.servicer import SERVICE_NAME, GeneratorService, generic_handler
 from service.logs import configure_logging
-from service.metrics import Metrics
-from service.servicer import SERVICE_NAME, GeneratorService, generic_handler
 
 log = structlog.get_logger("dyngen.server")
 

@@ -1,0 +1,141 @@
+"""Protobuf <-> engine types, on the engine's side of the pipe: a GenerateRequest (prompt already
+tokenized by the front end) becomes a JobSpec, and each JobEvent a GenerateEvent. Fields the
+request leaves unset take the engine's own defaults (JobSpec's, SamplingSettings'), so no
+default is written here a second time."""
+
+from __future__ import annotations
+
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.constraints import GrammarKind, ResponseFormat
+from engine.errors import ErrorKind, InvalidRequestError
+from engine.jobs import (
+    JobEvent,
+    JobFinished,
+    JobSpec,
+    JobStarted,
+    PrefillProgress,
+    SamplingSettings,
+    StopReason,
+    TokensGenerated,
+)
+
+STOP_REASONS = {
+    StopReason.EOS: pb.STOP_REASON_EOS,
+    StopReason.STOP_TOKEN: pb.STOP_REASON_STOP_TOKEN,
+    StopReason.STOP_STRING: pb.STOP_REASON_STOP_STRING,
+    StopReason.MAX_NEW_TOKENS: pb.STOP_REASON_MAX_NEW_TOKENS,
+    StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
+    StopReason.ERROR: pb.STOP_REASON_ERROR,
+    StopReason.GRAMMAR: pb.STOP_REASON_GRAMMAR,
+}
+
+# The status a failed job's stream ends with (google.rpc.Code numbers, as grpc.StatusCode has them).
+ERROR_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: 3,
+    ErrorKind.NOT_FOUND: 5,
+    ErrorKind.RESOURCE_EXHAUSTED: 8,
+    ErrorKind.UNSUPPORTED: 12,
+    ErrorKind.INTERNAL: 13,
+}
+
+_SAMPLING = SamplingSettings()
+_JOB = JobSpec(prompt_ids=(0,))
+
+
+def _response_format(req: pb.GenerateRequest) -> ResponseFormat | None:
+    if not req.HasField("response_format"):
+        return None
+    f = req.response_format
+    match f.WhichOneof("format"):
+        case "json_schema":
+            return ResponseFormat(GrammarKind.JSON_SCHEMA, f.json_schema)
+        case "regex":
+            return ResponseFormat(GrammarKind.REGEX, f.regex)
+        case "lark_grammar":
+            return ResponseFormat(GrammarKind.LARK, f.lark_grammar)
+        case _:
+            raise InvalidRequestError("response_format: set one of json_schema, regex or lark_grammar")
+
+
+def sampling_settings(s: pb.SamplingSettings) -> SamplingSettings:
+    d = _SAMPLING
+    return SamplingSettings(
+        temperature=s.temperature if s.HasField("temperature") else d.temperature,
+        top_k=s.top_k if s.HasField("top_k") else d.top_k,
+        top_p=s.top_p if s.HasField("top_p") else d.top_p,
+        min_p=s.min_p if s.HasField("min_p") else d.min_p,
+        typical=s.typical if s.HasField("typical") else d.typical,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else d.repetition_penalty,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else d.frequency_penalty,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else d.presence_penalty,
+        logit_bias=tuple((b.token_id, b.bias) for b in s.logit_bias),
+        banned_token_ids=frozenset(s.banned_token_ids),
+        seed=s.seed if s.HasField("seed") else d.seed,
+    )
+
+
+def job_spec(req: pb.GenerateRequest) -> JobSpec:
+    """The job a tokenized request asks for; InvalidRequestError where it cannot be one."""
+    if req.WhichOneof("prompt") != "token_ids":
+        raise InvalidRequestError("the engine takes prompts as token ids (the front end tokenizes)")
+    return JobSpec(
+        prompt_ids=tuple(req.token_ids.ids),
+        max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else _JOB.max_new_tokens,
+        min_new_tokens=req.min_new_tokens,
+        stop_token_ids=frozenset(req.stop_token_ids),
+        stop_strings=tuple(req.stop_strings),
+        ignore_eos=req.ignore_eos,
+        decode_special_tokens=req.decode_special_tokens,
+        return_logprobs=req.return_logprobs,
+        top_logprobs=req.top_logprobs,
+        identifier=req.identifier or None,
+        cache_salt=req.cache_salt,
+        sampling=sampling_settings(req.sampling),
+        response_format=_response_format(req),
+        banned_strings=tuple(req.banned_strings),
+        token_healing=req.token_healing,
+    )
+
+
+def event_to_proto(event: JobEvent) -> pb.GenerateEvent:
+    out = pb.GenerateEvent(job_id=event.job_id, identifier=event.identifier or "")
+    match event:
+        case JobStarted():
+            out.started.prompt_tokens = event.prompt_tokens
+            out.started.cached_tokens = event.cached_tokens
+        case PrefillProgress():
+            out.prefill.done_tokens = event.done_tokens
+            out.prefill.total_tokens = event.total_tokens
+        case TokensGenerated():
+            out.delta.text = event.text
+            out.delta.token_ids.extend(event.token_ids)
+            for lp in event.logprobs:
+                out.delta.logprobs.append(
+                    pb.TokenLogprob(
+                        token_id=lp.token_id,
+                        logprob=lp.logprob,
+                        top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top],
+                        final_prob=lp.final_prob,
+                        final_top=[pb.TopProb(token_id=t, prob=p) for t, p in lp.final_top],
+                    )
+                )
+        case JobFinished():
+            f = out.finished
+            f.stop_reason = STOP_REASONS[event.stop_reason]
+            if event.stop_token is not None:
+                f.stop_token = event.stop_token
+            if event.stop_string is not None:
+                f.stop_string = event.stop_string
+            f.prompt_tokens = event.prompt_tokens
+            f.new_tokens = event.new_tokens
+            f.cached_tokens = event.cached_tokens
+            f.timings.queued_seconds = event.timings.queued
+            f.timings.prefill_seconds = event.timings.prefill
+            f.timings.decode_seconds = event.timings.decode
+            f.text = event.text
+            f.accepted_draft_tokens = event.accepted_draft_tokens
+            f.rejected_draft_tokens = event.rejected_draft_tokens
+            if event.error is not None:
+                f.error = event.error.message
+                f.error_code = ERROR_STATUS[event.error.kind]
+    return out

@@ -1,0 +1,1 @@
+"""The front-end process: gRPC servicer, auth and limits, tokenizing, the engine client. Imports no torch."""
