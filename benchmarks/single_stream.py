@@ -10,10 +10,11 @@ for each --quant mode, with the CPU's feature line.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 import torch
 
@@ -28,6 +29,7 @@ from engine.model.tokenizer import ChatMessage
 from kernels.cpu_features import cpu_features
 from kernels.int4_groups import Int4Groups
 from kernels.linear import Linear, LinearKind
+from kernels.native_library import PeakRates, native_library
 
 
 def decode_rate(run: Callable[[int], None], new_tokens: int) -> float:
@@ -116,6 +118,7 @@ def matmul_table(rounds: int = 5) -> str:
     labels = {k: f"{k.value} ({lins[0].describe()}; head {lins[-1].describe()})" for k, lins in kinds.items()}
     widths = {lin.in_features for lin in kinds[LinearKind.FLOAT]}
     best: dict[tuple[str, int], float] = {}
+    runs_by_label: list[tuple[str, list[Linear], int]] = []
     for rows in MATMUL_ROWS:
         inputs = {w: torch.randn(rows, w) for w in widths}
         bf16 = {w: x.to(torch.bfloat16) for w, x in inputs.items()}
@@ -125,25 +128,87 @@ def matmul_table(rounds: int = 5) -> str:
         # The same kernels fed bfloat16 directly: what the cast inside costs.
         for k in (LinearKind.INT8_WEIGHT, LinearKind.INT4):
             runs.append((f"{labels[k]}, bf16 input (no cast)", kinds[k], bf16))
+        runs_by_label += [(label, lins, rows) for label, lins, _ in runs]
         for _label, lins, xs in runs:
             _time_step(lins, xs)  # warm-up
         for _ in range(rounds):
             for label, lins, xs in runs:
                 t = _time_step(lins, xs)
                 best[(label, rows)] = min(best.get((label, rows), t), t)
+    peaks = _peaks()
+    bandwidth = _read_bandwidth()
     lines = [
         f"### Matmul time per decode step (30 layers + head), ms, best of {rounds} rounds",
         "",
         f"CPU: {cpu_features().summary()}",
         "",
-        "| kind | " + " | ".join(f"M={m}" for m in MATMUL_ROWS) + " |",
-        "| --- |" + " ---: |" * len(MATMUL_ROWS),
+        "Against this machine's measured peaks, all threads: " + _peak_line(peaks, bandwidth) + ". At M=1 a "
+        "step is bound by streaming the weights: GB/s of weight bytes against the read bandwidth; at "
+        "M=8 and 64, G ops/s (2 per multiply-add) against the peak of the arithmetic the kind runs.",
+        "",
+        "| kind | " + " | ".join(f"M={m} ms | {'GB/s' if m == 1 else 'G ops/s'}" for m in MATMUL_ROWS) + " |",
+        "| --- |" + " ---: | ---: |" * len(MATMUL_ROWS),
     ]
+    by_label = {label: lins for label, lins, _ in runs_by_label}
     for label in dict.fromkeys(label for label, _ in best):
-        lines.append(
-            f"| {label} | " + " | ".join(f"{best[(label, m)] * 1e3:.1f}" for m in MATMUL_ROWS) + " |"
-        )
+        lins = by_label[label]
+        macs = sum(lin.in_features * lin.out_features for lin in lins)
+        weight_bytes = sum(lin.weight_bytes() for lin in lins)
+        peak = _kind_peak(lins[0].kind, peaks)
+        cells = []
+        for m in MATMUL_ROWS:
+            t = best[(label, m)]
+            if m == 1:
+                rate = weight_bytes / t / 1e9
+                cells += [f"{t * 1e3:.1f}", f"{rate:.0f} ({rate * 1e9 / bandwidth:.0%})"]
+            else:
+                ops = 2 * macs * m / t
+                share = f" ({ops / peak:.0%})" if peak > 0 else ""
+                cells += [f"{t * 1e3:.1f}", f"{ops / 1e9:.0f}{share}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _peaks() -> PeakRates | None:
+    lib = native_library()
+    return None if lib is None else lib.peak_rates()
+
+
+def _read_bandwidth(mib: int = 256, rounds: int = 5) -> float:
+    """Bytes per second of a sum over `mib` MiB of float32 (all threads)."""
+    x = torch.ones(mib * 2**18)
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def _peak_line(peaks: PeakRates | None, bandwidth: float) -> str:
+    parts = [f"read bandwidth {bandwidth / 1e9:.0f} GB/s"]
+    if peaks is not None:
+        parts += [
+            f"int8 {peaks.int8_ops / 1e9:.0f} G ops/s",
+            f"float32 FMA {peaks.float32_flops / 1e9:.0f} GFLOP/s",
+            f"bf16 dot {peaks.bf16_flops / 1e9:.0f} GFLOP/s" if peaks.bf16_flops > 0 else "no bf16 dot",
+        ]
+    return ", ".join(parts)
+
+
+def _kind_peak(kind: LinearKind, peaks: PeakRates | None) -> float:
+    """The peak of the arithmetic a kind's inner loop runs (0: unknown)."""
+    if peaks is None:
+        return 0.0
+    match kind:
+        case LinearKind.FLOAT:
+            return peaks.float32_flops
+        case LinearKind.INT8_WEIGHT | LinearKind.INT4:  # bfloat16 inside
+            return peaks.bf16_flops or peaks.float32_flops
+        case LinearKind.INT8_DYNAMIC | LinearKind.INT4_Q8 | LinearKind.INT8_Q8:
+            return peaks.int8_ops
+        case _:
+            assert_never(kind)
 
 
 def quant_decode_table(new_tokens: int = 128, workloads: Path | None = None, rounds: int = 3) -> str:

@@ -116,6 +116,17 @@ class BlockLayout(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PeakRates:
+    """Operations per second of the build's widest instructions on every thread, measured with
+    the operands in registers (0: not in this build): int8 products (2 ops each), float32 FMA
+    (2 flops), bfloat16 pair dot products (2 flops per product)."""
+
+    int8_ops: float
+    float32_flops: float
+    bf16_flops: float
+
+
+@dataclass(frozen=True)
 class DecodeStep:
     """What every layer of one decode step shares; tensors contiguous, int64 or float32, on the CPU."""
 
@@ -191,6 +202,8 @@ class NativeLibrary:
         lib.dg_rotary.restype = None
         lib.dg_silu_mul.argtypes = [_P, _I, _I, _P]
         lib.dg_argmax_rows.argtypes = [_P, _I, _I, _P]
+        lib.dg_peak.argtypes = [ctypes.c_int, _I]
+        lib.dg_peak.restype = ctypes.c_double
         lib.dg_argmax_rows.restype = None
         lib.dg_silu_mul.restype = None
         lib.dg_decode_attention.argtypes = [
@@ -370,6 +383,21 @@ class NativeLibrary:
         out = torch.empty((rows, width // 2), dtype=torch.float32)
         self._lib.dg_silu_mul(_f32(gate_up), rows, width // 2, _f32(out))
         return out
+
+    def peak_rates(self, seconds: float = 0.2) -> PeakRates:
+        """This build's peak arithmetic rates on every thread at once (see dg_peak), each timed
+        for about `seconds`."""
+
+        def rate(kind: int) -> float:
+            probe = 200_000
+            first = float(self._lib.dg_peak(kind, probe))
+            if first <= 0:
+                return 0.0
+            ops_per_iter = {0: 12 * 128, 1: 12 * 32, 2: 12 * 64}[kind]  # an upper bound, for sizing only
+            iters = max(probe, int(seconds * first / ops_per_iter))
+            return max(first, float(self._lib.dg_peak(kind, iters)))
+
+        return PeakRates(int8_ops=rate(0), float32_flops=rate(1), bf16_flops=rate(2))
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) for x [rows, n] float32 (lowest index among equals, the first NaN's

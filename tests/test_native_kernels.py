@@ -484,3 +484,11 @@ def test_one_call_decoder_layers_match_the_per_op_path(
         assert ours.token_ids == theirs.token_ids
         for a, b in zip(ours.step_logits, theirs.step_logits, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_peak_rates_are_measured_where_the_build_has_the_instructions(lib: NativeLibrary) -> None:
+    rates = lib.peak_rates(seconds=0.01)
+    if lib.simd == "scalar":  # the portable build: no vector instruction to time
+        assert rates.int8_ops == rates.float32_flops == rates.bf16_flops == 0.0
+    else:
+        assert rates.int8_ops > 0 and rates.float32_flops > 0

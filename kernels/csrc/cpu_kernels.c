@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -112,6 +113,121 @@ int dg_simd(void) {
 #else
     return 0; /* portable scalar code */
 #endif
+}
+
+/* ---- peak arithmetic rates, for the benchmarks' "% of peak" ---------------------------------------
+ * Twelve independent accumulators in registers, on every thread at once: the rate of the
+ * instruction this build's kernels use, with nothing else in the way. kind 0: int8 products
+ * (vpdpbusd, or vpmaddubsw where the build has no VNNI), counted as 2 ops per product; 1: float32
+ * FMA; 2: bfloat16 pair dot products (vdpbf16ps), 2 flops per product. Returns ops per second
+ * summed over the threads, or 0 where the build has no such instruction. */
+#define DG_R12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
+static double dg_now(void) {
+#if defined(_OPENMP)
+    return omp_get_wtime();
+#else
+    return (double)clock() / CLOCKS_PER_SEC;
+#endif
+}
+
+double dg_peak(int kind, int64_t iters) {
+    double ops_per_iter = 0.0;
+#if defined(DG_AVX512)
+    ops_per_iter = kind == 0 ? 12.0 * 128 : kind == 1 ? 12.0 * 32 : 0.0;
+#if defined(__AVX512BF16__)
+    if (kind == 2) ops_per_iter = 12.0 * 64;
+#endif
+#elif defined(DG_AVX2)
+    ops_per_iter = kind == 0 ? 12.0 * 64 : kind == 1 ? 12.0 * 16 : 0.0;
+#endif
+    if (ops_per_iter == 0.0) return 0.0;
+    int threads = 1;
+    const double t0 = dg_now();
+#pragma omp parallel
+    {
+#if defined(_OPENMP)
+#pragma omp single
+        threads = omp_get_num_threads();
+#endif
+        int32_t sink = 0;
+#if defined(DG_AVX512)
+        if (kind == 0) {
+            __m512i u = _mm512_set1_epi8(3), v = _mm512_set1_epi8(5);
+#define DG_PI(i) __m512i a##i = _mm512_set1_epi32(i);
+#define DG_PO(i) a##i = _mm512_dpbusd_epi32(a##i, u, v);
+#define DG_PS(i) sink += _mm512_reduce_add_epi32(a##i);
+            DG_R12(DG_PI)
+            for (int64_t n = 0; n < iters; n++) {
+                DG_R12(DG_PO)
+                __asm__ volatile("" : "+v"(u));
+            }
+            DG_R12(DG_PS)
+#undef DG_PI
+#undef DG_PO
+#undef DG_PS
+        } else {
+            __m512 x = _mm512_set1_ps(1.0001f), y = _mm512_set1_ps(0.9999f);
+#define DG_PI(i) __m512 f##i = _mm512_set1_ps((float)i);
+#define DG_PS(i) sink += (int32_t)_mm512_reduce_add_ps(f##i);
+            DG_R12(DG_PI)
+            if (kind == 1) {
+#define DG_PO(i) f##i = _mm512_fmadd_ps(f##i, x, y);
+                for (int64_t n = 0; n < iters; n++) {
+                    DG_R12(DG_PO)
+                    __asm__ volatile("" : "+v"(x));
+                }
+#undef DG_PO
+            }
+#if defined(__AVX512BF16__)
+            else {
+                __m512bh p = (__m512bh)_mm512_set1_epi16(0x3f80);
+#define DG_PO(i) f##i = _mm512_dpbf16_ps(f##i, p, p);
+                for (int64_t n = 0; n < iters; n++) {
+                    DG_R12(DG_PO)
+                    __asm__ volatile("" : "+v"(p));
+                }
+#undef DG_PO
+            }
+#endif
+            DG_R12(DG_PS)
+#undef DG_PI
+#undef DG_PS
+        }
+#elif defined(DG_AVX2)
+        if (kind == 0) {
+            __m256i u = _mm256_set1_epi8(3), v = _mm256_set1_epi8(5);
+#define DG_PI(i) __m256i a##i = _mm256_set1_epi16(i);
+#define DG_PO(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(u, v));
+#define DG_PS(i) sink += _mm256_extract_epi16(a##i, 0);
+            DG_R12(DG_PI)
+            for (int64_t n = 0; n < iters; n++) {
+                DG_R12(DG_PO)
+                __asm__ volatile("" : "+x"(u));
+            }
+            DG_R12(DG_PS)
+#undef DG_PI
+#undef DG_PO
+#undef DG_PS
+        } else {
+            __m256 x = _mm256_set1_ps(1.0001f), y = _mm256_set1_ps(0.9999f);
+#define DG_PI(i) __m256 f##i = _mm256_set1_ps((float)i);
+#define DG_PO(i) f##i = _mm256_fmadd_ps(f##i, x, y);
+#define DG_PS(i) sink += (int32_t)_mm256_cvtss_f32(f##i);
+            DG_R12(DG_PI)
+            for (int64_t n = 0; n < iters; n++) {
+                DG_R12(DG_PO)
+                __asm__ volatile("" : "+x"(x));
+            }
+            DG_R12(DG_PS)
+#undef DG_PI
+#undef DG_PO
+#undef DG_PS
+        }
+#endif
+        __asm__ volatile("" : : "r"(sink));
+    }
+    return ops_per_iter * (double)iters * threads / (dg_now() - t0);
 }
 
 /* ---- activation quantization ---------------------------------------------------- */
