@@ -86,7 +86,8 @@ def run_generate(args: argparse.Namespace) -> int:
     # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
     from engine.jobs import JobSpec, SamplingSettings
     from engine.model.tokenizer import ChatMessage
-    from service.engine.build import EngineSettings, build_engine
+    from service.engine.build import build_engine
+    from service.engine_config import EngineSettings
     from service.speculation_flags import speculation_from_args
 
     sampling = SamplingSettings(

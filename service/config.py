@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine import defaults
+from service.engine_config import EngineConfig, EngineSettings, SpeculationFlags
 
 # --dtype and --draft-dtype: engine.model.loader.WeightDtype's values, named here so that parsing
 # flags imports no model code (and no torch); tests/test_frontend_imports.py checks they agree.
@@ -21,8 +22,8 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     model: str | None = None  # .gguf file or HF folder; None = the shipped model
-    dtype: str = "auto"  # float32, bfloat16, or auto: by the CPU (engine/model/loader.py WeightDtype.resolve)
-    quant: str = "auto"  # linear kinds: none, int8, int4 or auto (engine/model/quantization.py)
+    dtype: str = EngineSettings.dtype  # float32, bfloat16, or auto: by the CPU (WeightDtype.resolve)
+    quant: str = EngineSettings.quant  # linear kinds: none, int8, int4 or auto (quantization.py)
     page_size: int = defaults.PAGE_SIZE
     cache_tokens: int = defaults.CACHE_TOKENS
     kv_cache: str = defaults.KV_CACHE
@@ -30,12 +31,9 @@ class ServiceConfig:
     max_queue: int = defaults.MAX_QUEUE
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     sampling_threads: int = defaults.SAMPLING_THREADS
-    torch_threads: int = 0  # 0 = one per core
-    omp_wait_policy: str = "active"  # active (dedicated machine) or passive (CPU shared with others)
-    # With active waiting: how long an OpenMP worker spins after a parallel region before it sleeps
-    # (GOMP_SPINCOUNT). Unbounded, an idle server kept a core at 100%; 1e6 spins are ~25 ms here,
-    # far longer than any gap between a step's parallel regions.
-    omp_spin_count: int = 1_000_000
+    torch_threads: int = EngineConfig.torch_threads
+    omp_wait_policy: str = EngineConfig.omp_wait_policy
+    omp_spin_count: int = EngineConfig.omp_spin_count
     metrics_port: int = 0  # 0 = no metrics endpoint
     metrics_host: str | None = None  # default: the same address as the gRPC port
     reflection: bool = True  # gRPC server reflection (grpcurl and ghz without .proto files)
@@ -63,14 +61,14 @@ class ServiceConfig:
     engine_call_timeout_seconds: float = 300.0  # an engine request unanswered this long fails UNAVAILABLE
     restart_backoff_seconds: float = 0.5  # first wait before restarting a failed engine (then doubling)
     max_restart_failures: int = 5  # engines dying before they served a minute, in a row: give up, exit 1
-    warmup: bool = True
-    speculate: str = "none"  # none, ngram or draft_model
-    num_draft_tokens: int = 4
-    max_ngram: int = 4
-    speculate_max_batch: int = 4  # no speculation with more running jobs than this
-    draft_model: str | None = None  # default: the target's own file
-    draft_layers: int = 0  # keep only the draft's first N layers (0 = all)
-    draft_dtype: str = "float32"
+    warmup: bool = EngineConfig.warmup
+    speculate: str = SpeculationFlags.speculate
+    num_draft_tokens: int = SpeculationFlags.num_draft_tokens
+    max_ngram: int = SpeculationFlags.max_ngram
+    speculate_max_batch: int = SpeculationFlags.speculate_max_batch
+    draft_model: str | None = SpeculationFlags.draft_model
+    draft_layers: int = SpeculationFlags.draft_layers
+    draft_dtype: str = SpeculationFlags.draft_dtype
 
     @property
     def num_pages(self) -> int:
@@ -79,6 +77,36 @@ class ServiceConfig:
     @property
     def model_path(self) -> Path | None:
         return Path(self.model) if self.model else None
+
+    def engine_config(self) -> EngineConfig:
+        """The part of this configuration the engine process is started with."""
+        return EngineConfig(
+            settings=EngineSettings(
+                model=self.model_path,
+                dtype=self.dtype,
+                quant=self.quant,
+                page_size=self.page_size,
+                cache_tokens=self.cache_tokens,
+                kv_cache=self.kv_cache,
+                max_batch_size=self.max_batch_size,
+                chunk_size=self.chunk_size,
+                max_queue=self.max_queue,
+                sampling_threads=self.sampling_threads,
+            ),
+            speculation=SpeculationFlags(
+                speculate=self.speculate,
+                num_draft_tokens=self.num_draft_tokens,
+                max_ngram=self.max_ngram,
+                speculate_max_batch=self.speculate_max_batch,
+                draft_model=self.draft_model,
+                draft_layers=self.draft_layers,
+                draft_dtype=self.draft_dtype,
+            ),
+            warmup=self.warmup,
+            torch_threads=self.torch_threads,
+            omp_wait_policy=self.omp_wait_policy,
+            omp_spin_count=self.omp_spin_count,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -136,8 +164,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "kv_cache",
         _choice(*defaults.KV_CACHE_KINDS),
         d.kv_cache,
-        "KV cache storage: float (the model's dtype), float16 (half float32's bytes) or int8 "
-        "(~3.9x less memory than float32, ~1.9x than bfloat16)",
+        "KV cache storage: auto (float16 for a float32 model with quantized linears, else float), float "
+        "(the model's dtype), float16 (half float32's bytes) or int8 (~3.9x less memory than float32)",
     )
     opt("max_batch_size", int, d.max_batch_size, "jobs running at once")
     opt("max_queue", int, d.max_queue, "jobs waiting for admission before RESOURCE_EXHAUSTED")

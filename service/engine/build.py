@@ -3,36 +3,13 @@ engine process (`dyngen serve`) and for `dyngen generate` alike."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
-from engine import defaults
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.kv_cache import choose_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, load_model
 from engine.model.quantization import QuantMode
 from engine.scheduler import SchedulerConfig
+from service.engine_config import EngineSettings
 from service.speculation_flags import SpeculationOptions
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What `serve` and `generate` both choose (their flags' values, as strings where they are)."""
-
-    model: Path | None  # None: the shipped model
-    dtype: str = "auto"
-    quant: str = "auto"
-    page_size: int = defaults.PAGE_SIZE
-    cache_tokens: int = defaults.CACHE_TOKENS
-    kv_cache: str = defaults.KV_CACHE
-    max_batch_size: int = defaults.MAX_BATCH_SIZE
-    chunk_size: int = defaults.MAX_CHUNK_SIZE
-    max_queue: int = defaults.MAX_QUEUE
-    sampling_threads: int = defaults.SAMPLING_THREADS
-
-    @property
-    def num_pages(self) -> int:
-        return max(1, self.cache_tokens // self.page_size)
 
 
 def build_engine(

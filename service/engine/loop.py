@@ -12,9 +12,9 @@ from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import DyngenError, JobNotFoundError, PromptTooLongError, QueueFullError
 from engine.jobs import JobId
 from kernels.cpu_features import cpu_features
-from service.config import ServiceConfig
-from service.engine.build import EngineSettings, build_engine
+from service.engine.build import build_engine
 from service.engine.codec import event_to_proto, job_spec
+from service.engine_config import EngineConfig
 from service.ipc import Accepted, EngineStats, ErrorCode, Message, Ready, Rejection, Submit, Tag, pack_frames
 from service.pipe_sender import PipeSender
 from service.speculation_flags import speculation_options
@@ -26,31 +26,20 @@ IDLE_POLL = 0.25
 
 
 class EngineLoop:
-    def __init__(self, config: ServiceConfig, out: PipeSender, runtime_dir: str) -> None:
+    def __init__(self, config: EngineConfig, out: PipeSender, runtime_dir: str) -> None:
         self.config = config
         self.out = out
+        f = config.speculation
         speculation = speculation_options(
-            config.speculate,
-            config.num_draft_tokens,
-            config.max_ngram,
-            config.speculate_max_batch,
-            config.draft_model,
-            config.draft_layers,
-            config.draft_dtype,
+            f.speculate,
+            f.num_draft_tokens,
+            f.max_ngram,
+            f.speculate_max_batch,
+            f.draft_model,
+            f.draft_layers,
+            f.draft_dtype,
         )
-        settings = EngineSettings(
-            model=config.model_path,
-            dtype=config.dtype,
-            quant=config.quant,
-            page_size=config.page_size,
-            cache_tokens=config.cache_tokens,
-            kv_cache=config.kv_cache,
-            max_batch_size=config.max_batch_size,
-            chunk_size=config.chunk_size,
-            max_queue=config.max_queue,
-            sampling_threads=config.sampling_threads,
-        )
-        loaded, self.generator = build_engine(settings, speculation, progress=False)
+        loaded, self.generator = build_engine(config.settings, speculation, progress=False)
         self.loaded = loaded
         if config.warmup:
             self.generator.warmup()
@@ -167,7 +156,7 @@ class EngineLoop:
             pages_free=s.pages_free,
             pages_cached=s.pages_cached,
             pages_used=s.pages_used,
-            quant=self.config.quant,
+            quant=self.config.settings.quant,
             linears=self.loaded.model.describe(),
             cpu=cpu_features().summary(),
             kv_cache=g.cache.describe(),

@@ -11,12 +11,12 @@ from multiprocessing.connection import Connection
 from engine.errors import DyngenError
 from engine.model.tokenizer import preload_tokenizer_code
 from engine.onednn_caches import bound_onednn_caches
-from service.config import ServiceConfig
+from service.engine_config import EngineConfig
 from service.pipe_sender import PipeSender
 
 
 def run(config_json: str, commands: Connection, events: Connection, runtime_dir: str) -> None:
-    config = ServiceConfig.from_json(config_json)
+    config = EngineConfig.from_json(config_json)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="engine %(levelname)s %(message)s")
     sender = PipeSender(events)
     # Heartbeats start before the model loads, so a load that hangs is seen too.

@@ -156,7 +156,7 @@ class EngineClient:
         evt_recv, evt_send = ctx.Pipe(duplex=False)
         process = ctx.Process(
             target=engine_main,
-            args=(self.config.to_json(), cmd_recv, evt_send, str(self._runtime_dir)),
+            args=(self.config.engine_config().to_json(), cmd_recv, evt_send, str(self._runtime_dir)),
             name="dyngen-engine",
             daemon=True,
         )

@@ -1,0 +1,77 @@
+"""What the engine process is started with: the one part of `dyngen serve`'s configuration that
+crosses the pipe (as JSON). The front end's own settings (addresses, TLS, auth, limits,
+timeouts, restarts) stay in ServiceConfig. Plain values, no torch: the front end builds it.
+
+EngineSettings is also what `dyngen generate` builds its in-process engine from
+(service/engine/build.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine import defaults
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What `serve` and `generate` both choose (their flags' values, as strings where they are)."""
+
+    model: Path | None  # None: the shipped model
+    dtype: str = "auto"
+    quant: str = "auto"
+    page_size: int = defaults.PAGE_SIZE
+    cache_tokens: int = defaults.CACHE_TOKENS
+    kv_cache: str = defaults.KV_CACHE
+    max_batch_size: int = defaults.MAX_BATCH_SIZE
+    chunk_size: int = defaults.MAX_CHUNK_SIZE
+    max_queue: int = defaults.MAX_QUEUE
+    sampling_threads: int = defaults.SAMPLING_THREADS
+
+    @property
+    def num_pages(self) -> int:
+        return max(1, self.cache_tokens // self.page_size)
+
+
+@dataclass(frozen=True)
+class SpeculationFlags:
+    """The speculation flags' raw values (validated in the engine by speculation_flags.speculation_options)."""
+
+    speculate: str = "none"  # none, ngram or draft_model
+    num_draft_tokens: int = 4
+    max_ngram: int = 4
+    speculate_max_batch: int = 4  # no speculation with more running jobs than this
+    draft_model: str | None = None  # default: the target's own file
+    draft_layers: int = 0  # keep only the draft's first N layers (0 = all)
+    draft_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    settings: EngineSettings
+    speculation: SpeculationFlags = field(default_factory=SpeculationFlags)
+    warmup: bool = True
+    torch_threads: int = 0  # 0 = one per core
+    omp_wait_policy: str = "active"  # active (dedicated machine) or passive (CPU shared with others)
+    # With active waiting: how long an OpenMP worker spins after a parallel region before it sleeps
+    # (GOMP_SPINCOUNT). Unbounded, an idle server kept a core at 100%; 1e6 spins are ~25 ms here,
+    # far longer than any gap between a step's parallel regions.
+    omp_spin_count: int = 1_000_000
+
+    def to_json(self) -> str:
+        out = asdict(self)
+        model = self.settings.model
+        out["settings"]["model"] = None if model is None else str(model)
+        return json.dumps(out)
+
+    @staticmethod
+    def from_json(text: str) -> EngineConfig:
+        d = json.loads(text)
+        settings = d.pop("settings")
+        model = settings.pop("model")
+        return EngineConfig(
+            settings=EngineSettings(model=None if model is None else Path(model), **settings),
+            speculation=SpeculationFlags(**d.pop("speculation")),
+            **d,
+        )
