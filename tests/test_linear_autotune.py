@@ -158,3 +158,14 @@ def test_tiny_model_autotunes_once(tmp_path: Path) -> None:
     assert len(result.token_ids) == 4
     second = LlamaModel.from_source(source, progress=False, plan=plan, tune_dir=tmp_path)
     assert second.tuner is not None and second.tuner.measured == 0 and "cached" in second.describe()
+
+
+def test_the_eviction_covers_the_caches_the_os_reports(tmp_path: Path) -> None:
+    from kernels.linear_autotune import evict_bytes
+
+    for i, size in enumerate(("48K", "32K", "1024K", "32768K")):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    total = (48 + 32 + 1024 + 32768) << 10
+    assert evict_bytes(tmp_path) == total + total // 4
+    assert evict_bytes(tmp_path / "missing") == 64 << 20  # no sysfs: the fallback

@@ -13,6 +13,7 @@ import torch
 
 from engine.errors import InvalidRequestError, ModelFormatError, ModelNotFoundError
 from engine.model.derived_files import DerivedFiles
+from engine.model.gguf_reader_share import shared_readers
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.quantization import QuantMode, plan_for
@@ -109,7 +110,7 @@ def load_model(
     # Work that can go beside the weights' goes on threads: a first start's native build (a
     # compiler process; the linears wait for it) and the tokenizer (mostly importing transformers,
     # while the weights' work is mostly in torch and numpy, which let go of the interpreter).
-    with ThreadPoolExecutor(2, thread_name_prefix="load") as pool:
+    with ThreadPoolExecutor(2, thread_name_prefix="load") as pool, shared_readers():
         pool.submit(native_library)
         source = open_weight_source(model_path, derived)
         tokenizer = pool.submit(load_tokenizer, model_path, source.config.eos_token_ids, derived)

@@ -90,6 +90,10 @@ class LinearPlan:
 AUTO_BODY_KINDS = (LinearKind.FLOAT, LinearKind.INT4, LinearKind.INT8_WEIGHT)
 AUTO_HEAD_KINDS = (LinearKind.FLOAT, LinearKind.INT8_WEIGHT)
 NATIVE_BODY_KINDS = (LinearKind.INT4_Q8, LinearKind.INT8_Q8)  # where the native kernels build
+# The head there: int8 weight-only (torch) beside the int8 blocks. The float32 head, 4x int8's
+# bytes on float32 FMAs at under half the int8 dot's rate, never won a bucket here, and timing it
+# cost a first start 0.6 s (49152 x 576 x 64 rows in float32 is 33 ms a call).
+NATIVE_HEAD_KINDS = (LinearKind.INT8_WEIGHT, LinearKind.INT8_Q8)
 
 
 def plan_for(mode: QuantMode, cpu: CpuFeatures, native: bool | None = None) -> LinearPlan:
@@ -114,7 +118,7 @@ def plan_for(mode: QuantMode, cpu: CpuFeatures, native: bool | None = None) -> L
                 # which outweighs any one linear's edge: with `down` on torch's int4 kernel at one row
                 # (chosen alone, a tie the fewer weight bytes won) single stream ran 232 tok/s; all
                 # block kinds, 390 (Zen 5, 2 cores).
-                return LinearPlan.tuned(NATIVE_BODY_KINDS, (*AUTO_HEAD_KINDS, LinearKind.INT8_Q8))
+                return LinearPlan.tuned(NATIVE_BODY_KINDS, NATIVE_HEAD_KINDS)
             return LinearPlan.tuned(AUTO_BODY_KINDS, AUTO_HEAD_KINDS)
         case _:
             assert_never(mode)
