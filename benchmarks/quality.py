@@ -35,9 +35,9 @@ from engine.model.loader import default_model_path
 from engine.model.quantization import LinearPlan, QuantMode, plan_for
 from engine.model.tokenizer import HFTokenizer
 from kernels.cpu_features import cpu_features
-from kernels.int4_groups import Int4Groups
-from kernels.int4_linear import Int4Linear
-from kernels.linear import LinearKind
+from kernels.linear.int4_groups import Int4Groups
+from kernels.linear.int4_linear import Int4Linear
+from kernels.linear.make_linear import LinearKind
 
 GATE = 0.01  # relative perplexity increase a mode may cost
 WINDOW = 512  # tokens per scored window (the first of each is context only)

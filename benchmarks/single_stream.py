@@ -27,9 +27,9 @@ from engine.model.loader import WeightDtype, default_model_path, load_model
 from engine.model.quantization import LinearPlan, QuantMode
 from engine.model.tokenizer import ChatMessage
 from kernels.cpu_features import cpu_features
-from kernels.int4_groups import Int4Groups
-from kernels.linear import Linear, LinearKind
-from kernels.native_library import PeakRates, native_library
+from kernels.linear.int4_groups import Int4Groups
+from kernels.linear.make_linear import Linear, LinearKind
+from kernels.native.native_library import PeakRates, native_library
 
 
 def decode_rate(run: Callable[[int], None], new_tokens: int) -> float:

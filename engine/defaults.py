@@ -12,7 +12,7 @@ MAX_BATCH_SIZE = 64  # running jobs at once
 MAX_CHUNK_SIZE = 2048  # tokens per forward: decode tokens plus prefill chunks
 MAX_QUEUE = 1024  # jobs waiting for admission
 SAMPLING_THREADS = 2
-# The KV cache's storage (kernels.kv_layer.KVCacheKind's values, and auto): float = the model's
+# The KV cache's storage (kernels.attention.kv_layer.KVCacheKind's values, and auto): float = the model's
 # dtype; float16 = half a float32 cache's bytes; int8 = int8 with a float16 scale per token and
 # head. auto = float16 where the linears are quantized and the model computes in float32, float
 # elsewhere (engine.kv_cache.choose_kv_cache says why).

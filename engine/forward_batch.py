@@ -5,7 +5,7 @@ position of the first of them (how many of its tokens the cache already holds) a
 its page table. All sequences run in one forward: their tokens are concatenated,
 and each token knows its position and the cache slot its K/V goes to.
 
-The attention half of the batch (`kernels.batch.AttentionBatch`) belongs to the
+The attention half of the batch (`kernels.attention.batch.AttentionBatch`) belongs to the
 kernels; `ForwardBatch` adds the token inputs the model reads and is built here.
 """
 
@@ -19,7 +19,7 @@ from itertools import chain, repeat
 import torch
 
 from engine.ids import PageId
-from kernels.batch import AttentionBatch
+from kernels.attention.batch import AttentionBatch
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ attention can gather whole pages and multiply them in place, with no per-token c
 Which page belongs to which sequence is the page tables' business (the caller's);
 this module only owns the storage.
 
-Kinds (kernels.kv_layer.KVCacheKind): FLOAT keeps K/V in the model's dtype; FLOAT16 in
+Kinds (kernels.attention.kv_layer.KVCacheKind): FLOAT keeps K/V in the model's dtype; FLOAT16 in
 float16 (half a float32 cache's bytes, which decode attention reads every step); INT8 keeps
 them as int8 in the same layout plus a float16 scale per token and head
 ([layers, num_pages, kv_heads, page_size]), quantized as they are written and
@@ -24,7 +24,7 @@ from typing import assert_never
 
 import torch
 
-from kernels.kv_layer import KV_SCALE_DTYPE, KVCacheKind, KVLayer
+from kernels.attention.kv_layer import KV_SCALE_DTYPE, KVCacheKind, KVLayer
 
 __all__ = ["CacheShape", "KVCacheKind", "PagedKVCache", "choose_kv_cache"]
 

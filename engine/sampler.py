@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.jobs import SamplingSettings, TokenLogprob
-from kernels.argmax import argmax_rows
+from kernels.native.argmax import argmax_rows
 
 __all__ = [
     "DEFAULT_MIN_SAMPLING_THREADS",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.triton_attention import check_device
+from kernels.attention.triton_attention import check_device
 from kernels.triton_fused_kernels import add_rms_norm_kernel, rotary_kernel
 
 NORM_BLOCK_T = 4  # tokens per program; the hidden vector of each is one row of the tile

@@ -15,7 +15,7 @@ from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
 from engine.model.loader import load_model
 from engine.runner import ModelRunner
-from kernels.batch import AttentionBatch
+from kernels.attention.batch import AttentionBatch
 from tests.tiny_llama import save_tiny_llama
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"

@@ -25,10 +25,16 @@ from engine.jobs import JobSpec
 from engine.kv_cache import CacheShape, KVCacheKind, PagedKVCache
 from engine.model.loader import LoadedModel, load_model
 from engine.scheduler import SchedulerConfig
-from kernels.attention import AttentionKind, select_attention
-from kernels.kv_layer import KV_SCALE_DTYPE, KVLayer, dequantize_kv, quantize_kv
-from kernels.torch_attention import TorchPagedAttention
-from kernels.triton_attention import GPU_TILES, INTERPRETER_TILES, Tiles, TritonPagedAttention, interpreted
+from kernels.attention.backend import AttentionKind, select_attention
+from kernels.attention.kv_layer import KV_SCALE_DTYPE, KVLayer, dequantize_kv, quantize_kv
+from kernels.attention.torch_attention import TorchPagedAttention
+from kernels.attention.triton_attention import (
+    GPU_TILES,
+    INTERPRETER_TILES,
+    Tiles,
+    TritonPagedAttention,
+    interpreted,
+)
 from tests.tiny_llama import save_tiny_llama
 
 KV_HEADS = 2

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.linear_autotune as autotune
+import kernels.linear.linear_autotune as autotune
 from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.quantization import LinearPlan
 from kernels.cpu_features import CpuFeatures, cpu_features
-from kernels.linear import Linear, LinearKind, make_linear
-from kernels.linear_autotune import BUCKETS, LinearTuner, TuneCache, TunedLinear, TuneKey, bucket
+from kernels.linear.linear_autotune import BUCKETS, LinearTuner, TuneCache, TunedLinear, TuneKey, bucket
+from kernels.linear.make_linear import Linear, LinearKind, make_linear
 from tests.tiny_gguf import QType, TinyLlamaSpec, random_llama_weights, write_tiny_gguf
 
 KINDS = (LinearKind.FLOAT, LinearKind.INT8_DYNAMIC)
@@ -161,7 +161,7 @@ def test_tiny_model_autotunes_once(tmp_path: Path) -> None:
 
 
 def test_the_eviction_covers_the_caches_the_os_reports(tmp_path: Path) -> None:
-    from kernels.linear_autotune import evict_bytes
+    from kernels.linear.linear_autotune import evict_bytes
 
     for i, size in enumerate(("48K", "32K", "1024K", "32768K")):
         (tmp_path / f"index{i}").mkdir()

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/csrc/cpu_kernels.c) against torch references.
+"""The native CPU kernels (kernels/native/csrc/cpu_kernels.c) against torch references.
 
 Every test runs on the builds this host can run: `-march=native` (512-bit VNNI block matmuls
 where the CPU has AVX-512 VNNI, else AVX2 intrinsics), `-march=x86-64-v3` (the AVX2 code, on
@@ -27,8 +27,9 @@ from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model.quantization import QuantMode
 from engine.model.rope import RotaryEmbedding
-from kernels.attention import AttentionKind
-from kernels.block_linear import (
+from kernels.attention.backend import AttentionKind
+from kernels.cpu_features import cpu_features
+from kernels.linear.block_linear import (
     Int4BlockLinear,
     Int8BlockLinear,
     pack_q4,
@@ -37,9 +38,8 @@ from kernels.block_linear import (
     pack_q8x8,
     quantize_q8_blocks,
 )
-from kernels.cpu_features import cpu_features
-from kernels.int4_groups import Int4Groups
-from kernels.native_library import (
+from kernels.linear.int4_groups import Int4Groups
+from kernels.native.native_library import (
     NativeBuildError,
     NativeLibrary,
     QuantizedRows,

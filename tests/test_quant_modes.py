@@ -19,8 +19,8 @@ from engine.model.llama import LlamaModel
 from engine.model.loader import load_model
 from engine.model.quantization import LinearPlan, LinearRole, QuantMode, plan_for
 from kernels.cpu_features import cpu_features
-from kernels.linear import LinearKind
-from kernels.native_library import native_library, native_unavailable_reason
+from kernels.linear.make_linear import LinearKind
+from kernels.native.native_library import native_library, native_unavailable_reason
 from tests.tiny_gguf import QType, TinyLlamaSpec, random_llama_weights, write_tiny_gguf
 
 SPEC = TinyLlamaSpec()

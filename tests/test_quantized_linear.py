@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from engine.model.gguf_blocks import RawTensor, int4_groups
-from kernels.int4_groups import Int4Groups
-from kernels.int4_linear import Int4Linear
-from kernels.int8_weight_linear import Int8WeightLinear
-from kernels.linear import LinearKind, make_linear
-from kernels.native_library import native_library, native_unavailable_reason
+from kernels.linear.int4_groups import Int4Groups
+from kernels.linear.int4_linear import Int4Linear
+from kernels.linear.int8_weight_linear import Int8WeightLinear
+from kernels.linear.make_linear import LinearKind, make_linear
+from kernels.native.native_library import native_library, native_unavailable_reason
 
 SHAPES = [(48, 64, 1), (40, 96, 5), (96, 128, 17)]  # (out, in, rows); 40 is not a multiple of 16
 # Relative error vs the original float weights, with headroom over what these shapes give.
@@ -118,7 +118,7 @@ def test_int4_is_exactly_the_gguf_blocks(qtype: gguf.GGMLQuantizationType) -> No
     assert groups is not None
     assert torch.equal(groups.dequantize(), expected)
     # The kernel's own weights (read through an identity activation) are the file's, bit for bit,
-    # when it computes in float32; bfloat16 compute rounds scale and zero (see kernels/int4_linear.py).
+    # when it computes in float32; bfloat16 compute rounds scale and zero (see kernels/linear/int4_linear.py).
     exact = Int4Linear(groups, from_file=True, compute_dtype=torch.float32)
     assert torch.equal(exact(torch.eye(160)).t(), expected)
     fast = Int4Linear(groups, from_file=True)

@@ -19,11 +19,10 @@ import torch
 
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
-from kernels.attention import AttentionKind, resolve_attention, select_attention
-from kernels.kv_layer import KVLayer
-from kernels.native_library import native_library
-from kernels.torch_attention import TorchPagedAttention
-from kernels.triton_attention import (
+from kernels.attention.backend import AttentionKind, resolve_attention, select_attention
+from kernels.attention.kv_layer import KVLayer
+from kernels.attention.torch_attention import TorchPagedAttention
+from kernels.attention.triton_attention import (
     GPU_TILES,
     INTERPRETER_TILES,
     PagedMeta,
@@ -32,6 +31,7 @@ from kernels.triton_attention import (
     interpreted,
     paged_attention,
 )
+from kernels.native.native_library import native_library
 
 KV_HEADS = 2
 # The GPU tile sizes, with decode splits short enough that sequences of a few pages span
@@ -49,7 +49,9 @@ TOLERANCE = {
 
 
 def test_kernels_run_interpreted() -> None:
-    assert interpreted(), "TRITON_INTERPRET=1 must be set before kernels.triton_attention is imported"
+    assert interpreted(), (
+        "TRITON_INTERPRET=1 must be set before kernels.attention.triton_attention is imported"
+    )
 
 
 @dataclass(frozen=True)

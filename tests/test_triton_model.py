@@ -18,8 +18,8 @@ import pytest
 from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
-from kernels.attention import AttentionKind, select_attention
-from kernels.triton_attention import TritonPagedAttention, interpreted
+from kernels.attention.backend import AttentionKind, select_attention
+from kernels.attention.triton_attention import TritonPagedAttention, interpreted
 from tests.conftest import PARITY_PROMPTS
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import gguf
 import torch
 
-from kernels.int4_groups import GROUP_SIZE, Int4Groups
+from kernels.linear.int4_groups import GROUP_SIZE, Int4Groups
 
 QType = gguf.GGMLQuantizationType
 INT4_TYPES = (QType.Q4_0, QType.Q4_1)

@@ -21,7 +21,7 @@ from engine.model.config import ModelConfig, RopeScaling, RopeScalingKind
 from engine.model.derived_files import DerivedFiles
 from engine.model.gguf_blocks import RawTensor, dequantize_q8_0, int4_groups
 from engine.model.weight_source import LazyTensors
-from kernels.int4_groups import Int4Groups
+from kernels.linear.int4_groups import Int4Groups
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 

@@ -26,14 +26,14 @@ from engine.model.config import ModelConfig
 from engine.model.quantization import LinearPlan, LinearRole, describe_linears
 from engine.model.rope import RotaryEmbedding
 from engine.model.weight_source import LazyTensors, WeightSource
-from kernels.attention import AttentionBackend, AttentionKind, resolve_attention, select_attention
-from kernels.block_linear import BlockLinear
+from kernels.attention.backend import AttentionBackend, AttentionKind, resolve_attention, select_attention
+from kernels.attention.native_attention import NativePagedAttention
 from kernels.cpu_features import cpu_features
-from kernels.int4_groups import Int4Groups
-from kernels.linear import Linear, LinearKind, make_linear
-from kernels.linear_autotune import LinearTuner, TuneCache, TunedLinear, TuneKey, bucket
-from kernels.native_attention import NativePagedAttention
-from kernels.native_library import DecodeLayer, DecodeStep, LinearDesc, NativeLibrary, native_library
+from kernels.linear.block_linear import BlockLinear
+from kernels.linear.int4_groups import Int4Groups
+from kernels.linear.linear_autotune import LinearTuner, TuneCache, TunedLinear, TuneKey, bucket
+from kernels.linear.make_linear import Linear, LinearKind, make_linear
+from kernels.native.native_library import DecodeLayer, DecodeStep, LinearDesc, NativeLibrary, native_library
 
 
 @dataclass(frozen=True)
@@ -375,7 +375,7 @@ class LlamaModel:
                 k = qkv[:, q_size : q_size + kv_size].view(tokens, c.num_kv_heads, c.head_dim)
             elif self.fused:
                 # Imported here, not at the top: importing decorates the kernels, which reads
-                # TRITON_INTERPRET (see kernels.attention.select_attention).
+                # TRITON_INTERPRET (see kernels.attention.backend.select_attention).
                 from kernels.triton_fused import rotary_
 
                 qkv = qkv.contiguous()  # the in-place rotary kernel wants head_dim contiguous

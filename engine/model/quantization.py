@@ -4,7 +4,7 @@ A plan names one kind per layer class (fused QKV, O, fused gate/up, down, the he
 INT4 keeps the file's own 4-bit blocks where it has them (GGUF Q4_0/Q4_1, exactly) and
 re-quantizes other weights by group min/max; its head is int8 (the shipped file stores
 the head as Q8_0; re-quantized to int4 it costs +6% perplexity). Where the native CPU
-kernels build (kernels/native_library.py), INT4 and INT8 run them: weight blocks times
+kernels build (kernels/native/native_library.py), INT4 and INT8 run them: weight blocks times
 int8 activation blocks of 32, integer dot products. Elsewhere they fall back to torch's
 weight-only kernels (bfloat16 inside). AUTO lets the load-time autotune pick, per weight
 shape and step size, the fastest of the kinds that pass the quality gate.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from kernels.cpu_features import CpuFeatures
-from kernels.linear import Linear, LinearKind
+from kernels.linear.make_linear import Linear, LinearKind
 
 
 class QuantMode(enum.Enum):
@@ -44,7 +44,7 @@ class LinearRole(enum.Enum):
 @dataclass(frozen=True)
 class LinearPlan:
     """A kind per projection class; or, with candidates, the kinds the load-time autotune may pick
-    among (kernels/linear_autotune.py), per weight shape and step size."""
+    among (kernels/linear/linear_autotune.py), per weight shape and step size."""
 
     qkv: LinearKind
     o: LinearKind
@@ -99,7 +99,7 @@ NATIVE_HEAD_KINDS = (LinearKind.INT8_WEIGHT, LinearKind.INT8_Q8)
 def plan_for(mode: QuantMode, cpu: CpuFeatures, native: bool | None = None) -> LinearPlan:
     """The plan of `mode`; `native` says whether the native kernels are available (None: try to build them)."""
     if native is None:
-        from kernels.native_library import native_library
+        from kernels.native.native_library import native_library
 
         native = native_library() is not None
     i8 = LinearKind.INT8_Q8 if native else LinearKind.INT8_WEIGHT

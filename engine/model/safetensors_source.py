@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from engine.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from engine.model.config import ModelConfig, RopeScaling, RopeScalingKind
-from kernels.int4_groups import Int4Groups
+from kernels.linear.int4_groups import Int4Groups
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 

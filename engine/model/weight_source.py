@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from engine.model.config import ModelConfig
-from kernels.int4_groups import Int4Groups
+from kernels.linear.int4_groups import Int4Groups
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):

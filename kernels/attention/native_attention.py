@@ -1,4 +1,4 @@
-"""Paged attention on the CPU with the native decode kernel (kernels/csrc/cpu_kernels.c).
+"""Paged attention on the CPU with the native decode kernel (kernels/native/csrc/cpu_kernels.c).
 
 A step where every sequence brings one new token (steady decoding) is attended by one
 native call that walks each sequence's page table in place: no page gather, no padding
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.batch import AttentionBatch
-from kernels.kv_layer import KVLayer
-from kernels.native_library import NativeLibrary
-from kernels.torch_attention import TorchPagedAttention
+from kernels.attention.batch import AttentionBatch
+from kernels.attention.kv_layer import KVLayer
+from kernels.attention.torch_attention import TorchPagedAttention
+from kernels.native.native_library import NativeLibrary
 
 
 class _PreparedNativeAttention:

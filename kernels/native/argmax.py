@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.native_library import native_library
+from kernels.native.native_library import native_library
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

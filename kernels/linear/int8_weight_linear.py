@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.linear_kind import LinearKind
+from kernels.linear.linear_kind import LinearKind
 
 COMPUTE_DTYPE = torch.bfloat16
 

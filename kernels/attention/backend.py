@@ -2,7 +2,7 @@
 
 A backend is asked once per forward to prepare for a batch (page tables, lengths and
 masks are the same for every layer), and the prepared object is then called once per
-layer with that layer's queries and cache view (kernels.kv_layer.KVLayer: K/V, and their
+layer with that layer's queries and cache view (kernels.attention.kv_layer.KVLayer: K/V, and their
 scales when the cache is int8). New K/V are written into their page slots
 before attention, so a prefill chunk attends to itself as well as to earlier pages.
 """
@@ -14,8 +14,8 @@ from typing import Protocol, assert_never
 
 import torch
 
-from kernels.batch import AttentionBatch
-from kernels.kv_layer import KVLayer
+from kernels.attention.batch import AttentionBatch
+from kernels.attention.kv_layer import KVLayer
 
 
 class AttentionKind(enum.Enum):
@@ -59,7 +59,7 @@ def resolve_attention(kind: AttentionKind, device: torch.device) -> AttentionKin
             if device.type == "cuda" and triton_available():
                 return AttentionKind.TRITON
             if device.type == "cpu":
-                from kernels.native_library import native_library
+                from kernels.native.native_library import native_library
 
                 if native_library() is not None:
                     return AttentionKind.NATIVE
@@ -78,18 +78,18 @@ def select_attention(kind: AttentionKind, device: torch.device) -> AttentionBack
     """
     match resolve_attention(kind, device):
         case AttentionKind.TORCH:
-            from kernels.torch_attention import TorchPagedAttention
+            from kernels.attention.torch_attention import TorchPagedAttention
 
             return TorchPagedAttention()
         case AttentionKind.TRITON:
             # Imported only when chosen: importing decorates the kernels, which reads
             # TRITON_INTERPRET at that moment.
-            from kernels.triton_attention import TritonPagedAttention
+            from kernels.attention.triton_attention import TritonPagedAttention
 
             return TritonPagedAttention()
         case AttentionKind.NATIVE:
-            from kernels.native_attention import NativePagedAttention
-            from kernels.native_library import native_library, native_unavailable_reason
+            from kernels.attention.native_attention import NativePagedAttention
+            from kernels.native.native_library import native_library, native_unavailable_reason
 
             lib = native_library()
             if lib is None:

@@ -17,7 +17,7 @@ block, ready for a batched matmul with no further copy. Sequences then go in two
 Grouped-query heads are folded into the query axis (the heads sharing a K/V head
 become extra query rows with the same mask), so no K/V head is copied per query head.
 
-An int8 cache (kernels.kv_layer) is quantized in write_kv and read as whole int8 blocks
+An int8 cache (kernels.attention.kv_layer) is quantized in write_kv and read as whole int8 blocks
 with their per-token scales (one more small index_select each). Decode converts the
 blocks to the queries' dtype (exact) and applies the scales to the scores and the
 probabilities (per key, not per element); longer queries dequantize the gathered blocks
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.batch import AttentionBatch
-from kernels.kv_layer import KVLayer, dequantize_kv, quantize_kv
+from kernels.attention.batch import AttentionBatch
+from kernels.attention.kv_layer import KVLayer, dequantize_kv, quantize_kv
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class _PreparedTorchAttention:
     @functools.cached_property
     def _groups(self) -> list[_Group]:
         """Built on the first attend, once per forward: a backend that attends some steps
-        itself (kernels.native_attention) and only writes through this one never pays for them."""
+        itself (kernels.attention.native_attention) and only writes through this one never pays for them."""
         batch = self._batch
         decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
         longer = [i for i, n in enumerate(batch.query_lens) if n > 1]

@@ -25,7 +25,7 @@ import torch
 
 from kernels.cache_dir import default_cache_dir
 from kernels.cpu_features import CpuFeatures
-from kernels.linear_kind import Linear, LinearKind
+from kernels.linear.linear_kind import Linear, LinearKind
 
 BUCKETS = (1, 8, 64)
 _CALLS = 5  # timed calls per (kind, bucket); the best one counts

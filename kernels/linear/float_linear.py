@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.linear_kind import LinearKind
+from kernels.linear.linear_kind import LinearKind
 
 # The batch size oneDNN tunes the packed layout for; any batch size works with it.
 _PACK_HINT_ROWS = 64

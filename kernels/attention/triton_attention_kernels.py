@@ -1,4 +1,4 @@
-"""Triton kernels for attention over the paged KV cache (launched by kernels.triton_attention).
+"""Triton kernels for attention over the paged KV cache (launched by kernels.attention.triton_attention).
 
 Memory layout assumed (the PagedKVCache layout): per layer K and V are
 [num_pages, kv_heads, PAGE_SIZE, head_dim], head-major pages with head_dim
@@ -13,7 +13,7 @@ it (grouped-query attention): K/V are read once per group, never per query head.
 Softmax is the online (flash) form in float32; a fully masked block or an empty
 sequence is kept finite by never subtracting -inf from -inf.
 
-With QUANT (an int8 cache, kernels.kv_layer) K/V are int8 and each key's scale sits at
+With QUANT (an int8 cache, kernels.attention.kv_layer) K/V are int8 and each key's scale sits at
 [page, head, offset] of a [num_pages, kv_heads, PAGE_SIZE] float16 tensor; the kernels
 load both and dequantize in registers, so an int8 cache moves a quarter of float32's bytes.
 """
@@ -374,7 +374,7 @@ def write_kv_int8_kernel(
 
     Per token and head: scale = absmax / 127 rounded to float16 (at least its smallest
     normal), q = floor(x / scale + 0.5) clamped to [-127, 127]; the same arithmetic as
-    kernels.kv_layer.quantize_kv, so both paths store the same bytes.
+    kernels.attention.kv_layer.quantize_kv, so both paths store the same bytes.
     """
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1).to(tl.int64)

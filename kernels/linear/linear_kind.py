@@ -1,4 +1,4 @@
-"""The linear kinds and the Linear protocol every implementation satisfies (kernels/linear.py
+"""The linear kinds and the Linear protocol every implementation satisfies (kernels/linear/make_linear.py
 builds one of a kind; the implementations import only this)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ class LinearKind(enum.Enum):
     INT8_WEIGHT = "int8_weight"  # int8 weights, per-row scales; bfloat16 activations inside
     INT8_DYNAMIC = "int8_dynamic"  # fbgemm: int8 weights and per-call int8 activations
     INT4 = "int4"  # 4-bit groups of 32 (GGUF Q4_0/Q4_1 kept as stored); bfloat16 inside
-    # Native kernels (kernels/block_linear.py): weight blocks x int8 activation blocks of 32.
+    # Native kernels (kernels/linear/block_linear.py): weight blocks x int8 activation blocks of 32.
     INT4_Q8 = "int4_q8"  # the INT4 groups, integer dot products
     INT8_Q8 = "int8_q8"  # int8 weight blocks of 32 (GGUF Q8_0's scheme)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_groups import GROUP_SIZE, Int4Groups
-from kernels.linear_kind import LinearKind
+from kernels.linear.int4_groups import GROUP_SIZE, Int4Groups
+from kernels.linear.linear_kind import LinearKind
 
 COMPUTE_DTYPE = torch.bfloat16
 _ZERO_POINT = 8  # the kernel's fixed midpoint: w = (q - 8) * scale + zero

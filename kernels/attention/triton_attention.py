@@ -10,7 +10,7 @@ The caches are the PagedKVCache layout per layer, [num_pages, kv_heads, page_siz
 head_dim] (head-major pages, head_dim contiguous); slot s of head h is
 [s // page_size, h, s % page_size]. The kernels take the page, head and
 offset-in-page strides, so any such view with a contiguous head_dim works. An int8
-cache (kernels.kv_layer.KVLayer with scales) is quantized by its own write kernel and
+cache (kernels.attention.kv_layer.KVLayer with scales) is quantized by its own write kernel and
 dequantized inside the attention kernels (QUANT), which also take the scales' strides.
 
 Triton has no CPU backend: on CPU tensors the kernels only run under the interpreter
@@ -26,9 +26,9 @@ import torch
 import triton
 from triton.runtime import JITFunction
 
-from kernels.batch import AttentionBatch
-from kernels.kv_layer import KVLayer
-from kernels.triton_attention_kernels import (
+from kernels.attention.batch import AttentionBatch
+from kernels.attention.kv_layer import KVLayer
+from kernels.attention.triton_attention_kernels import (
     decode_partial_kernel,
     decode_reduce_kernel,
     prefill_kernel,

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from kernels.linear_kind import LinearKind
+from kernels.linear.linear_kind import LinearKind
 
 
 class Int8DynamicLinear:

@@ -15,15 +15,15 @@ from typing import assert_never
 
 import torch
 
-from kernels.block_linear import Int4BlockLinear, Int8BlockLinear
 from kernels.cpu_features import CpuFeatures, cpu_features
-from kernels.float_linear import FloatLinear
-from kernels.int4_groups import Int4Groups
-from kernels.int4_linear import Int4Linear
-from kernels.int8_dynamic_linear import Int8DynamicLinear
-from kernels.int8_weight_linear import Int8WeightLinear
-from kernels.linear_kind import Linear, LinearKind
-from kernels.native_library import native_library, native_unavailable_reason
+from kernels.linear.block_linear import Int4BlockLinear, Int8BlockLinear
+from kernels.linear.float_linear import FloatLinear
+from kernels.linear.int4_groups import Int4Groups
+from kernels.linear.int4_linear import Int4Linear
+from kernels.linear.int8_dynamic_linear import Int8DynamicLinear
+from kernels.linear.int8_weight_linear import Int8WeightLinear
+from kernels.linear.linear_kind import Linear, LinearKind
+from kernels.native.native_library import native_library, native_unavailable_reason
 
 __all__ = ["Linear", "LinearKind", "make_linear"]
 

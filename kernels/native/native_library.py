@@ -1,4 +1,4 @@
-"""dyngen's native CPU kernels (kernels/csrc/cpu_kernels.c), built once per machine, called by ctypes.
+"""dyngen's native CPU kernels (kernels/native/csrc/cpu_kernels.c), built once per machine, called by ctypes.
 
 torch has no CPU matmul over 4-bit weight blocks with 8-bit activation blocks (its int4
 kernel computes in bfloat16, which AVX2-only CPUs emulate), and eager torch spends more

@@ -2,7 +2,7 @@
 
 Each call quantizes its input rows per block of 32 (x ~= s * q, q in -127..127; one scale
 per 32 values, so an outlier costs only its own block, unlike one scale per tensor) and
-multiplies them with the weight blocks in integer arithmetic (kernels/csrc/cpu_kernels.c):
+multiplies them with the weight blocks in integer arithmetic (kernels/native/csrc/cpu_kernels.c):
 
 - INT4_Q8: 4-bit weight groups, w = d * q + m (GGUF Q4_0/Q4_1 blocks kept exactly as
   stored, other weights re-quantized by group min/max);
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.int4_groups import GROUP_SIZE, Int4Groups
-from kernels.linear_kind import LinearKind
-from kernels.native_library import BLOCK, BlockLayout, LinearDesc, NativeLibrary
+from kernels.linear.int4_groups import GROUP_SIZE, Int4Groups
+from kernels.linear.linear_kind import LinearKind
+from kernels.native.native_library import BLOCK, BlockLayout, LinearDesc, NativeLibrary
 
 assert BLOCK == GROUP_SIZE
 

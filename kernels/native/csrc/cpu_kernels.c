@@ -1,6 +1,6 @@
 /* dyngen's native CPU kernels: block-quantized matmuls and the small per-layer ops.
  *
- * Built at first use by kernels/native_library.py with -O3 -march=native -fopenmp and
+ * Built at first use by kernels/native/native_library.py with -O3 -march=native -fopenmp and
  * called through ctypes with raw pointers; every array is contiguous and float32 unless
  * named otherwise. OpenMP here is the same runtime as torch's (the soname is already
  * loaded by torch when this library loads), so the two share one thread pool.
