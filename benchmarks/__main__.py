@@ -13,12 +13,12 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if sys.argv[1:2] == ["peers"]:  # its own flags: `python -m benchmarks peers --help`
-        from benchmarks.peers import main as run_peers
+        from benchmarks.peers.run import main as run_peers
 
         run_peers(sys.argv[2:])
         return
     if sys.argv[1:2] == ["load"]:  # ghz's flags: `python -m benchmarks load --help`
-        from benchmarks.load import main as run_load
+        from benchmarks.served.load import main as run_load
 
         sys.exit(run_load(sys.argv[2:]))
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
@@ -52,7 +52,7 @@ def main() -> None:
     if args.workload == "soak":
         import shlex
 
-        from benchmarks.soak import run as run_soak
+        from benchmarks.served.soak import run as run_soak
 
         text, status = run_soak(
             args.minutes,
@@ -66,44 +66,44 @@ def main() -> None:
         print(text)
         sys.exit(status)
     if args.workload == "single":
-        from benchmarks.single_stream import run
+        from benchmarks.inprocess.single_stream import run
 
         print(run(args.new_tokens, args.workloads))
         return
     if args.workload == "quant":
-        from benchmarks.single_stream import matmul_table, quant_decode_table
+        from benchmarks.inprocess.single_stream import matmul_table, quant_decode_table
 
         print(matmul_table(max(args.repeat, 3)), flush=True)
         print()
         print(quant_decode_table(args.new_tokens, args.workloads, args.repeat))
         return
     if args.workload == "host":
-        from benchmarks.host_cost import run as run_host
+        from benchmarks.inprocess.host_cost import run as run_host
 
         print(run_host(args.workloads, repeat=args.repeat, profile=args.profile))
         return
     if args.workload == "quality":
-        from benchmarks.quality import run as run_quality
+        from benchmarks.quality.perplexity import run as run_quality
 
         print(run_quality())
         return
     if args.workload == "w3":
-        from benchmarks.speculative import run as run_speculative
+        from benchmarks.inprocess.speculative import run as run_speculative
         from engine.model.loader import WeightDtype as Dtype
 
         print(run_speculative(args.workloads, Dtype.FLOAT32 if args.dtype == "both" else Dtype(args.dtype)))
         return
     if args.workload == "sampler":
-        from benchmarks.sampler_bench import run as run_sampler
+        from benchmarks.inprocess.sampler_bench import run as run_sampler
 
         print(run_sampler())
         return
-    from benchmarks.throughput import run as run_throughput
+    from benchmarks.inprocess.throughput import run as run_throughput
     from engine.model.loader import WeightDtype
 
     dtypes = list(WeightDtype) if args.dtype == "both" else [WeightDtype(args.dtype)]
     if args.workload == "w4":
-        from benchmarks.service_load import run as run_service_load
+        from benchmarks.served.service_load import run as run_service_load
 
         print(run_service_load(dtypes, args.workloads))
         return

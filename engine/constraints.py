@@ -3,7 +3,7 @@
 The grammar engine is llguidance (Rust, GIL released while it works): per job a matcher
 that, given the tokens so far, yields the set of tokens that keep the output inside the
 grammar, as a bitmask of the vocabulary (bit t of word t // 32 set = token t allowed).
-Chosen over xgrammar 0.2.8 by `python -m benchmarks.grammar_engines` on this CPU (shipped
+Chosen over xgrammar 0.2.8 by `python -m benchmarks.inprocess.grammar_engines` on this CPU (shipped
 tokenizer, 49,152 tokens): llguidance compiles a JSON schema in about 1 ms, xgrammar in about
 220 ms. Each request may bring a new schema, and compiling runs at enqueue. xgrammar's masks
 are faster (mean 21-37 us per token against llguidance's 30-139 us), but a mask is a fraction

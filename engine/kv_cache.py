@@ -76,7 +76,7 @@ def choose_kv_cache(setting: str, dtype: torch.dtype, quantized: bool) -> KVCach
     """`--kv-cache`'s value as a kind. auto is float16 for a float32 model with quantized
     linears: decode attention reads every cached K/V row each step, and half the bytes made W1
     ~10% faster (the attention's cold reads), while perplexity, KL divergence and top-1
-    agreement against the float path moved by less than their noise (benchmarks/quality.py).
+    agreement against the float path moved by less than their noise (benchmarks/quality/perplexity.py).
     A float32 model with float linears keeps a float32 cache, so its greedy tokens stay those of
     the float reference; a bfloat16 or float16 model's cache is already 2 bytes a value."""
     if setting != "auto":

@@ -1,8 +1,9 @@
 """Sequences in, logits out: the one place a forward batch is built and the model called.
 
 The generator (its scheduled chunks), the draft-model drafter (catch-up and proposal
-steps) and `batch_generate` all run the model through a `ModelRunner`, so batch
-building, device placement and the row of each sequence's logits are written once.
+steps) and the tests' reference loop (tests/reference_generate.py) all run the model
+through a `ModelRunner`, so batch building, device placement and the row of each
+sequence's logits are written once.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ __all__ = [
     "SamplerState",
 ]
 
-# benchmarks/sampler_bench.py on the 2-core CPU (vocab 49152, top_k 50 / top_p 0.9 / rep. penalty 1.1):
+# benchmarks/inprocess/sampler_bench.py on the 2-core CPU (vocab 49152, top_k 50 / top_p 0.9 / rep. penalty 1.1):
 # the pool was 1.3x (1 job) to 3-5x (8-64 jobs) slower than the batched path: per-job work is ~40 small
 # torch calls whose Python overhead holds the GIL, and the workers' OpenMP teams oversubscribe 2 cores.
 # So AUTO never hands rows to the pool by default; min_sampling_threads / THREADED remain for other machines.

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from engine.batch_generate import Completion, GenerationSettings, generate_batch
 from engine.ids import PageId
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
 from tests.conftest import PARITY_PROMPTS
+from tests.reference_generate import Completion, GenerationSettings, generate_batch
 
 pytestmark = pytest.mark.slow
 

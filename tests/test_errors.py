@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.errors import (
     InvalidRequestError,
     ModelFormatError,
@@ -18,6 +17,7 @@ from engine.errors import (
 from engine.model.llama import LlamaModel
 from engine.model.loader import open_weight_source
 from service.cli import main
+from tests.reference_generate import GenerationSettings, generate_batch
 from tests.tiny_llama import save_tiny_llama
 
 

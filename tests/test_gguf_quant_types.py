@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_model, open_weight_source
+from tests.reference_generate import GenerationSettings, generate_batch
 from tests.tiny_gguf import (
     QType,
     TinyLlamaSpec,

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
@@ -35,6 +34,7 @@ from kernels.attention.triton_attention import (
     TritonPagedAttention,
     interpreted,
 )
+from tests.reference_generate import GenerationSettings, generate_batch
 from tests.tiny_llama import save_tiny_llama
 
 KV_HEADS = 2

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import kernels.linear.linear_autotune as autotune
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.quantization import LinearPlan
 from kernels.cpu_features import CpuFeatures, cpu_features
 from kernels.linear.linear_autotune import BUCKETS, LinearTuner, TuneCache, TunedLinear, TuneKey, bucket
 from kernels.linear.make_linear import Linear, LinearKind, make_linear
+from tests.reference_generate import GenerationSettings, generate_batch
 from tests.tiny_gguf import QType, TinyLlamaSpec, random_llama_weights, write_tiny_gguf
 
 KINDS = (LinearKind.FLOAT, LinearKind.INT8_DYNAMIC)

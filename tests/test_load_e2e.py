@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.load import main as load_main
+from benchmarks.served.load import main as load_main
 from tests.service_harness import ServerProcess, start_tiny_server
 from tests.tiny_service_model import write_servable_tiny_gguf
 

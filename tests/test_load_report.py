@@ -7,9 +7,15 @@ from datetime import UTC, datetime
 
 import pytest
 
-from benchmarks.load_report import make_report, percentile, status_name, summary, to_json
-from benchmarks.load_runner import LoadRun, Sample
-from benchmarks.load_template import CallData, TemplateError, check_template, parse_duration, render_json
+from benchmarks.served.load_report import make_report, percentile, status_name, summary, to_json
+from benchmarks.served.load_runner import LoadRun, Sample
+from benchmarks.served.load_template import (
+    CallData,
+    TemplateError,
+    check_template,
+    parse_duration,
+    render_json,
+)
 
 
 def test_templates_render_per_request_and_stay_json() -> None:

@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.kv_cache import KVCacheKind
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
@@ -47,6 +46,7 @@ from kernels.native.native_library import (
     native_library,
     native_unavailable_reason,
 )
+from tests.reference_generate import GenerationSettings, generate_batch
 from tests.tiny_llama import save_tiny_llama
 
 

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
 from tests.conftest import PARITY_PROMPTS, Reference
+from tests.reference_generate import GenerationSettings, generate_batch
 
 pytestmark = pytest.mark.slow
 

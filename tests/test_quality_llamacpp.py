@@ -1,11 +1,11 @@
-"""The quality benchmark reads llama-perplexity's KL-divergence summary (benchmarks/quality_llamacpp.py)."""
+"""The quality benchmark reads llama-perplexity's KL-divergence summary (benchmarks/quality/llamacpp.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.peer_process import PeerError
-from benchmarks.quality_llamacpp import parse
+from benchmarks.peers.process import PeerError
+from benchmarks.quality.llamacpp import parse
 
 SUMMARY = """
 chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS            Same top p

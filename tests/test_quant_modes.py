@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_model
@@ -21,6 +20,7 @@ from engine.model.quantization import LinearPlan, LinearRole, QuantMode, plan_fo
 from kernels.cpu_features import cpu_features
 from kernels.linear.make_linear import LinearKind
 from kernels.native.native_library import native_library, native_unavailable_reason
+from tests.reference_generate import GenerationSettings, generate_batch
 from tests.tiny_gguf import QType, TinyLlamaSpec, random_llama_weights, write_tiny_gguf
 
 SPEC = TinyLlamaSpec()

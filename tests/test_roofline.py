@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.roofline import Roofline, decode_gflop_per_token, peak_gemm_gflops
+from benchmarks.inprocess.roofline import Roofline, decode_gflop_per_token, peak_gemm_gflops
 from engine.model.gguf_source import GGUFSource
 from engine.model.loader import default_model_path
 

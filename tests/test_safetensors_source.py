@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.llama import LlamaModel
 from engine.model.loader import open_weight_source
+from tests.reference_generate import GenerationSettings, generate_batch
 from tests.tiny_llama import save_tiny_llama
 
 CASES: dict[str, dict[str, Any]] = {

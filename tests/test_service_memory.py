@@ -28,7 +28,7 @@ import grpc
 import psutil  # type: ignore[import-untyped, unused-ignore]
 import pytest
 
-from benchmarks.soak import engine_process
+from benchmarks.served.soak import engine_process
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
 from tests.service_harness import ServerProcess, is_idle, log_count, start_tiny_server

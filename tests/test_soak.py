@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.soak import SoakSettings, render_report, soak
+from benchmarks.served.soak import SoakSettings, render_report, soak
 from tests.service_harness import ServerProcess, log_count, start_tiny_server
 from tests.tiny_service_model import write_servable_tiny_gguf
 

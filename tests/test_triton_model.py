@@ -15,12 +15,12 @@ import copy
 
 import pytest
 
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
 from kernels.attention.backend import AttentionKind, select_attention
 from kernels.attention.triton_attention import TritonPagedAttention, interpreted
 from tests.conftest import PARITY_PROMPTS
+from tests.reference_generate import GenerationSettings, generate_batch
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """dyngen's column of the peers benchmark, run as a child like the peers (one engine per process).
 
-    python -m benchmarks.peer_dyngen PROMPTS.json DTYPE QUANT
+    python -m benchmarks.peers.dyngen PROMPTS.json DTYPE QUANT
 
 W1 and W2 are timed by throughput.run_dyngen and the single stream by single_stream.decode_rate,
 the functions behind dyngen's own `python -m benchmarks w1|w2|single` figures.
@@ -12,11 +12,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from benchmarks.peer_process import answer_parts
-from benchmarks.peer_prompts import PeerPrompts, Workload
-from benchmarks.single_stream import decode_rate
-from benchmarks.throughput import run_dyngen, served_kv_cache
-from engine.batch_generate import GenerationSettings, generate_batch
+from benchmarks.inprocess.single_stream import decode_rate
+from benchmarks.inprocess.throughput import OneJob, run_dyngen
+from benchmarks.peers.process import answer_parts
+from benchmarks.peers.prompts import PeerPrompts, Workload
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.quantization import QuantMode
 
@@ -28,13 +27,11 @@ def all_at_once(loaded: LoadedModel, w: Workload) -> Mapping[str, object]:
 
 
 def single(loaded: LoadedModel, w: Workload) -> Mapping[str, object]:
-    cache = loaded.model.new_cache(num_pages=2, page_size=256, kind=served_kv_cache(loaded))
-    prompt = list(w.prompts[0])
-
-    def generate(n: int) -> None:
-        generate_batch(loaded.model, cache, [prompt], GenerationSettings(max_new_tokens=n, ignore_eos=True))
-
-    return {"tok_s": decode_rate(generate, w.max_new_tokens)}
+    job = OneJob(loaded, w.prompts[0])
+    try:
+        return {"tok_s": decode_rate(job, w.max_new_tokens)}
+    finally:
+        job.close()
 
 
 def main() -> None:

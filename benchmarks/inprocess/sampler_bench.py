@@ -5,7 +5,7 @@ temperature 0.8, top_p 0.9, top_k 50, repetition penalty 1.1 over a 256-token pr
 plus the tokens it has emitted. Run it on an otherwise idle machine: with a busy
 core, every OpenMP region waits for a time slice and the numbers become noise.
 
-`python -m benchmarks.sampler_bench`
+`python -m benchmarks.inprocess.sampler_bench`
 """
 
 from __future__ import annotations

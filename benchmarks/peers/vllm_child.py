@@ -1,11 +1,11 @@
 """Standalone script run by the vLLM venv's python (never imported by dyngen; needs only vllm).
 
-    python peer_vllm_child.py convert MODEL.gguf OUT_DIR
+    python vllm_child.py convert MODEL.gguf OUT_DIR
         The Hugging Face folder vLLM loads: the GGUF dequantized by transformers, without
         its quantization_config (vLLM would try to run the GGUF kernels otherwise).
-    python peer_vllm_child.py serve PROMPTS.json MODEL_DIR DTYPE
+    python vllm_child.py serve PROMPTS.json MODEL_DIR DTYPE
         Load vLLM, warm up, print `@@peer {"ready": ...}`, then answer `w1`, `single`, `w2`
-        (one line each on stdin) with `@@peer {json}`; `quit` ends it. See peer_process.py.
+        (one line each on stdin) with `@@peer {json}`; `quit` ends it. See process.py.
 
 vllm is imported with importlib so that mypy, run without vllm, still checks this file.
 """

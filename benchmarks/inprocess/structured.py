@@ -1,6 +1,6 @@
 """W1 with half the jobs held to a JSON schema, against plain W1, in the same run.
 
-    python -m benchmarks.structured [--rounds N]
+    python -m benchmarks.inprocess.structured [--rounds N]
 
 The masks of the constrained jobs are computed on the mask worker while the forward runs
 (engine/constraints.py); this prints both throughputs, their ratio, and where the time

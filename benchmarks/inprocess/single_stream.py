@@ -18,9 +18,9 @@ from typing import Any, assert_never
 
 import torch
 
+from benchmarks.inprocess.throughput import OneJob
 from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
-from engine.batch_generate import GenerationSettings, generate_batch
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.loader import WeightDtype, default_model_path, load_model
@@ -50,15 +50,10 @@ def run(new_tokens: int = 128, workloads: Path | None = None) -> str:
     for dtype in (WeightDtype.FLOAT32, WeightDtype.BFLOAT16):
         loaded = load_model(path, dtype, progress=False)
         prompt = loaded.tokenizer.encode_chat([ChatMessage("user", user)])
-        cache = loaded.model.new_cache(num_pages=2, page_size=256)
-
-        def ours(n: int, loaded: Any = loaded, prompt: list[int] = prompt, cache: Any = cache) -> None:
-            generate_batch(
-                loaded.model, cache, [prompt], GenerationSettings(max_new_tokens=n, ignore_eos=True)
-            )
-
+        ours = OneJob(loaded, prompt)
         rows.append(Row("dyngen", dtype.value, decode_rate(ours, new_tokens), "transformers"))
-        del loaded, cache
+        ours.close()
+        del loaded, ours
 
         import transformers
 
@@ -222,13 +217,7 @@ def quant_decode_table(new_tokens: int = 128, workloads: Path | None = None, rou
         loaded = load_model(path, WeightDtype.FLOAT32, progress=False, quant=mode)
         load_s = time.perf_counter() - t0
         prompt = loaded.tokenizer.encode_chat([ChatMessage("user", user)])
-        cache = loaded.model.new_cache(num_pages=2, page_size=256)
-
-        def ours(n: int, loaded: Any = loaded, prompt: list[int] = prompt, cache: Any = cache) -> None:
-            generate_batch(
-                loaded.model, cache, [prompt], GenerationSettings(max_new_tokens=n, ignore_eos=True)
-            )
-
+        ours = OneJob(loaded, prompt)  # with the KV cache `serve` gives this mode
         label = mode.value
         runs.append((label, ours, f"load {load_s:.1f} s; {loaded.model.describe()}"))
     best: dict[str, float] = {}

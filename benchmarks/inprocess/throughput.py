@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import roofline
+from benchmarks.inprocess import roofline
 from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine import defaults
@@ -45,6 +45,25 @@ class RunResult:
 def served_kv_cache(loaded: LoadedModel) -> KVCacheKind:
     """The KV cache `dyngen serve` runs this model with by default."""
     return choose_kv_cache(defaults.KV_CACHE, loaded.model.dtype, loaded.model.plan.quantized)
+
+
+class OneJob:
+    """Generates n tokens for one prompt as a single job of the served generator (greedy, EOS
+    ignored): what single-stream decode is timed on, the same loop a server runs."""
+
+    def __init__(self, loaded: LoadedModel, prompt: Sequence[int], pages: int = 16) -> None:
+        self.prompt = tuple(prompt)
+        self.generator = DynamicGenerator(
+            loaded.model,
+            loaded.tokenizer,
+            GeneratorConfig(num_pages=pages, kv_cache=served_kv_cache(loaded)),
+        )
+
+    def __call__(self, n: int) -> None:
+        self.generator.generate([JobSpec(self.prompt, max_new_tokens=n, ignore_eos=True)])
+
+    def close(self) -> None:
+        self.generator.close()
 
 
 def run_dyngen(

@@ -20,8 +20,8 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from benchmarks.load_reflection import ReflectedMethod
-from benchmarks.load_template import CallData, render_json
+from benchmarks.served.load_reflection import ReflectedMethod
+from benchmarks.served.load_template import CallData, render_json
 
 DELTA_FIELD = "delta"  # the streamed event that carries new text (dyngen.v1.GenerateEvent.delta)
 

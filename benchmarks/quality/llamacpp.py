@@ -15,9 +15,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.peer_llamacpp import LlamaCppPeer
-from benchmarks.peer_process import PeerError, run_logged
-from benchmarks.peers import default_cache_dir
+from benchmarks.peers.llamacpp import LlamaCppPeer
+from benchmarks.peers.process import PeerError, run_logged
+from benchmarks.peers.run import default_cache_dir
 
 TOOLS = ("llama-perplexity", "llama-quantize")
 WINDOW = 512

@@ -55,7 +55,7 @@ from pathlib import Path
 import grpc
 import psutil  # type: ignore[import-untyped, unused-ignore]
 
-from benchmarks.service_load import START_TIMEOUT, free_port, wait_serving
+from benchmarks.served.service_load import START_TIMEOUT, free_port, wait_serving
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
 

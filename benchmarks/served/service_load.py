@@ -21,8 +21,8 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.inprocess.throughput import run_dyngen
 from benchmarks.table import Row, render
-from benchmarks.throughput import run_dyngen
 from benchmarks.workloads import load_workloads
 from dyngen_client import AsyncClient, Chat, Request
 from engine.model.loader import WeightDtype, load_model

@@ -1,6 +1,6 @@
 """What an idle `dyngen serve` costs the machine, and what bounding OpenMP's spin costs a busy one.
 
-    python -m benchmarks.server_idle [--spin-counts 0 1000000] [--idle-seconds 10]
+    python -m benchmarks.served.server_idle [--spin-counts 0 1000000] [--idle-seconds 10]
 
 For each `--omp-spin-count` (0 = unbounded active waiting, libgomp's own default under
 OMP_WAIT_POLICY=ACTIVE): start the server, run one single-stream job and then W1 through gRPC,
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.idle import wait_for_idle
-from benchmarks.service_load import START_TIMEOUT, drive, free_port, wait_serving
+from benchmarks.served.service_load import START_TIMEOUT, drive, free_port, wait_serving
 from benchmarks.workloads import load_workloads
 from dyngen_client import Chat, Request
 from kernels.cpu_features import cpu_features

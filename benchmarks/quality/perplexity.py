@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks import quality_llamacpp
+from benchmarks.quality import llamacpp as quality_llamacpp
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
 from engine.kv_cache import KVCacheKind

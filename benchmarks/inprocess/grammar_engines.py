@@ -1,6 +1,6 @@
 """llguidance against xgrammar on this CPU: the numbers behind engine/constraints.py's choice.
 
-    python -m benchmarks.grammar_engines
+    python -m benchmarks.inprocess.grammar_engines
 
 For each engine, on the shipped model's tokenizer: the one-time tokenizer set-up, the time
 to compile each schema, and the time to compute a token mask, walking a valid instance of

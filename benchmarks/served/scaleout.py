@@ -1,6 +1,6 @@
 """Throughput and prefix-cache hit rate of 1 and 2 replicas behind HAProxy (docs/SCALING.md).
 
-    python -m benchmarks.scaleout [--new-tokens 32] [--concurrency 8]
+    python -m benchmarks.served.scaleout [--new-tokens 32] [--concurrency 8]
 
 The workload is W2-shaped: 4 different ~1k-token system prompts (W2's shared prefix, each with
 its own opening line) x 16 questions, 64 requests, `--concurrency` streams at once, through
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from benchmarks.idle import wait_for_idle
-from benchmarks.service_load import START_TIMEOUT, wait_serving
+from benchmarks.served.service_load import START_TIMEOUT, wait_serving
 from benchmarks.workloads import load_workloads
 from dyngen_client import AsyncClient, Chat, Request, Result, collect
 from kernels.cpu_features import cpu_features

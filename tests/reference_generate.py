@@ -2,9 +2,10 @@
 
 Each step runs every decoding sequence's next token and as many prefill chunk
 tokens as the budget leaves, in one forward. Pages are handed out up front per
-wave of prompts that fit the cache. The dynamic generator (scheduler, page
-allocator, sampler pool) replaces this loop for serving; it stays as the simplest
-correct driver of the forward, used by the CLI and the parity tests.
+wave of prompts that fit the cache. Serving, the CLI and the benchmarks run the one
+generation loop, the dynamic generator (scheduler, page allocator, sampler); this one
+lives with the tests as the simplest correct driver of the forward, the reference the
+parity and kernel tests hold the model to.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from benchmarks.load_runner import LoadRun, Sample
+from benchmarks.served.load_runner import LoadRun, Sample
 
 PERCENTAGES = (10, 25, 50, 75, 90, 95, 99)
 HISTOGRAM_BUCKETS = 10
