@@ -492,3 +492,14 @@ def test_peak_rates_are_measured_where_the_build_has_the_instructions(lib: Nativ
         assert rates.int8_ops == rates.float32_flops == rates.bf16_flops == 0.0
     else:
         assert rates.int8_ops > 0 and rates.float32_flops > 0
+
+
+@pytest.mark.parametrize("n", [48, 20])  # 8-row interleaved blocks, and the row-major ones
+def test_linear_of_silu_equals_silu_then_linear_bit_for_bit(lib: NativeLibrary, n: int) -> None:
+    torch.manual_seed(n)
+    k, rows = 96, 37
+    weight = torch.randn(n, k)
+    gate_up = torch.randn(rows, 2 * k) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    for lin in (Int4BlockLinear(lib, Int4Groups.quantize(weight)), Int8BlockLinear(lib, weight)):
+        assert torch.equal(lin.silu_call(gate_up), lin(lib.silu_mul(gate_up)))

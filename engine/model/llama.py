@@ -393,7 +393,12 @@ class LlamaModel:
             o = attn.attend(q, cache.layer(i))
             x, h = self._add_norm(x, layer.o(o), layer.ffn_norm)
             if native is not None:
-                delta = layer.down(native.silu_mul(layer.gate_up(h).contiguous()))
+                gate_up = layer.gate_up(h).contiguous()
+                down = layer.down.for_rows(tokens) if isinstance(layer.down, TunedLinear) else layer.down
+                if isinstance(down, BlockLinear) and gate_up.dtype is torch.float32:
+                    delta = down.silu_call(gate_up)  # no [tokens, inter] activations in memory
+                else:
+                    delta = layer.down(native.silu_mul(gate_up))
             else:
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
                 delta = layer.down(F.silu(gate) * up)

@@ -150,6 +150,17 @@ class BlockLinear:
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
+    def silu_call(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up float32 [rows, 2 * in_features], without the
+        activations in memory (the native kernel quantizes each row as it makes it)."""
+        if gate_up.dim() != 2 or gate_up.shape[1] != 2 * self.in_features:
+            raise ValueError(f"gate_up must be [rows, {2 * self.in_features}], got {tuple(gate_up.shape)}")
+        out = self._lib.linear_silu(
+            self._layout, self._blocks, self.out_features, self.in_features, gate_up.contiguous()
+        )
+        return out if self.bias is None else out.add_(self.bias)
+
+
 class Int4BlockLinear(BlockLinear):
     kind = LinearKind.INT4_Q8
 

@@ -190,6 +190,8 @@ class NativeLibrary:
         lib.dg_matmul_q8x8.restype = None
         lib.dg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
         lib.dg_linear.restype = ctypes.c_int
+        lib.dg_linear_silu.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
+        lib.dg_linear_silu.restype = ctypes.c_int
         desc = ctypes.POINTER(LinearDesc)
         # x, h, the four linears, ffn_norm, next_norm, eps, cos, sin, positions, k, v, kv_half,
         # slots, page_tables, max_pages, seq_lens, B, H, KVH, D, page_size, attn_scale
@@ -280,6 +282,17 @@ class NativeLibrary:
         rows = int(x.shape[0])
         y = torch.empty((rows, n), dtype=torch.float32)
         if self._lib.dg_linear(layout.value, blocks.data_ptr(), n, k, x.data_ptr(), rows, y.data_ptr()):
+            raise MemoryError(f"no memory for {rows} x {k} quantized activations")
+        return y
+
+    def linear_silu(
+        self, layout: BlockLayout, blocks: torch.Tensor, n: int, k: int, gate_up: torch.Tensor
+    ) -> torch.Tensor:
+        """`linear` of silu(gate) * up for gate_up (float32 [rows, 2k], contiguous), without the
+        [rows, k] activations in memory; equal to linear(silu_mul(gate_up)) bit for bit."""
+        rows = int(gate_up.shape[0])
+        y = torch.empty((rows, n), dtype=torch.float32)
+        if self._lib.dg_linear_silu(layout.value, blocks.data_ptr(), n, k, _f32(gate_up), rows, y.data_ptr()):
             raise MemoryError(f"no memory for {rows} x {k} quantized activations")
         return y
 

@@ -233,55 +233,59 @@ double dg_peak(int kind, int64_t iters) {
 /* ---- activation quantization ---------------------------------------------------- */
 
 /* x [rows, k] -> q [rows, k] int8, s and ssum [rows, k / 32]. Rounds half to even. */
+/* One row of k values (k a multiple of 32) into q, and its blocks' scales and scaled sums. */
+static inline void dg_quantize_row(const float *x, int64_t k, int8_t *q, float *s, float *ssum) {
+    const int64_t nb = k / QK;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        int8_t *qb = q + b * QK;
+#if defined(DG_AVX2)
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+        __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.0f;
+        const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, id), rnd));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, id), rnd));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, id), rnd));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, id), rnd));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        /* packs work within 128-bit lanes; the permute restores element order */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)qb, p);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+        const int isum = _mm_cvtsi128_si32(s4);
+#else
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int isum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int v = (int)nearbyintf(xb[i] * id);
+            qb[i] = (int8_t)v;
+            isum += v;
+        }
+#endif
+        s[b] = d;
+        ssum[b] = d * (float)isum;
+    }
+}
+
 void dg_quantize_q8(const float *x, int64_t rows, int64_t k, int8_t *q, float *s, float *ssum) {
     const int64_t nb = k / QK;
 #pragma omp parallel for schedule(static) if (rows * k >= 32768)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * k + b * QK;
-            int8_t *qb = q + r * k + b * QK;
-#if defined(DG_AVX2)
-            const __m256 sign = _mm256_set1_ps(-0.0f);
-            __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
-            __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float amax = _mm_cvtss_f32(m4);
-            const float d = amax / 127.0f;
-            const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-            const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-            __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, id), rnd));
-            __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, id), rnd));
-            __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, id), rnd));
-            __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, id), rnd));
-            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-            /* packs work within 128-bit lanes; the permute restores element order */
-            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)qb, p);
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-            s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
-            const int isum = _mm_cvtsi128_si32(s4);
-#else
-            float amax = 0.0f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float d = amax / 127.0f;
-            const float id = d > 0.0f ? 1.0f / d : 0.0f;
-            int isum = 0;
-            for (int i = 0; i < QK; i++) {
-                const int v = (int)nearbyintf(xb[i] * id);
-                qb[i] = (int8_t)v;
-                isum += v;
-            }
-#endif
-            s[r * nb + b] = d;
-            ssum[r * nb + b] = d * (float)isum;
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) dg_quantize_row(x + r * k, k, q + r * k, s + r * nb, ssum + r * nb);
 }
 
 /* ---- block dot products ----------------------------------------------------------- */
@@ -977,23 +981,59 @@ void dg_rotary(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_
 }
 
 /* out [rows, inter] = silu(gu[:, :inter]) * gu[:, inter:] */
+/* silu(g) * u over one row of `inter` values. */
+static inline void dg_silu_row(const float *g, const float *u, int64_t inter, float *o) {
+    int64_t i = 0;
+#if defined(DG_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= inter; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = dg_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 void dg_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
 #pragma omp parallel for schedule(static) if (rows * inter >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * 2 * inter;
-        const float *u = g + inter;
-        float *o = out + r * inter;
-        int64_t i = 0;
-#if defined(DG_AVX2)
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; i + 8 <= inter; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 e = dg_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    for (int64_t r = 0; r < rows; r++) dg_silu_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, out + r * inter);
+}
+
+/* dg_linear of silu(gate) * up, for gu [m, 2k] (gate then up per row): each row's activations
+ * are made in a per-thread buffer and quantized from there, so the [m, k] float activations
+ * of a prefill (12 MB a layer at 2k tokens, memory-bound) are never written out and read back.
+ * The same row functions as dg_silu_mul and dg_quantize_q8, so y equals dg_linear(silu_mul(gu))
+ * bit for bit. */
+int dg_linear_silu(int layout, const void *w, int64_t n, int64_t k, const float *gu, int64_t m, float *y) {
+    if (!dg_reserve(m, k)) return -1;
+    int8_t *q = dg_tls.q;
+    float *s = dg_tls.s, *ssum = dg_tls.ssum;
+    const int64_t nb = k / QK;
+    int failed = 0;
+#pragma omp parallel if (m * k >= 32768)
+    {
+        float *act = (float *)malloc((size_t)k * sizeof(float));
+        if (!act) {
+#pragma omp atomic write
+            failed = 1;
         }
-#endif
-        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            if (!act) continue;
+            dg_silu_row(gu + r * 2 * k, gu + r * 2 * k + k, k, act);
+            dg_quantize_row(act, k, q + r * k, s + r * nb, ssum + r * nb);
+        }
+        free(act);
     }
+    if (failed) return -1;
+    switch (layout) {
+        case 0: dg_matmul_q4((const block_q4 *)w, n, k, q, s, ssum, m, y); break;
+        case 1: dg_matmul_q8((const block_q8 *)w, n, k, q, s, m, y); break;
+        case 2: dg_matmul_q4x8((const block_q4x8 *)w, n, k, q, s, ssum, m, y); break;
+        default: dg_matmul_q8x8((const block_q8x8 *)w, n, k, q, s, m, y); break;
+    }
+    return 0;
 }
 
 /* ---- greedy choice -------------------------------------------------------------------------- */
@@ -1588,9 +1628,9 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
                     const int64_t *page_tables, int64_t max_pages, const int64_t *seq_lens, int64_t B,
                     int64_t H, int64_t KVH, int64_t D, int64_t page_size, float attn_scale) {
     const int64_t hidden = o->n, width = qkv->n, inter = down->k;
-    float *qkv_out = dg_layer_scratch((size_t)B * (size_t)(width + H * D + hidden + 3 * inter));
+    float *qkv_out = dg_layer_scratch((size_t)B * (size_t)(width + H * D + hidden + 2 * inter));
     if (!qkv_out) return -1;
-    float *attn = qkv_out + B * width, *delta = attn + B * H * D, *gu = delta + B * hidden, *act = gu + B * 2 * inter;
+    float *attn = qkv_out + B * width, *delta = attn + B * H * D, *gu = delta + B * hidden;
     if (dg_linear(qkv->layout, qkv->blocks, width, qkv->k, h, B, qkv_out)) return -1;
     dg_rotary(qkv_out, B, width, H + KVH, D, cos_table, sin_signed, positions);
     for (int64_t b = 0; b < B; b++) { /* K and V of each row into its slot, per K/V head */
@@ -1612,8 +1652,7 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
     if (dg_linear(o->layout, o->blocks, hidden, o->k, attn, B, delta)) return -1;
     dg_add_rms_norm(x, delta, ffn_norm, h, B, hidden, eps);
     if (dg_linear(gate_up->layout, gate_up->blocks, gate_up->n, gate_up->k, h, B, gu)) return -1;
-    dg_silu_mul(gu, B, inter, act);
-    if (dg_linear(down->layout, down->blocks, hidden, inter, act, B, delta)) return -1;
+    if (dg_linear_silu(down->layout, down->blocks, hidden, inter, gu, B, delta)) return -1;
     if (next_norm) {
         dg_add_rms_norm(x, delta, next_norm, h, B, hidden, eps);
     } else {
