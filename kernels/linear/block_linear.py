@@ -149,7 +149,6 @@ class BlockLinear:
             y.add_(self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-
     def silu_call(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for gate_up float32 [rows, 2 * in_features], without the
         activations in memory (the native kernel quantizes each row as it makes it)."""
