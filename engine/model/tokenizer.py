@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from engine.errors import InvalidRequestError, ModelFormatError
+
+# transformers is a lazy package, and its first imports are not safe from two threads at once: a
+# name asked for while another thread is importing it can come back missing ("cannot import name
+# 'AutoTokenizer' from 'transformers'", seen when a restarted engine's tokenizer load met the
+# preload thread). Every import of its tokenizer code, and every load that may import more of
+# it, holds this lock.
+TRANSFORMERS_IMPORT = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -50,19 +58,20 @@ class HFTokenizer:
     """A Tokenizer backed by transformers (fast tokenizers under the hood)."""
 
     def __init__(self, model_path: Path, extra_eos: Sequence[int] = ()) -> None:
-        # transformers is imported here, not at module top, so importing the engine stays cheap.
-        from transformers import AutoTokenizer
-
         logging.getLogger("transformers").setLevel(logging.ERROR)
-        try:
-            if model_path.is_file():
-                self._tok = AutoTokenizer.from_pretrained(
-                    str(model_path.parent), gguf_file=model_path.name, local_files_only=True
-                )
-            else:
-                self._tok = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
-        except Exception as exc:  # transformers raises many kinds; all mean "no usable tokenizer"
-            raise ModelFormatError(f"cannot load the tokenizer of {model_path}: {exc}") from exc
+        with TRANSFORMERS_IMPORT:
+            # transformers is imported here, not at module top, so importing the engine stays cheap.
+            from transformers import AutoTokenizer
+
+            try:
+                if model_path.is_file():
+                    self._tok = AutoTokenizer.from_pretrained(
+                        str(model_path.parent), gguf_file=model_path.name, local_files_only=True
+                    )
+                else:
+                    self._tok = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+            except Exception as exc:  # transformers raises many kinds; all mean "no usable tokenizer"
+                raise ModelFormatError(f"cannot load the tokenizer of {model_path}: {exc}") from exc
         eos: set[int] = set(int(i) for i in extra_eos)
         if self._tok.eos_token_id is not None:
             eos.add(int(self._tok.eos_token_id))
@@ -115,7 +124,8 @@ class HFTokenizer:
 def preload_tokenizer_code() -> None:
     """Import transformers' tokenizer classes (~0.7 s) ahead of need: each process of `dyngen serve` calls
     it on a thread while it waits or loads, so a tokenizer loads in a tenth of that once needed."""
-    import transformers
+    with TRANSFORMERS_IMPORT:
+        import transformers
 
-    for name in ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "TokenizersBackend"):
-        getattr(transformers, name, None)
+        for name in ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "TokenizersBackend"):
+            getattr(transformers, name, None)

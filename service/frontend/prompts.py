@@ -20,7 +20,7 @@ from typing import Any
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import DyngenError, ModelFormatError
-from engine.model.tokenizer import ChatMessage, HFTokenizer
+from engine.model.tokenizer import TRANSFORMERS_IMPORT, ChatMessage, HFTokenizer
 from service.frontend.limits import RequestError
 
 # Tokenizing is CPU work; a small pool keeps many large prompts from starving the event loop's
@@ -37,11 +37,12 @@ def saved_tokenizer_class(folder: Path) -> Any | None:
         return None
     if not isinstance(name, str):
         return None
-    import transformers  # a lazy package: this imports the named class's module only
+    with TRANSFORMERS_IMPORT:
+        import transformers  # a lazy package: this imports the named class's module only
 
-    found = getattr(transformers, name, None)
-    if isinstance(found, type) and issubclass(found, transformers.PreTrainedTokenizerBase):
-        return found
+        found = getattr(transformers, name, None)
+        if isinstance(found, type) and issubclass(found, transformers.PreTrainedTokenizerBase):
+            return found
     return None
 
 
@@ -55,7 +56,8 @@ class SavedTokenizer(HFTokenizer):
     def __init__(self, folder: Path, tokenizer_class: Any) -> None:  # no super().__init__: no AutoTokenizer
         logging.getLogger("transformers").setLevel(logging.ERROR)
         try:
-            self._tok = tokenizer_class.from_pretrained(str(folder), local_files_only=True)
+            with TRANSFORMERS_IMPORT:  # loading may import more of transformers
+                self._tok = tokenizer_class.from_pretrained(str(folder), local_files_only=True)
         except Exception as exc:  # transformers raises many kinds; all mean "no usable tokenizer"
             raise ModelFormatError(f"cannot load the tokenizer of {folder}: {exc}") from exc
         eos = self._tok.eos_token_id
