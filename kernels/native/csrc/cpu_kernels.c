@@ -1005,6 +1005,11 @@ void dg_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
  * of a prefill (12 MB a layer at 2k tokens, memory-bound) are never written out and read back.
  * The same row functions as dg_silu_mul and dg_quantize_q8, so y equals dg_linear(silu_mul(gu))
  * bit for bit. */
+static _Thread_local struct {
+    float *buf;
+    size_t cap;
+} dg_silu_tls;
+
 int dg_linear_silu(int layout, const void *w, int64_t n, int64_t k, const float *gu, int64_t m, float *y) {
     if (!dg_reserve(m, k)) return -1;
     int8_t *q = dg_tls.q;
@@ -1013,7 +1018,15 @@ int dg_linear_silu(int layout, const void *w, int64_t n, int64_t k, const float 
     int failed = 0;
 #pragma omp parallel if (m * k >= 32768)
     {
-        float *act = (float *)malloc((size_t)k * sizeof(float));
+        /* Each thread's row buffer is kept between calls (the decode layer calls this per layer). */
+        if ((size_t)k > dg_silu_tls.cap) {
+            float *buf = (float *)malloc((size_t)k * sizeof(float));
+            if (buf) {
+                free(dg_silu_tls.buf);
+                dg_silu_tls.buf = buf, dg_silu_tls.cap = (size_t)k;
+            }
+        }
+        float *act = (size_t)k <= dg_silu_tls.cap ? dg_silu_tls.buf : NULL;
         if (!act) {
 #pragma omp atomic write
             failed = 1;
@@ -1024,7 +1037,6 @@ int dg_linear_silu(int layout, const void *w, int64_t n, int64_t k, const float 
             dg_silu_row(gu + r * 2 * k, gu + r * 2 * k + k, k, act);
             dg_quantize_row(act, k, q + r * k, s + r * nb, ssum + r * nb);
         }
-        free(act);
     }
     if (failed) return -1;
     switch (layout) {
