@@ -11,7 +11,14 @@ CACHE_TOKENS = 32768  # the KV cache of `serve` and `generate`: pages = CACHE_TO
 MAX_BATCH_SIZE = 64  # running jobs at once
 MAX_CHUNK_SIZE = 2048  # tokens per forward: decode tokens plus prefill chunks
 MAX_QUEUE = 1024  # jobs waiting for admission
-SAMPLING_THREADS = 2
+SAMPLING_THREADS = 2  # the sampler's thread pool, used in the threaded sampler mode
+# engine.sampler.SamplerMode's values. Batched by measurement: `python -m benchmarks sampler` on the 2-core
+# Zen 5 (vocab 49152; temperature 0.8, top_k 50, top_p 0.9, repetition penalty 1.1) gave 251 / 823 / 4297 us
+# per call batched and 338 / 2519 / 21582 threaded at 1 / 8 / 64 jobs: per job, ~40 small torch calls hold
+# the GIL for their Python overhead, and each pool thread's OpenMP team competes for the same cores, while the
+# batched ops run each step once over all rows with both cores.
+SAMPLER_MODES = ("batched", "threaded")
+SAMPLER_MODE = "batched"
 # The KV cache's storage (kernels.attention.kv_layer.KVCacheKind's values, and auto): float = the model's
 # dtype; float16 = half a float32 cache's bytes; int8 = int8 with a float16 scale per token and
 # head. auto = float16 where the linears are quantized and the model computes in float32, float

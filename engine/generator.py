@@ -53,7 +53,7 @@ from engine.model.tokenizer import Tokenizer
 from engine.pages import PagePool
 from engine.runner import ModelRunner
 from engine.sampler import (
-    DEFAULT_MIN_SAMPLING_THREADS,
+    DEFAULT_SAMPLER_MODE,
     Sampler,
     SampleRequest,
     SampleResult,
@@ -89,8 +89,7 @@ class GeneratorConfig:
     max_seq_len: int | None = None  # default: the model's context length
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling_threads: int = defaults.SAMPLING_THREADS
-    min_sampling_threads: int = DEFAULT_MIN_SAMPLING_THREADS
-    sampler_mode: SamplerMode = SamplerMode.AUTO
+    sampler_mode: SamplerMode = DEFAULT_SAMPLER_MODE
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     # INT8: K/V stored as int8 with a float16 scale per token and head (the draft model's cache stays float).
     kv_cache: KVCacheKind = KVCacheKind.FLOAT
@@ -173,9 +172,7 @@ class DynamicGenerator:
         self.runner = ModelRunner(model, self.cache)
         self.pool = PagePool(c.num_pages, c.page_size)
         self.scheduler = Scheduler(c.scheduler, self.pool)
-        self.sampler = Sampler(
-            model.config.vocab_size, c.sampling_threads, c.min_sampling_threads, c.sampler_mode
-        )
+        self.sampler = Sampler(model.config.vocab_size, c.sampling_threads, c.sampler_mode)
         self.jobs: dict[JobId, JobState] = {}
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
         self.healer = TokenHealer(tokenizer, model.config.vocab_size, self.grammars.ll_tokenizer)

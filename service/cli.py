@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--chunk-size", type=positive_int, default=defaults.MAX_CHUNK_SIZE, help="tokens per forward"
     )
+    gen.add_argument(
+        "--sampler-mode",
+        choices=defaults.SAMPLER_MODES,
+        default=defaults.SAMPLER_MODE,
+        help="sampled rows: batched (one set of tensor ops for the batch) or threaded (one pool task per job)",
+    )
     gen.add_argument("--quiet", action="store_true", help="no progress bar while loading")
     add_speculation_arguments(gen)
     client_cli.add_connection_arguments(gen, None, "run through a dyngen server instead of in-process")
@@ -87,7 +93,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from engine.jobs import JobSpec, SamplingSettings
     from engine.model.tokenizer import ChatMessage
     from service.engine.build import build_engine
-    from service.engine_config import EngineSettings
+    from service.engine_config import engine_settings_from
     from service.speculation_flags import speculation_from_args
 
     sampling = SamplingSettings(
@@ -98,16 +104,7 @@ def run_generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
     )
-    settings = EngineSettings(
-        model=args.model,
-        dtype=args.dtype,
-        quant=args.quant,
-        page_size=args.page_size,
-        cache_tokens=args.cache_tokens,
-        kv_cache=args.kv_cache,
-        max_batch_size=args.max_batch_size,
-        chunk_size=args.chunk_size,
-    )
+    settings = engine_settings_from(args)
     loaded, generator = build_engine(settings, speculation_from_args(args), progress=not args.quiet)
     if not args.quiet:
         print(f"model: {loaded.model.describe()}", file=sys.stderr)

@@ -10,7 +10,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine import defaults
-from service.engine_config import EngineConfig, EngineSettings, SpeculationFlags
+from service.engine_config import (
+    EngineConfig,
+    EngineSettings,
+    SpeculationFlags,
+    engine_settings_from,
+    speculation_flags_from,
+)
 
 # --dtype and --draft-dtype: engine.model.loader.WeightDtype's values, named here so that parsing
 # flags imports no model code (and no torch); tests/test_frontend_imports.py checks they agree.
@@ -31,6 +37,7 @@ class ServiceConfig:
     max_queue: int = defaults.MAX_QUEUE
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     sampling_threads: int = defaults.SAMPLING_THREADS
+    sampler_mode: str = defaults.SAMPLER_MODE
     torch_threads: int = EngineConfig.torch_threads
     omp_wait_policy: str = EngineConfig.omp_wait_policy
     omp_spin_count: int = EngineConfig.omp_spin_count
@@ -81,27 +88,8 @@ class ServiceConfig:
     def engine_config(self) -> EngineConfig:
         """The part of this configuration the engine process is started with."""
         return EngineConfig(
-            settings=EngineSettings(
-                model=self.model_path,
-                dtype=self.dtype,
-                quant=self.quant,
-                page_size=self.page_size,
-                cache_tokens=self.cache_tokens,
-                kv_cache=self.kv_cache,
-                max_batch_size=self.max_batch_size,
-                chunk_size=self.chunk_size,
-                max_queue=self.max_queue,
-                sampling_threads=self.sampling_threads,
-            ),
-            speculation=SpeculationFlags(
-                speculate=self.speculate,
-                num_draft_tokens=self.num_draft_tokens,
-                max_ngram=self.max_ngram,
-                speculate_max_batch=self.speculate_max_batch,
-                draft_model=self.draft_model,
-                draft_layers=self.draft_layers,
-                draft_dtype=self.draft_dtype,
-            ),
+            settings=engine_settings_from(self),
+            speculation=speculation_flags_from(self),
             warmup=self.warmup,
             torch_threads=self.torch_threads,
             omp_wait_policy=self.omp_wait_policy,
@@ -170,7 +158,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("max_batch_size", int, d.max_batch_size, "jobs running at once")
     opt("max_queue", int, d.max_queue, "jobs waiting for admission before RESOURCE_EXHAUSTED")
     opt("chunk_size", int, d.chunk_size, "tokens per forward")
-    opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size")
+    opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size (threaded sampler mode)")
+    opt(
+        "sampler_mode",
+        _choice(*defaults.SAMPLER_MODES),
+        d.sampler_mode,
+        "sampled rows: batched (one set of tensor ops for the batch) or threaded (one pool task per job)",
+    )
     opt("torch_threads", int, d.torch_threads, "torch threads in the engine process (0 = one per core)")
     opt(
         "omp_wait_policy",

@@ -8,7 +8,7 @@ EngineSettings is also what `dyngen generate` builds its in-process engine from
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from engine import defaults
@@ -28,6 +28,7 @@ class EngineSettings:
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     max_queue: int = defaults.MAX_QUEUE
     sampling_threads: int = defaults.SAMPLING_THREADS
+    sampler_mode: str = defaults.SAMPLER_MODE
 
     @property
     def num_pages(self) -> int:
@@ -45,6 +46,21 @@ class SpeculationFlags:
     draft_model: str | None = None  # default: the target's own file
     draft_layers: int = 0  # keep only the draft's first N layers (0 = all)
     draft_dtype: str = "float32"
+
+
+def engine_settings_from(flags: object) -> EngineSettings:
+    """EngineSettings from whatever carries its fields as attributes (a ServiceConfig, `dyngen
+    generate`'s parsed flags); a field the source lacks keeps its default. The one place the two
+    commands' flags become engine settings."""
+    values = {f.name: getattr(flags, f.name) for f in fields(EngineSettings) if hasattr(flags, f.name)}
+    model = values.pop("model", None)
+    return EngineSettings(model=Path(model) if model else None, **values)
+
+
+def speculation_flags_from(flags: object) -> SpeculationFlags:
+    """SpeculationFlags from whatever carries its fields as attributes (as engine_settings_from)."""
+    values = {f.name: getattr(flags, f.name) for f in fields(SpeculationFlags) if hasattr(flags, f.name)}
+    return SpeculationFlags(**values)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.errors import InvalidRequestError
 from engine.speculation_config import DrafterKind, SpeculationConfig
 from service.config import WEIGHT_DTYPES
+from service.engine_config import SpeculationFlags
 
 # The model code (and torch) is imported only where a model is loaded: `dyngen serve` builds its
 # command line, flags included, in the front-end process, which never imports torch.
@@ -35,16 +36,26 @@ class SpeculationOptions:
 
 
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
+    d = SpeculationFlags()
     g = parser.add_argument_group("speculative decoding")
-    g.add_argument("--speculate", choices=[k.value for k in DrafterKind], default="none", help="drafter kind")
-    g.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens verified per step")
-    g.add_argument("--max-ngram", type=int, default=4, help="longest suffix the n-gram drafter matches")
     g.add_argument(
-        "--speculate-max-batch", type=int, default=4, help="no speculation with more running jobs than this"
+        "--speculate", choices=[k.value for k in DrafterKind], default=d.speculate, help="drafter kind"
+    )
+    g.add_argument(
+        "--num-draft-tokens", type=int, default=d.num_draft_tokens, help="draft tokens verified per step"
+    )
+    g.add_argument(
+        "--max-ngram", type=int, default=d.max_ngram, help="longest suffix the n-gram drafter matches"
+    )
+    g.add_argument(
+        "--speculate-max-batch",
+        type=int,
+        default=d.speculate_max_batch,
+        help="no speculation with more running jobs than this",
     )
     g.add_argument("--draft-model", type=Path, default=None, help="draft model file (default: the target's)")
     g.add_argument("--draft-layers", type=int, default=None, help="keep only the draft's first N layers")
-    g.add_argument("--draft-dtype", choices=WEIGHT_DTYPES, default="float32")
+    g.add_argument("--draft-dtype", choices=WEIGHT_DTYPES, default=d.draft_dtype)
 
 
 def speculation_options(

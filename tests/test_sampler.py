@@ -370,12 +370,21 @@ def test_logits_are_not_modified(sampler: Sampler) -> None:
     assert torch.equal(logits, before)
 
 
-def test_auto_mode_switches_at_min_sampling_threads() -> None:
+def test_threaded_mode_uses_the_pool_only_for_sampled_rows() -> None:
     sets = mixed_settings(3)
     order = list(range(len(sets)))
-    with Sampler(V, min_sampling_threads=2) as auto, Sampler(V, mode=SamplerMode.BATCHED) as b:
-        assert run_jobs(auto, sets, 3, V, order) == run_jobs(b, sets, 3, V, order)
-        assert auto._pool is not None  # went through the pool
+    with Sampler(V, mode=SamplerMode.THREADED) as pooled, Sampler(V, mode=SamplerMode.BATCHED) as b:
+        greedy = [SamplingSettings()] * 3
+        assert run_jobs(pooled, greedy, 3, V, [0, 1, 2]) == run_jobs(b, greedy, 3, V, [0, 1, 2])
+        assert pooled._pool is None  # greedy rows stay batched: no thread started
+        assert run_jobs(pooled, sets, 3, V, order) == run_jobs(b, sets, 3, V, order)
+        assert pooled._pool is not None  # went through the pool
+
+
+def test_the_engine_samples_batched_by_default() -> None:
+    with Sampler(V) as s:
+        assert s.mode is SamplerMode.BATCHED
+        assert s.num_threads == 2
 
 
 # -- statistics and extremes ---------------------------------------------------------------------------
@@ -431,7 +440,7 @@ def test_extreme_settings_keep_a_token(data: st.DataObject, vocab: int, mode: Sa
     for t in output:
         a.accept(t)
         b.accept(t)
-    with Sampler(vocab, mode=mode, min_sampling_threads=1) as sampler:
+    with Sampler(vocab, mode=mode) as sampler:
         probs = sampler.processed_probs(logits, [SampleRequest(a, extra)])[0]
         token = sampler.sample(logits, [SampleRequest(b, extra, want_logprobs=True, top_n=3)])[0]
     assert bool(torch.isfinite(probs).all()) and float(probs.min()) >= 0

@@ -16,7 +16,7 @@ V = 300
 
 @pytest.fixture(params=[SamplerMode.BATCHED, SamplerMode.THREADED])
 def sampler(request: pytest.FixtureRequest) -> Sampler:
-    return Sampler(V, num_threads=2, min_sampling_threads=1, mode=request.param)
+    return Sampler(V, num_threads=2, mode=request.param)
 
 
 def _request(settings: SamplingSettings, top_n: int = 5) -> SampleRequest:

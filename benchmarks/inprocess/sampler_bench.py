@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from engine.jobs import SamplingSettings
-from engine.sampler import DEFAULT_MIN_SAMPLING_THREADS, Sampler, SampleRequest, SamplerMode, SamplerState
+from engine.sampler import DEFAULT_SAMPLER_MODE, Sampler, SampleRequest, SamplerMode, SamplerState
 
 VOCAB = 49152
 BATCH_SIZES = (1, 8, 32, 64)
@@ -80,7 +80,6 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, rounds: int = 15) -> lis
     with (
         Sampler(VOCAB, mode=SamplerMode.BATCHED) as batched,
         Sampler(VOCAB, mode=SamplerMode.THREADED, num_threads=2) as threaded,
-        Sampler(VOCAB) as auto,
     ):
         for n in batch_sizes:
             logits = torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(n))
@@ -88,7 +87,6 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, rounds: int = 15) -> lis
                 "greedy": _caller(batched, logits, _jobs(SamplingSettings(), n, 0)),
                 "batched": _caller(batched, logits, _jobs(REALISTIC, n, 1000)),
                 "threaded": _caller(threaded, logits, _jobs(REALISTIC, n, 1000)),
-                "auto": _caller(auto, logits, _jobs(REALISTIC, n, 1000)),
             }
             slow = {"top_p_only": _caller(batched, logits, _jobs(TOP_P_ONLY, n, 2000))}
             rows.append({"n": float(n), **_median_us(calls, rounds), **_median_us(slow, 3)})
@@ -96,27 +94,25 @@ def measure(batch_sizes: tuple[int, ...] = BATCH_SIZES, rounds: int = 15) -> lis
 
 
 def run(rounds: int = 15) -> str:
-    threshold = DEFAULT_MIN_SAMPLING_THREADS
     lines = [
         f"### Sampler, µs per call (lowest of 3 medians of {rounds} calls; top_p only: of 3 calls), "
         f"vocab {VOCAB}, {torch.get_num_threads()} torch threads",
         "",
-        "| batch | greedy | batched | threaded (2 workers) | threaded / batched | AUTO | AUTO uses "
-        "| batched, top_p only |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| batch | greedy | batched | threaded (2 workers) | threaded / batched | batched, top_p only |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in measure(rounds=rounds):
         n = int(r["n"])
-        uses = "threaded" if n >= threshold else "batched"
         lines.append(
             f"| {n} | {r['greedy']:.0f} | {r['batched']:.0f} | {r['threaded']:.0f} "
-            f"| {r['threaded'] / r['batched']:.2f}x | {r['auto']:.0f} | {uses} | {r['top_p_only']:.0f} |"
+            f"| {r['threaded'] / r['batched']:.2f}x | {r['top_p_only']:.0f} |"
         )
     lines += [
         "",
         "Sampled jobs: temperature 0.8, top_k 50, top_p 0.9, repetition penalty 1.1, 256-token prompt. "
         "top_p only: the same without top_k; random logits are flat, so the nucleus is not among the "
         "best 1024 tokens and every row sorts the whole vocabulary (the worst case).",
+        f"The engine's default (--sampler-mode): {DEFAULT_SAMPLER_MODE.value}.",
     ]
     return "\n".join(lines)
 

@@ -7,6 +7,7 @@ from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.kv_cache import choose_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, load_model
 from engine.model.quantization import QuantMode
+from engine.sampler import SamplerMode
 from engine.scheduler import SchedulerConfig
 from service.engine_config import EngineSettings
 from service.speculation_flags import SpeculationOptions
@@ -23,6 +24,7 @@ def build_engine(
         page_size=settings.page_size,
         num_pages=settings.num_pages,
         sampling_threads=settings.sampling_threads,
+        sampler_mode=SamplerMode(settings.sampler_mode),
         scheduler=SchedulerConfig(
             max_batch_size=settings.max_batch_size,
             max_chunk_size=settings.chunk_size,
