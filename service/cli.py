@@ -20,9 +20,14 @@ from dyngen_client.cli import CliError, json_record, positive_int, prompt_texts
 from engine import defaults
 from engine.errors import DyngenError
 
+# `dyngen generate` runs float linears unless asked: its output is the reference's, token for token
+# (`serve` defaults to EngineSettings.quant, auto, for throughput).
+GENERATE_QUANT = "none"
+
 
 def build_parser() -> argparse.ArgumentParser:
     from service.config import WEIGHT_DTYPES, add_serve_arguments
+    from service.engine_config import EngineSettings
     from service.speculation_flags import add_speculation_arguments
 
     parser = argparse.ArgumentParser(prog="dyngen", description="Serve and run language models with dyngen.")
@@ -36,13 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--dtype",
         choices=WEIGHT_DTYPES,
-        default="auto",
+        default=EngineSettings.dtype,
         help="activations and float weights: auto = bfloat16 only on CPUs with native bfloat16 and float linears",
     )
     gen.add_argument(
         "--quant",
         choices=["auto", "none", "int8", "int4"],
-        default="none",
+        default=GENERATE_QUANT,
         help="linear kinds: none = float in --dtype; int8 = weight-only int8; int4 = the GGUF's own "
         "Q4_0/Q4_1 blocks (others re-quantized), int8 head; auto = the fastest kinds that pass the "
         "quality gate, timed at load per shape and cached (see engine/model/quantization.py)",
