@@ -169,3 +169,18 @@ def test_the_eviction_covers_the_caches_the_os_reports(tmp_path: Path) -> None:
     total = (48 + 32 + 1024 + 32768) << 10
     assert evict_bytes(tmp_path) == total + total // 4
     assert evict_bytes(tmp_path / "missing") == 64 << 20  # no sysfs: the fallback
+
+
+def test_the_cache_key_follows_the_native_kernels_source() -> None:
+    """Choices timed against one kernel source are not reused for another: the key digests the
+    file the native library is built from (a moved file once left the digest empty)."""
+    import hashlib
+
+    from kernels.native.native_library import SOURCE
+
+    assert SOURCE.is_file()
+    digest = autotune._native_source_digest()
+    assert digest == hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    key = TuneKey.make(cpu_features(), "m.gguf", (LinearKind.INT4_Q8, LinearKind.INT8_Q8))
+    assert key.native_source == digest
+    assert TuneKey.make(cpu_features(), "m.gguf", KINDS).native_source == ""

@@ -26,6 +26,7 @@ import torch
 from kernels.cache_dir import default_cache_dir
 from kernels.cpu_features import CpuFeatures
 from kernels.linear.linear_kind import Linear, LinearKind
+from kernels.native.native_library import SOURCE as NATIVE_SOURCE
 
 BUCKETS = (1, 8, 64)
 _CALLS = 5  # timed calls per (kind, bucket); the best one counts
@@ -71,8 +72,7 @@ class TuneKey:
 
 def _native_source_digest() -> str:
     """A new kernel source changes the timings: choices made for the old one are not reused."""
-    source = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.exists() else ""
+    return hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest()[:16]
 
 
 Choice = dict[int, LinearKind]  # bucket -> kind
