@@ -49,6 +49,10 @@ class DerivedFiles:
         """A GGUF file's scalar metadata and tensor table (gguf_source.GGUFIndex)."""
         return self.folder / "gguf-index.json"
 
+    def packed(self, version: str) -> Path:
+        """Packed linear blocks and float tables (packed_store.PackedStore), for one kernel `version`."""
+        return self.folder / f"packed-{version}.pt"
+
     def publish_file(self, target: Path, text: str) -> None:
         """Write `text` to `target` whole or not at all (a rename), so a reader never sees half a file.
         A cache that cannot be written is only a slower next start."""
@@ -58,6 +62,22 @@ class DerivedFiles:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, target)
+        except OSError:
+            return
+        self._prune()
+
+    def publish_written(self, target: Path, write: Callable[[Path], None]) -> None:
+        """Let `write` fill a fresh file, then rename it to `target` (as publish_file)."""
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+            os.close(fd)
+            try:
+                write(Path(tmp))
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)  # left only on failure
         except OSError:
             return
         self._prune()

@@ -23,9 +23,10 @@ from engine.errors import InvalidRequestError, ModelFormatError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCacheKind, PagedKVCache
 from engine.model.config import ModelConfig
+from engine.model.packed_store import PackedStore, keep_linear, kept_table, packed_linear, packed_tensors
 from engine.model.quantization import LinearPlan, LinearRole, describe_linears
 from engine.model.rope import RotaryEmbedding
-from engine.model.weight_source import LazyTensors, WeightSource
+from engine.model.weight_source import LazyInt4, LazyTensors, WeightSource
 from kernels.attention.backend import AttentionBackend, AttentionKind, resolve_attention, select_attention
 from kernels.attention.native_attention import NativePagedAttention
 from kernels.cpu_features import cpu_features
@@ -64,10 +65,12 @@ class LlamaModel:
         plan: LinearPlan | None = None,
         stored_int4: Mapping[str, Int4Groups] | None = None,
         tune_dir: Path | None = None,
+        packed: PackedStore | None = None,
     ) -> None:
         """`plan` picks each projection's linear kind (float in `dtype` by default);
         `stored_int4` holds the file's own 4-bit groups by tensor name, used by INT4 linears;
-        `tune_dir` is where an autotuned plan caches its choices (default: the user's cache)."""
+        `tune_dir` is where an autotuned plan caches its choices (default: the user's cache);
+        `packed` keeps block linears' packed bytes and the embedding table between starts."""
         self.config = config
         self.dtype = dtype
         self.device = device or torch.device("cpu")
@@ -102,9 +105,13 @@ class LlamaModel:
             kinds = self.plan.candidates(role)
             # Quantized kinds quantize from the float32 values, not from a bfloat16 copy.
             as_dtype = dtype if kinds == (LinearKind.FLOAT,) else torch.float32
-            groups = [stored.get(n) for n, _ in parts]
-            exact = Int4Groups.cat([g for g in groups if g is not None]) if all(groups) else None
             shape = (sum(s[0] for _, s in parts), parts[0][1][1])
+
+            @functools.cache
+            def exact() -> Int4Groups | None:
+                # Split from the file's blocks only for a kind that runs them (and is not kept packed).
+                groups = [stored.get(n) for n, _ in parts]
+                return Int4Groups.cat([g for g in groups if g is not None]) if all(groups) else None
 
             @functools.cache
             def weight() -> torch.Tensor:
@@ -112,15 +119,27 @@ class LlamaModel:
                 weights = [get(n, s, as_dtype) for n, s in parts]
                 return weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
 
-            def make(kind: LinearKind) -> Linear:
-                if exact is not None and kind in (LinearKind.INT4, LinearKind.INT4_Q8):
-                    if exact.shape != shape:
+            def build(kind: LinearKind) -> Linear:
+                groups = exact() if kind in (LinearKind.INT4, LinearKind.INT4_Q8) else None
+                if groups is not None:
+                    if groups.shape != shape:
                         raise ModelFormatError(
-                            f"{where}: {parts[0][0]} has shape {exact.shape}, expected {shape}"
+                            f"{where}: {parts[0][0]} has shape {groups.shape}, expected {shape}"
                         )
-                    return make_linear(kind, None, bias, stored=exact)
+                    return make_linear(kind, None, bias, stored=groups)
                 w = weight().to(dtype) if kind is LinearKind.FLOAT else weight()
-                return make_linear(kind, w, bias, stored=exact)
+                return make_linear(kind, w, bias)
+
+            def make(kind: LinearKind) -> Linear:
+                if packed is None or kind not in (LinearKind.INT4_Q8, LinearKind.INT8_Q8):
+                    return build(kind)
+                key = f"{'+'.join(n for n, _ in parts)}|{kind.value}"
+                kept = packed_linear(packed.get(key), kind, shape, bias)
+                if kept is not None:
+                    return kept
+                lin = build(kind)
+                keep_linear(packed, key, lin)
+                return lin
 
             lin = self.tuner.build(kinds, make, shape) if self.tuner is not None else make(kinds[0])
             built.append((role, lin))
@@ -128,7 +147,8 @@ class LlamaModel:
 
         c = config
         h, q, kv = c.hidden_size, c.q_size, c.kv_size
-        self.embed = get("model.embed_tokens.weight", (c.vocab_size, h))
+        embed_spec = ("model.embed_tokens.weight", (c.vocab_size, h))
+        self.embed = kept_table(packed, "model.embed_tokens.weight", dtype, lambda: get(*embed_spec))
         self.final_norm = get("model.norm.weight", (h,))
         head_name = "model.embed_tokens.weight"
         if not c.tie_word_embeddings and "lm_head.weight" in tensors:
@@ -177,6 +197,8 @@ class LlamaModel:
                     down=linear(LinearRole.DOWN, [(p + "mlp.down_proj.weight", (h, c.intermediate_size))]),
                 )
             )
+        if packed is not None:
+            packed.retain([self.embed, *packed_tensors([lin for _, lin in built])])
         self._linears_description = describe_linears(built)
         if self.tuner is not None:
             self.tuner.finish()
@@ -211,6 +233,7 @@ class LlamaModel:
         num_layers: int | None = None,
         plan: LinearPlan | None = None,
         tune_dir: Path | None = None,
+        packed: PackedStore | None = None,
     ) -> LlamaModel:
         """Load a model; `num_layers` keeps only the first layers (a cheap draft model of the same vocabulary).
 
@@ -233,14 +256,11 @@ class LlamaModel:
         tensors = LazyTensors(
             list(lazy), functools.lru_cache(maxsize=2)(lazy.__getitem__), lambda _: bar.update()
         )
-        stored: dict[str, Int4Groups] = {}
+        stored: Mapping[str, Int4Groups] = {}
         if plan is not None and (plan.uses(LinearKind.INT4) or plan.uses(LinearKind.INT4_Q8)):
-            for name in tensors:
-                groups = source.stored_int4(name)
-                if groups is not None:
-                    stored[name] = groups
+            stored = LazyInt4(list(tensors), source.stored_int4)
         try:
-            return LlamaModel(config, tensors, dtype, device, attention, plan, stored, tune_dir)
+            return LlamaModel(config, tensors, dtype, device, attention, plan, stored, tune_dir, packed)
         finally:
             bar.close()
 

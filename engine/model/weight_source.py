@@ -50,6 +50,30 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
+class LazyInt4(Mapping[str, Int4Groups]):
+    """A source's stored 4-bit groups by name, split from the file's blocks at the first lookup of
+    each name (a model whose packed linears were kept from an earlier start never asks)."""
+
+    def __init__(self, names: Sequence[str], load: Callable[[str], Int4Groups | None]) -> None:
+        self._names = tuple(names)
+        self._load = load
+        self._memo: dict[str, Int4Groups | None] = {}
+
+    def __getitem__(self, name: str) -> Int4Groups:
+        if name not in self._memo:
+            self._memo[name] = self._load(name) if name in self._names else None
+        groups = self._memo[name]
+        if groups is None:
+            raise KeyError(name)
+        return groups
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n in self._names if n in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class WeightSource(Protocol):
     """A model on disk: its config, its tensor count, and its tensors one by one."""
 

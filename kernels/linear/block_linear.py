@@ -113,20 +113,64 @@ def pack_q8x8(q: torch.Tensor, d: torch.Tensor, lib: NativeLibrary) -> torch.Ten
     return blocks
 
 
+def packed_shape(layout: BlockLayout, n: int, k: int, lib: NativeLibrary) -> tuple[int, int, int] | None:
+    """The uint8 shape of `layout`'s blocks for an [n, k] weight (None: the layout cannot hold it)."""
+    nb = k // BLOCK
+    if layout in (BlockLayout.Q4X8, BlockLayout.Q8X8) and n % 8:
+        return None
+    match layout:
+        case BlockLayout.Q4:
+            return (n, nb, lib.block_q4_bytes)
+        case BlockLayout.Q8:
+            return (n, nb, lib.block_q8_bytes)
+        case BlockLayout.Q4X8:
+            return (n // 8, nb, lib.block_q4x8_bytes)
+        case BlockLayout.Q8X8:
+            return (n // 8, nb, lib.block_q8x8_bytes)
+
+
+def _checked(
+    lib: NativeLibrary, packed: tuple[BlockLayout, torch.Tensor], shape: tuple[int, int]
+) -> torch.Tensor:
+    """Bytes from outside this process reach the kernels only in the exact shape they read."""
+    layout, blocks = packed
+    want = packed_shape(layout, shape[0], shape[1], lib)
+    if (
+        want is None
+        or blocks.dtype != torch.uint8
+        or tuple(blocks.shape) != want
+        or not blocks.is_contiguous()
+    ):
+        raise ValueError(f"packed {layout.name} blocks {tuple(blocks.shape)} do not fit a {shape} weight")
+    return blocks
+
+
 class BlockLinear:
     kind: LinearKind
-    _layout: BlockLayout
 
     def __init__(
-        self, lib: NativeLibrary, blocks: torch.Tensor, n: int, k: int, bias: torch.Tensor | None
+        self,
+        lib: NativeLibrary,
+        blocks: torch.Tensor,
+        layout: BlockLayout,
+        n: int,
+        k: int,
+        bias: torch.Tensor | None,
     ) -> None:
         if k % BLOCK:
             raise ValueError(f"block linears need in_features divisible by {BLOCK}, got {k}")
         self._lib = lib
         self._blocks = blocks
+        self._layout = layout
         self.out_features = n
         self.in_features = k
         self.bias = bias
+
+    @property
+    def packed(self) -> tuple[BlockLayout, torch.Tensor]:
+        """The weight bytes as the kernels read them, and their layout: what a later start can map
+        back in (engine.model.packed_store) instead of packing the file's blocks again."""
+        return self._layout, self._blocks
 
     def weight_bytes(self) -> int:
         return self._blocks.numel()
@@ -174,11 +218,27 @@ class Int4BlockLinear(BlockLinear):
         # 8-row interleaved blocks where the rows allow (every shape of the Llama family does):
         # faster at every batch size (2.2x the row-major kernel at 64 rows, 2x at one).
         try:
-            blocks, self._layout = pack_q4x8(groups, lib), BlockLayout.Q4X8
+            blocks, layout = pack_q4x8(groups, lib), BlockLayout.Q4X8
         except ValueError:  # rows not in 8s, or scales beyond float16
-            blocks, self._layout = pack_q4(groups, lib), BlockLayout.Q4
-        super().__init__(lib, blocks, n, k, bias)
+            blocks, layout = pack_q4(groups, lib), BlockLayout.Q4
+        super().__init__(lib, blocks, layout, n, k, bias)
         self.from_file = from_file
+
+    @classmethod
+    def from_packed(
+        cls,
+        lib: NativeLibrary,
+        packed: tuple[BlockLayout, torch.Tensor],
+        shape: tuple[int, int],
+        bias: torch.Tensor | None,
+        from_file: bool,
+    ) -> Int4BlockLinear:
+        """The linear over bytes an earlier one packed (its `packed`), used as they are;
+        ValueError if they are not the shape the layout has for `shape`."""
+        self = cls.__new__(cls)
+        BlockLinear.__init__(self, lib, _checked(lib, packed, shape), packed[0], shape[0], shape[1], bias)
+        self.from_file = from_file
+        return self
 
     def describe(self) -> str:
         return "int4_q8[file]" if self.from_file else "int4_q8[requant]"
@@ -191,10 +251,24 @@ class Int8BlockLinear(BlockLinear):
         n, k = (int(s) for s in weight.shape)
         q, d = quantize_q8_blocks(weight)
         try:
-            blocks, self._layout = pack_q8x8(q, d, lib), BlockLayout.Q8X8
+            blocks, layout = pack_q8x8(q, d, lib), BlockLayout.Q8X8
         except ValueError:  # rows not in 8s
-            blocks, self._layout = pack_q8(q, d, lib), BlockLayout.Q8
-        super().__init__(lib, blocks, n, k, bias)
+            blocks, layout = pack_q8(q, d, lib), BlockLayout.Q8
+        super().__init__(lib, blocks, layout, n, k, bias)
+
+    @classmethod
+    def from_packed(
+        cls,
+        lib: NativeLibrary,
+        packed: tuple[BlockLayout, torch.Tensor],
+        shape: tuple[int, int],
+        bias: torch.Tensor | None,
+    ) -> Int8BlockLinear:
+        """The linear over bytes an earlier one packed (its `packed`), used as they are;
+        ValueError if they are not the shape the layout has for `shape`."""
+        self = cls.__new__(cls)
+        BlockLinear.__init__(self, lib, _checked(lib, packed, shape), packed[0], shape[0], shape[1], bias)
+        return self
 
     def describe(self) -> str:
         return "int8_q8"

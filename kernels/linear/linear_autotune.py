@@ -26,7 +26,7 @@ import torch
 from kernels.cache_dir import default_cache_dir
 from kernels.cpu_features import CpuFeatures
 from kernels.linear.linear_kind import Linear, LinearKind
-from kernels.native.native_library import SOURCE as NATIVE_SOURCE
+from kernels.native.native_library import source_digest
 
 BUCKETS = (1, 8, 64)
 _CALLS = 5  # timed calls per (kind, bucket); the best one counts
@@ -72,7 +72,7 @@ class TuneKey:
 
 def _native_source_digest() -> str:
     """A new kernel source changes the timings: choices made for the old one are not reused."""
-    return hashlib.sha256(NATIVE_SOURCE.read_bytes()).hexdigest()[:16]
+    return source_digest()
 
 
 Choice = dict[int, LinearKind]  # bucket -> kind
@@ -227,6 +227,10 @@ class TunedLinear:
 
     def weight_bytes(self) -> int:
         return sum(lin.weight_bytes() for lin in {id(v): v for v in self._by_bucket.values()}.values())
+
+    def bucket_linears(self) -> list[Linear]:
+        """Each bucket's winner, once."""
+        return list({id(v): v for v in self._by_bucket.values()}.values())
 
     def for_rows(self, rows: int) -> Linear:
         """The linear a call with `rows` rows runs."""

@@ -32,6 +32,14 @@ from kernels.cache_dir import default_cache_dir
 from kernels.cpu_features import cpu_features
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+
+
+@functools.cache
+def source_digest() -> str:
+    """The kernels' source, digested: what is timed or packed for one source is not reused for another."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BLOCK = 32
 SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+avx_vnni", 3: "avx2+avx512_vnni", 4: "avx512_vnni"}
