@@ -19,6 +19,8 @@ from itertools import chain, repeat
 import torch
 
 from engine.ids import PageId
+from engine.model.lora_adapter import LoraAdapter
+from engine.model.lora_batch import LoraBatch
 from kernels.attention.batch import AttentionBatch
 
 
@@ -32,6 +34,7 @@ class SequenceInput:
     want_logits: bool = True
     # How many of the last new tokens need logits (speculative verification wants all of them).
     logit_positions: int = 1
+    adapter: LoraAdapter | None = None  # the job's LoRA adapter (None: the base model)
 
     @property
     def end_pos(self) -> int:
@@ -45,6 +48,7 @@ class ForwardBatch(AttentionBatch):
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [N] int64: rows of the flattened batch whose logits are returned
+    lora: LoraBatch | None = None  # the rows of each LoRA adapter (None: the base model only)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +114,9 @@ class ForwardBatch(AttentionBatch):
             input_ids=_tensor(ids).to(device),
             positions=pos_t.to(device),
             logits_indices=_tensor(array.array("q", logits_rows)).to(device),
+            lora=LoraBatch.build([(s.adapter, len(s.token_ids)) for s in seqs])
+            if any(s.adapter is not None for s in seqs)
+            else None,
         )
 
 

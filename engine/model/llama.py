@@ -368,6 +368,7 @@ class LlamaModel:
         if (
             native_ops is not None
             and batch.num_tokens == batch.num_seqs  # one new token per sequence: a decode step
+            and batch.lora is None  # the fused layer has no adapter deltas
             and self._native_layers(batch.num_seqs, cache) is not None
         ):
             return self._native_decode(batch, cache, native_ops)
@@ -379,8 +380,11 @@ class LlamaModel:
             cos, sin = self.rope.tables(batch.positions)
         x = self.embed[batch.input_ids]
         h = self._norm(x, self.layers[0].attn_norm)
+        lora = batch.lora
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
+            if lora is not None:
+                lora.apply_(i, "qkv", h, qkv)
             if native is not None:
                 qkv = qkv.contiguous()
                 native.rotary_(
@@ -411,17 +415,30 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size :].view(tokens, c.num_kv_heads, c.head_dim)
             attn.write_kv(cache.layer(i), k, v)
             o = attn.attend(q, cache.layer(i))
-            x, h = self._add_norm(x, layer.o(o), layer.ffn_norm)
+            out = layer.o(o)
+            if lora is not None:
+                lora.apply_(i, "o", o.reshape(tokens, -1), out.view(tokens, -1))
+            x, h = self._add_norm(x, out, layer.ffn_norm)
+            down_lora = lora is not None and lora.touches(i, "down")
             if native is not None:
                 gate_up = layer.gate_up(h).contiguous()
+                if lora is not None:
+                    lora.apply_(i, "gate_up", h, gate_up)
                 down = layer.down.for_rows(tokens) if isinstance(layer.down, TunedLinear) else layer.down
-                if isinstance(down, BlockLinear) and gate_up.dtype is torch.float32:
+                if isinstance(down, BlockLinear) and gate_up.dtype is torch.float32 and not down_lora:
                     delta = down.silu_call(gate_up)  # no [tokens, inter] activations in memory
                 else:
-                    delta = layer.down(native.silu_mul(gate_up))
+                    act = native.silu_mul(gate_up)
+                    delta = layer.down(act)
             else:
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)
-                delta = layer.down(F.silu(gate) * up)
+                gate_up = layer.gate_up(h)
+                if lora is not None:
+                    lora.apply_(i, "gate_up", h, gate_up)
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+                delta = layer.down(act)
+            if lora is not None and down_lora:
+                lora.apply_(i, "down", act, delta)
             if i + 1 < len(self.layers):
                 x, h = self._add_norm(x, delta, self.layers[i + 1].attn_norm)
             else:
