@@ -17,6 +17,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = "not_found"
     UNSUPPORTED = "unsupported"
     RESOURCE_EXHAUSTED = "resource_exhausted"
+    FAILED_PRECONDITION = "failed_precondition"  # the request is fine, the engine's state refuses it now
     INTERNAL = "internal"  # a fault inside the engine while running a job (the job failed, not the request)
 
 
@@ -66,3 +67,21 @@ class JobNotFoundError(DyngenError):
     """No job with that id (never existed, or finished and forgotten)."""
 
     kind = ErrorKind.NOT_FOUND
+
+
+class AdapterNotFoundError(DyngenError):
+    """A request names a LoRA adapter that is not loaded."""
+
+    kind = ErrorKind.NOT_FOUND
+
+
+class AdapterInUseError(DyngenError):
+    """An adapter cannot be unloaded while jobs run with it."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class AdapterLimitError(DyngenError):
+    """As many adapters as allowed are loaded already."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED

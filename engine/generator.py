@@ -21,15 +21,25 @@ import dataclasses
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from engine import defaults
+from engine.adapter_registry import AdapterInfo, AdapterRegistry
 from engine.constraints import GrammarCompiler, MaskOverlap, MaskWorker
-from engine.errors import DyngenError, ErrorKind, InvalidRequestError, JobNotFoundError, PromptTooLongError
+from engine.errors import (
+    AdapterInUseError,
+    DyngenError,
+    ErrorKind,
+    InvalidRequestError,
+    JobNotFoundError,
+    PromptTooLongError,
+)
 from engine.forward_batch import SequenceInput
 from engine.job_state import JobState
 from engine.jobs import (
@@ -49,6 +59,7 @@ from engine.jobs import (
 )
 from engine.kv_cache import KVCacheKind, PagedKVCache
 from engine.model.llama import LlamaModel
+from engine.model.lora_adapter import LoraAdapter
 from engine.model.tokenizer import Tokenizer
 from engine.pages import PagePool
 from engine.runner import ModelRunner
@@ -95,6 +106,7 @@ class GeneratorConfig:
     kv_cache: KVCacheKind = KVCacheKind.FLOAT
     # Constrained jobs' masks: beside the forward with a core to spare, else just before it.
     mask_overlap: MaskOverlap = MaskOverlap.AUTO
+    max_adapters: int = defaults.MAX_ADAPTERS  # LoRA adapters loaded at once
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.num_pages < 1:
@@ -172,6 +184,7 @@ class DynamicGenerator:
         self.runner = ModelRunner(model, self.cache)
         self.pool = PagePool(c.num_pages, c.page_size)
         self.scheduler = Scheduler(c.scheduler, self.pool)
+        self.adapters = AdapterRegistry(model.config, c.max_adapters)
         self.sampler = Sampler(model.config.vocab_size, c.sampling_threads, c.sampler_mode)
         self.jobs: dict[JobId, JobState] = {}
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
@@ -237,6 +250,7 @@ class DynamicGenerator:
                 f"tokens exceeds the whole KV cache of {capacity} tokens "
                 f"({self.pool.num_pages} pages of {self.pool.page_size})"
             )
+        adapter = self.adapters.get(spec.adapter) if spec.adapter is not None else None
         # Compiled (or taken from the cache) here: a bad schema is the caller's error, at enqueue.
         constraint = self.grammars.compile(spec.response_format) if spec.response_format is not None else None
         heal = self.healer.plan(spec.prompt_ids) if spec.token_healing else None
@@ -261,10 +275,31 @@ class DynamicGenerator:
             constraint=constraint,
             heal=heal,
             healing=heal.removed if heal is not None else b"",
+            adapter=adapter,
         )
         self.scheduler.submit(job)
         self.jobs[job_id] = job
         return job_id
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: Path) -> LoraAdapter:
+        """Load a PEFT adapter folder under `name` for jobs to name (see adapter_registry.py)."""
+        return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter; refused (AdapterInUseError) while a queued or running job uses it."""
+        adapter = self.adapters.get(name)
+        users = sum(1 for j in self.jobs.values() if j.adapter is adapter)
+        if users:
+            raise AdapterInUseError(
+                f"adapter {name!r} is in use by {users} job(s); unload it when they end, or cancel them"
+            )
+        self.adapters.remove(name)
+
+    def adapter_infos(self) -> list[AdapterInfo]:
+        uses = Counter(j.adapter.name for j in self.jobs.values() if j.adapter is not None)
+        return [AdapterInfo(a.name, a.path, a.describe(), uses[a.name]) for a in self.adapters.adapters()]
 
     def cancel(self, job_id: JobId) -> None:
         """Stop a job now (queued, mid-prefill or mid-decode); its pages are freed at once."""
@@ -379,9 +414,11 @@ class DynamicGenerator:
             events.append(JobStarted(job.job_id, job.spec.identifier, job.prompt_len, job.cached_tokens))
         if c.draft:
             tokens = [*job.tokens[job.computed :], *c.draft]
-            return SequenceInput(tokens, job.computed, job.pages, True, len(tokens))
+            return SequenceInput(tokens, job.computed, job.pages, True, len(tokens), job.adapter)
         end = job.computed + c.num_tokens
-        return SequenceInput(job.tokens[job.computed : end], job.computed, job.pages, end == len(job.tokens))
+        return SequenceInput(
+            job.tokens[job.computed : end], job.computed, job.pages, end == len(job.tokens), 1, job.adapter
+        )
 
     def _forward(
         self, staged: list[tuple[ScheduledChunk, SequenceInput]], events: list[JobEvent]
@@ -520,6 +557,7 @@ class DynamicGenerator:
             accepted_draft_tokens=job.accepted_drafts,
             rejected_draft_tokens=job.rejected_drafts,
             error=error,
+            adapter=job.spec.adapter,
         )
         self.jobs.pop(job.job_id, None)
         try:

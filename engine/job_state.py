@@ -17,6 +17,7 @@ import torch
 from engine.constraints import Constraint
 from engine.ids import PageId
 from engine.jobs import JobId, JobSpec, JobStage, TokenLogprob
+from engine.model.lora_adapter import LoraAdapter
 from engine.sampler import SamplerState
 from engine.text_stream import TextStream
 from engine.token_healing import HealPlan
@@ -76,6 +77,7 @@ class JobState:
     started: bool = False
     preemptions: int = 0
     draft_budget: int = 0  # draft tokens to verify with the next decode step (0: no speculation)
+    adapter: LoraAdapter | None = None  # set at enqueue from spec.adapter, never changed
     accepted_drafts: int = 0
     rejected_drafts: int = 0
     scheduled_at: float | None = None
@@ -84,6 +86,15 @@ class JobState:
     @cached_property
     def prompt_len(self) -> int:  # read several times per job per step; the spec is frozen
         return len(self.spec.prompt_ids)
+
+    @cached_property
+    def prefix_salt(self) -> str:
+        """The prefix cache's salt for this job's pages: its cache_salt, and under an adapter that
+        adapter's load too (K/V computed with an adapter are shared only with jobs of the same load;
+        base-model jobs keep sharing with each other)."""
+        if self.adapter is None:
+            return self.spec.cache_salt
+        return f"{self.spec.cache_salt}\x00lora\x00{self.adapter.uid}"
 
     @property
     def new_tokens(self) -> int:

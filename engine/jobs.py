@@ -130,6 +130,8 @@ class JobSpec:
     # Take the prompt's last token back and regenerate it among the tokens whose text starts with
     # its text, so a prompt that ends mid-word continues the word; the output starts after that text.
     token_healing: bool = False
+    # The LoRA adapter to run with (a name the engine has loaded); None: the base model.
+    adapter: str | None = None
 
     def validate(self, vocab_size: int) -> None:
         _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
@@ -228,6 +230,7 @@ class JobFinished:
     accepted_draft_tokens: int = 0
     rejected_draft_tokens: int = 0
     error: JobError | None = None  # set exactly when stop_reason is ERROR
+    adapter: str | None = None  # the LoRA adapter the job ran with
 
 
 JobEvent = JobStarted | PrefillProgress | TokensGenerated | JobFinished

@@ -132,7 +132,7 @@ class Scheduler:
             i = job.registered
             parent = job.pages[i - 1] if i > 0 else None
             page = self.pool.register_full(
-                job.pages[i], parent, job.tokens[i * ps : (i + 1) * ps], job.spec.cache_salt
+                job.pages[i], parent, job.tokens[i * ps : (i + 1) * ps], job.prefix_salt
             )
             if page != job.pages[i]:
                 swapped.append(i * ps)
@@ -234,7 +234,7 @@ class Scheduler:
         Kept on the job and only extended: a job waiting for room is not re-hashed at every step.
         """
         ps = self.pool.page_size
-        extend_chain(job.page_hashes, job.tokens, ps, job.spec.cache_salt, (len(job.tokens) - 1) // ps)
+        extend_chain(job.page_hashes, job.tokens, ps, job.prefix_salt, (len(job.tokens) - 1) // ps)
         return job.page_hashes
 
     def _forget_inflight(self, job: JobState, below: int | None = None) -> None:
@@ -274,7 +274,7 @@ class Scheduler:
         if total - len(hashes) > room:
             return False  # even a hit on every full page would leave too many to allocate
         matched = (
-            self.pool.find_prefix(job.tokens, query, salt=job.spec.cache_salt, hashes=hashes)
+            self.pool.find_prefix(job.tokens, query, salt=job.prefix_salt, hashes=hashes)
             if self.config.prefix_cache
             else []
         )
@@ -319,14 +319,14 @@ class Scheduler:
         want = job.tokens[start : min(start + ps, len(job.tokens) - 1)]
         if not want:
             return None
-        salt = job.spec.cache_salt
+        salt = job.prefix_salt
         best = self.pool.find_partial(matched[-1] if matched else None, want, salt=salt)
         # A running job's page k is not registered until full, but its computed tokens are usable.
         for other in self.running:
             if (
                 other.registered != k
                 or len(other.pages) <= k
-                or other.spec.cache_salt != salt
+                or other.prefix_salt != salt
                 or other.pages[:k] != matched
             ):
                 continue

@@ -20,7 +20,7 @@ from engine.jobs import JobEvent, JobStage
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.speculation_config import SpeculationConfig
-from engine.speculative import Draft, Drafter, DraftRequest, accept_greedy, accept_sampled
+from engine.speculative import Draft, Drafter, DraftModelDrafter, DraftRequest, accept_greedy, accept_sampled
 from engine.token_intake import TokenIntake
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,9 @@ class SpeculationStep:
             and s.presence_penalty == 0.0
             and not job.spec.banned_strings  # a rewind needs each held token's own logits row
             and not job.healing  # its next token is held to the prompt's taken-back text
+            # A draft model runs without the job's adapter, so its drafts would mostly be rejected:
+            # such jobs do not speculate (n-gram drafts come from the job's own tokens and do).
+            and not (job.adapter is not None and isinstance(self.drafter, DraftModelDrafter))
         )
 
     def plan(self) -> None:

@@ -139,3 +139,93 @@ def test_refused_adapters_say_why(
     with pytest.raises(AdapterError, match="do not fit"):
         LoraAdapter.load("x", source, other)
     assert issubclass(AdapterError, InvalidRequestError)
+
+
+def _generator(folder: Path, quant: QuantMode = QuantMode.NONE) -> Any:
+    from engine.generator import DynamicGenerator, GeneratorConfig
+
+    loaded = load_model(folder, WeightDtype.FLOAT32, progress=False, quant=quant)
+    return DynamicGenerator(loaded.model, loaded.tokenizer, GeneratorConfig(page_size=PAGE, num_pages=64))
+
+
+def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n, pad_token_id=0
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def test_generator_runs_each_job_with_its_adapter(
+    tiny: tuple[Path, Any], adapters: dict[str, tuple[Path, Any]]
+) -> None:
+    from engine.jobs import JobSpec
+
+    folder, hf = tiny
+    gen = _generator(folder)
+    for loaded_name in ("attn", "mlp"):
+        gen.load_adapter(loaded_name, adapters[loaded_name][0])
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 17, 12, 20)]
+    names: list[str | None] = ["attn", None, "mlp", "attn"]
+    specs = [
+        JobSpec(tuple(p), max_new_tokens=12, ignore_eos=True, adapter=a)
+        for p, a in zip(prompts, names, strict=True)
+    ]
+    done = gen.generate(specs)
+    for prompt, name, c in zip(prompts, names, done, strict=True):
+        ref: Any = hf if name is None else adapters[name][1]
+        assert list(c.token_ids) == _greedy(ref, prompt, 12), name
+        assert c.finished.adapter == name
+    gen.close()
+
+
+def test_prefix_pages_are_shared_only_within_one_adapter(
+    tiny: tuple[Path, Any], adapters: dict[str, tuple[Path, Any]]
+) -> None:
+    """Jobs with the same prompt: a second job of the same adapter (or of the base model) reuses the
+    first one's pages; a job of another adapter, or of the base model, computes its own."""
+    from engine.jobs import JobSpec
+
+    folder, _ = tiny
+    gen = _generator(folder)
+    gen.load_adapter("attn", adapters["attn"][0])
+    gen.load_adapter("mlp", adapters["mlp"][0])
+    prompt = tuple(range(10, 10 + 3 * PAGE + 5))
+
+    def run(adapter: str | None) -> tuple[int, list[int]]:
+        (c,) = gen.generate([JobSpec(prompt, max_new_tokens=4, ignore_eos=True, adapter=adapter)])
+        return c.finished.cached_tokens, list(c.token_ids)
+
+    cached, attn_tokens = run("attn")
+    assert cached == 0
+    assert run("mlp")[0] == 0  # attn's pages are not mlp's
+    assert run(None)[0] == 0  # nor the base model's
+    again, tokens = run("attn")
+    assert again >= 3 * PAGE and tokens == attn_tokens
+    assert run(None)[0] >= 3 * PAGE  # base jobs share with each other
+    assert tokens == _greedy(adapters["attn"][1], list(prompt), 4)
+    gen.close()
+
+
+def test_adapters_load_list_and_unload(tiny: tuple[Path, Any], adapters: dict[str, tuple[Path, Any]]) -> None:
+    from engine.errors import AdapterInUseError, AdapterNotFoundError
+    from engine.jobs import JobSpec
+
+    folder, _ = tiny
+    gen = _generator(folder)
+    gen.load_adapter("attn", adapters["attn"][0])
+    with pytest.raises(InvalidRequestError, match="loaded already"):
+        gen.load_adapter("attn", adapters["mlp"][0])
+    with pytest.raises(AdapterNotFoundError):
+        gen.enqueue(JobSpec((5, 6), max_new_tokens=2, adapter="nope"))
+    job = gen.enqueue(JobSpec((5, 6, 7), max_new_tokens=50, ignore_eos=True, adapter="attn"))
+    assert [(i.name, i.jobs) for i in gen.adapter_infos()] == [("attn", 1)]
+    with pytest.raises(AdapterInUseError, match="in use"):
+        gen.unload_adapter("attn")
+    gen.cancel(job)
+    gen.unload_adapter("attn")
+    assert gen.adapter_infos() == []
+    with pytest.raises(AdapterNotFoundError):
+        gen.unload_adapter("attn")
+    gen.close()

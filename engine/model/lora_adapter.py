@@ -157,7 +157,9 @@ def _pairs(
             )
         layer = int(m.group(1))
         if layer >= config.num_layers:
-            raise AdapterError(f"adapter {name!r}: {key} names layer {layer}; the model has {config.num_layers}")
+            raise AdapterError(
+                f"adapter {name!r}: {key} names layer {layer}; the model has {config.num_layers}"
+            )
         halves[(layer, m.group(3), m.group(4))] = tensor
     sizes = {
         "q_proj": (config.hidden_size, config.q_size),

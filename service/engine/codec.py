@@ -34,6 +34,7 @@ ERROR_STATUS = {
     ErrorKind.INVALID_ARGUMENT: 3,
     ErrorKind.NOT_FOUND: 5,
     ErrorKind.RESOURCE_EXHAUSTED: 8,
+    ErrorKind.FAILED_PRECONDITION: 9,
     ErrorKind.UNSUPPORTED: 12,
     ErrorKind.INTERNAL: 13,
 }
