@@ -13,12 +13,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import AdapterLimitError, AdapterNotFoundError, InvalidRequestError
+from engine.errors import AdapterExistsError, AdapterLimitError, AdapterNotFoundError, InvalidRequestError
 from engine.model.config import ModelConfig
 from engine.model.lora_adapter import LoraAdapter
 
-# Names appear in requests, logs and metric labels: printable and bounded.
-ADAPTER_NAME = re.compile(r"[0-9A-Za-z_.-]{1,64}")
+# Names appear in requests, logs and metric labels: printable and bounded. ("~" is the service's:
+# it scopes a tenant's adapters, and callers' names cannot hold it.)
+ADAPTER_NAME = re.compile(r"[0-9A-Za-z_.~-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,9 @@ class AdapterRegistry:
 
     def load(self, name: str, path: Path) -> LoraAdapter:
         if not ADAPTER_NAME.fullmatch(name):
-            raise InvalidRequestError("an adapter name must be 1 to 64 characters of [0-9A-Za-z_.-]")
+            raise InvalidRequestError("an adapter name must be 1 to 64 characters of [0-9A-Za-z_.~-]")
         if name in self._by_name:
-            raise InvalidRequestError(f"adapter {name!r} is loaded already; unload it first")
+            raise AdapterExistsError(f"adapter {name!r} is loaded already; unload it first")
         if len(self._by_name) >= self.max_adapters:
             raise AdapterLimitError(
                 f"{len(self._by_name)} adapters are loaded, the most this server holds (--max-adapters); "

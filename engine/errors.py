@@ -18,6 +18,7 @@ class ErrorKind(enum.Enum):
     UNSUPPORTED = "unsupported"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     FAILED_PRECONDITION = "failed_precondition"  # the request is fine, the engine's state refuses it now
+    ALREADY_EXISTS = "already_exists"
     INTERNAL = "internal"  # a fault inside the engine while running a job (the job failed, not the request)
 
 
@@ -85,3 +86,9 @@ class AdapterLimitError(DyngenError):
     """As many adapters as allowed are loaded already."""
 
     kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class AdapterExistsError(DyngenError):
+    """An adapter of that name is loaded already."""
+
+    kind = ErrorKind.ALREADY_EXISTS

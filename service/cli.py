@@ -98,7 +98,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from engine.jobs import JobSpec, SamplingSettings
     from engine.model.tokenizer import ChatMessage
     from service.engine.build import build_engine
-    from service.engine_config import engine_settings_from
+    from service.engine_config import engine_settings_from, split_lora_flag
     from service.speculation_flags import speculation_from_args
 
     sampling = SamplingSettings(
@@ -111,6 +111,13 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     settings = engine_settings_from(args)
     loaded, generator = build_engine(settings, speculation_from_args(args), progress=not args.quiet)
+    adapter: str | None = None
+    if args.adapter:
+        try:
+            adapter, folder = split_lora_flag(args.adapter)
+        except ValueError:
+            raise CliError("in-process `dyngen generate` loads its adapter: --lora NAME=PATH") from None
+        generator.load_adapter(adapter, folder)
     if not args.quiet:
         print(f"model: {loaded.model.describe()}", file=sys.stderr)
     tok = loaded.tokenizer
@@ -125,6 +132,7 @@ def run_generate(args: argparse.Namespace) -> int:
             sampling=sampling,
             banned_strings=tuple(args.ban),
             token_healing=args.heal,
+            adapter=adapter,
         )
         for t in texts
     ]

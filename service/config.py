@@ -16,6 +16,7 @@ from service.engine_config import (
     SpeculationFlags,
     engine_settings_from,
     speculation_flags_from,
+    split_lora_flag,
 )
 
 # --dtype and --draft-dtype: engine.model.loader.WeightDtype's values, named here so that parsing
@@ -38,6 +39,8 @@ class ServiceConfig:
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     sampling_threads: int = defaults.SAMPLING_THREADS
     sampler_mode: str = defaults.SAMPLER_MODE
+    lora: tuple[str, ...] = ()  # NAME=PATH, loaded at start and shared by every tenant
+    max_adapters: int = defaults.MAX_ADAPTERS
     torch_threads: int = EngineConfig.torch_threads
     omp_wait_policy: str = EngineConfig.omp_wait_policy
     omp_spin_count: int = EngineConfig.omp_spin_count
@@ -101,7 +104,9 @@ class ServiceConfig:
 
     @staticmethod
     def from_json(text: str) -> ServiceConfig:
-        return ServiceConfig(**json.loads(text))
+        values = json.loads(text)
+        values["lora"] = tuple(values.get("lora", ()))
+        return ServiceConfig(**values)
 
 
 def _flag(text: str) -> bool:
@@ -165,6 +170,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         d.sampler_mode,
         "sampled rows: batched (one set of tensor ops for the batch) or threaded (one pool task per job)",
     )
+    lora_env = _env("lora", None)
+    parser.add_argument(
+        "--lora",
+        type=_lora_flag,
+        action="append",
+        default=[f for f in lora_env.split(",") if f] if lora_env else [],
+        metavar="NAME=PATH",
+        help="load a LoRA adapter (a PEFT folder) at start under NAME, shared by every tenant; repeatable "
+        "[DYNGEN_LORA: comma-separated]",
+    )
+    opt("max_adapters", int, d.max_adapters, "LoRA adapters loaded at once (--lora and LoadAdapter)")
     opt("torch_threads", int, d.torch_threads, "torch threads in the engine process (0 = one per core)")
     opt(
         "omp_wait_policy",
@@ -215,7 +231,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("draft_dtype", str, d.draft_dtype, "draft model dtype: float32 or bfloat16")
 
 
+def _lora_flag(text: str) -> str:
+    try:
+        name, path = split_lora_flag(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"--lora {name}: {path} is not a folder")
+    return text
+
+
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    return ServiceConfig(
-        **{k: getattr(args, k) for k in ServiceConfig.__dataclass_fields__ if hasattr(args, k)}
-    )
+    values = {k: getattr(args, k) for k in ServiceConfig.__dataclass_fields__ if hasattr(args, k)}
+    values["lora"] = tuple(values.get("lora") or ())
+    return ServiceConfig(**values)

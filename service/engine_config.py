@@ -29,10 +29,24 @@ class EngineSettings:
     max_queue: int = defaults.MAX_QUEUE
     sampling_threads: int = defaults.SAMPLING_THREADS
     sampler_mode: str = defaults.SAMPLER_MODE
+    lora: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters loaded at start (--lora, repeatable)
+    max_adapters: int = defaults.MAX_ADAPTERS
 
     @property
     def num_pages(self) -> int:
         return max(1, self.cache_tokens // self.page_size)
+
+    def lora_pairs(self) -> list[tuple[str, Path]]:
+        """(name, folder) of each --lora NAME=PATH."""
+        return [split_lora_flag(flag) for flag in self.lora]
+
+
+def split_lora_flag(flag: str) -> tuple[str, Path]:
+    """NAME=PATH -> (NAME, PATH); ValueError for anything else."""
+    name, sep, path = flag.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora takes NAME=PATH, got {flag!r}")
+    return name, Path(path)
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,7 @@ def engine_settings_from(flags: object) -> EngineSettings:
     commands' flags become engine settings."""
     values = {f.name: getattr(flags, f.name) for f in fields(EngineSettings) if hasattr(flags, f.name)}
     model = values.pop("model", None)
+    values["lora"] = tuple(values.get("lora") or ())
     return EngineSettings(model=Path(model) if model else None, **values)
 
 
@@ -86,6 +101,7 @@ class EngineConfig:
         d = json.loads(text)
         settings = d.pop("settings")
         model = settings.pop("model")
+        settings["lora"] = tuple(settings.get("lora", ()))
         return EngineConfig(
             settings=EngineSettings(model=None if model is None else Path(model), **settings),
             speculation=SpeculationFlags(**d.pop("speculation")),

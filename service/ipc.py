@@ -23,6 +23,7 @@ class Tag(enum.Enum):
     SUBMIT = b"S"  # payload: Submit (job id minted by the front end + tokenized request)
     CANCEL = b"C"  # payload: job id (ascii); no answer (the job's JobFinished follows)
     INFO = b"I"  # no payload; answered by INFO_REPLY
+    ADAPTER = b"L"  # payload: JSON AdapterCommand; answered by ADAPTERS or REJECTED
     QUIT = b"Q"
     # engine -> front end
     READY = b"R"  # payload: JSON Ready; the model is loaded and warmed up
@@ -30,6 +31,7 @@ class Tag(enum.Enum):
     REJECTED = b"X"  # payload: JSON {"code": ErrorCode value, "message": ...}
     EVENTS = b"E"  # payload: one iteration's GenerateEvents, each as 4-byte length + bytes
     INFO_REPLY = b"N"  # payload: ModelInfo bytes
+    ADAPTERS = b"D"  # payload: ListAdaptersResponse bytes (the loaded one, none, or all)
     STATS = b"M"  # payload: JSON EngineStats
     HEARTBEAT = b"H"  # payload: JSON Heartbeat, from a thread of its own every HEARTBEAT_INTERVAL
 
@@ -40,6 +42,10 @@ class ErrorCode(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"
     PROMPT_TOO_LONG = "prompt_too_long"
     QUEUE_FULL = "queue_full"
+    ADAPTER_NOT_FOUND = "adapter_not_found"
+    ADAPTER_EXISTS = "adapter_exists"
+    ADAPTER_IN_USE = "adapter_in_use"
+    ADAPTER_LIMIT = "adapter_limit"
     INTERNAL = "internal"
 
 
@@ -89,6 +95,29 @@ class Rejection:
     def from_bytes(data: bytes) -> Rejection:
         obj = json.loads(data)
         return Rejection(ErrorCode(obj["code"]), str(obj["message"]))
+
+
+class AdapterOp(enum.Enum):
+    LOAD = "load"
+    UNLOAD = "unload"
+    LIST = "list"
+
+
+@dataclass(frozen=True)
+class AdapterCommand:
+    """Load (name, path), unload (name) or list the engine's LoRA adapters."""
+
+    op: AdapterOp
+    name: str = ""
+    path: str = ""
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"op": self.op.value, "name": self.name, "path": self.path}).encode()
+
+    @staticmethod
+    def from_bytes(data: bytes) -> AdapterCommand:
+        obj = json.loads(data)
+        return AdapterCommand(AdapterOp(obj["op"]), str(obj["name"]), str(obj["path"]))
 
 
 @dataclass(frozen=True)

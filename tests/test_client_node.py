@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.inprocess.lora_throughput import write_adapter
+from engine.model.gguf_source import GGUFSource
 from tests.service_harness import start_tiny_server
 from tests.stream_cut_server import StreamCutServer
 from tests.tiny_service_model import write_servable_tiny_gguf
@@ -27,7 +29,11 @@ pytestmark = [
 
 def test_node_client_against_the_real_server(tmp_path: Path) -> None:
     assert (NODE_DIR / "node_modules").is_dir(), "run: npm ci --prefix clients/node"
-    server = start_tiny_server(write_servable_tiny_gguf(tmp_path / "tiny.gguf"), "--max-streams", "1")
+    model = write_servable_tiny_gguf(tmp_path / "tiny.gguf")
+    config = GGUFSource(model).config
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapter = write_adapter(tmp_path / "adapter", config, 8, every, range(config.num_layers), 1, scale=0.3)
+    server = start_tiny_server(model, "--max-streams", "1", "--lora", f"shared={adapter}")
     try:
         with StreamCutServer() as cut:
             # `npm test` generates the types from protos/, type-checks and compiles, then runs node --test.
@@ -35,12 +41,17 @@ def test_node_client_against_the_real_server(tmp_path: Path) -> None:
                 ["npm", "test", "--silent"],
                 check=False,
                 cwd=NODE_DIR,
-                env=dict(os.environ, DYNGEN_TARGET=server.target, DYNGEN_CUT_TARGET=cut.target),
+                env=dict(
+                    os.environ,
+                    DYNGEN_TARGET=server.target,
+                    DYNGEN_CUT_TARGET=cut.target,
+                    DYNGEN_ADAPTER_PATH=str(adapter),
+                ),
                 capture_output=True,
                 text=True,
                 timeout=240,
             )
             assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-            assert "# fail 0" in done.stdout and "# pass 6" in done.stdout, done.stdout[-3000:]
+            assert "# fail 0" in done.stdout and "# pass 7" in done.stdout, done.stdout[-3000:]
     finally:
         assert server.stop() == 0

@@ -209,13 +209,13 @@ def test_prefix_pages_are_shared_only_within_one_adapter(
 
 
 def test_adapters_load_list_and_unload(tiny: tuple[Path, Any], adapters: dict[str, tuple[Path, Any]]) -> None:
-    from engine.errors import AdapterInUseError, AdapterNotFoundError
+    from engine.errors import AdapterExistsError, AdapterInUseError, AdapterNotFoundError
     from engine.jobs import JobSpec
 
     folder, _ = tiny
     gen = _generator(folder)
     gen.load_adapter("attn", adapters["attn"][0])
-    with pytest.raises(InvalidRequestError, match="loaded already"):
+    with pytest.raises(AdapterExistsError, match="loaded already"):
         gen.load_adapter("attn", adapters["mlp"][0])
     with pytest.raises(AdapterNotFoundError):
         gen.enqueue(JobSpec((5, 6), max_new_tokens=2, adapter="nope"))

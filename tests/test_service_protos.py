@@ -40,5 +40,8 @@ def test_stubs_import_and_describe_the_service() -> None:
         "Generate",
         "GetModelInfo",
         "Tokenize",
+        "LoadAdapter",
+        "UnloadAdapter",
+        "ListAdapters",
     }
     assert hasattr(generator_pb2_grpc, "GeneratorStub")

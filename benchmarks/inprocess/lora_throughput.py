@@ -39,9 +39,15 @@ _SHAPES = {  # module -> (group, in, out) as functions of the config
 
 
 def write_adapter(
-    folder: Path, config: ModelConfig, rank: int, modules: list[str], layers: range, seed: int
+    folder: Path,
+    config: ModelConfig,
+    rank: int,
+    modules: list[str],
+    layers: range,
+    seed: int,
+    scale: float = 0.02,
 ) -> Path:
-    """A random LoRA adapter in PEFT's format for `config`'s model."""
+    """A random LoRA adapter in PEFT's format for `config`'s model (A and B entries ~ N(0, scale^2))."""
     size = {"h": config.hidden_size, "q": config.q_size, "kv": config.kv_size, "i": config.intermediate_size}
     g = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -49,8 +55,8 @@ def write_adapter(
         for module in modules:
             group, fan_in, fan_out = _SHAPES[module]
             key = f"base_model.model.model.layers.{layer}.{group}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, size[fan_in], generator=g) * 0.02
-            tensors[f"{key}.lora_B.weight"] = torch.randn(size[fan_out], rank, generator=g) * 0.02
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, size[fan_in], generator=g) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(size[fan_out], rank, generator=g) * scale
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     settings = {

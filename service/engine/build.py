@@ -32,6 +32,10 @@ def build_engine(
         ),
         speculation=speculation.config,
         kv_cache=choose_kv_cache(settings.kv_cache, loaded.model.dtype, loaded.model.plan.quantized),
+        max_adapters=settings.max_adapters,
     )
     draft = speculation.load_draft(settings.model, progress=progress)
-    return loaded, DynamicGenerator(loaded.model, loaded.tokenizer, config, draft_model=draft)
+    generator = DynamicGenerator(loaded.model, loaded.tokenizer, config, draft_model=draft)
+    for name, path in settings.lora_pairs():
+        generator.load_adapter(name, path)
+    return loaded, generator

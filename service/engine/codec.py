@@ -34,6 +34,7 @@ ERROR_STATUS = {
     ErrorKind.INVALID_ARGUMENT: 3,
     ErrorKind.NOT_FOUND: 5,
     ErrorKind.RESOURCE_EXHAUSTED: 8,
+    ErrorKind.ALREADY_EXISTS: 6,
     ErrorKind.FAILED_PRECONDITION: 9,
     ErrorKind.UNSUPPORTED: 12,
     ErrorKind.INTERNAL: 13,
@@ -95,6 +96,7 @@ def job_spec(req: pb.GenerateRequest) -> JobSpec:
         response_format=_response_format(req),
         banned_strings=tuple(req.banned_strings),
         token_healing=req.token_healing,
+        adapter=req.adapter or None,
     )
 
 
@@ -139,4 +141,5 @@ def event_to_proto(event: JobEvent) -> pb.GenerateEvent:
             if event.error is not None:
                 f.error = event.error.message
                 f.error_code = ERROR_STATUS[event.error.kind]
+            f.adapter = event.adapter or ""
     return out

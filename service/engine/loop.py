@@ -9,13 +9,35 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.errors import DyngenError, JobNotFoundError, PromptTooLongError, QueueFullError
+from engine.errors import (
+    AdapterExistsError,
+    AdapterInUseError,
+    AdapterLimitError,
+    AdapterNotFoundError,
+    DyngenError,
+    JobNotFoundError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    QueueFullError,
+)
 from engine.jobs import JobId
 from kernels.cpu_features import cpu_features
 from service.engine.build import build_engine
 from service.engine.codec import event_to_proto, job_spec
 from service.engine_config import EngineConfig
-from service.ipc import Accepted, EngineStats, ErrorCode, Message, Ready, Rejection, Submit, Tag, pack_frames
+from service.ipc import (
+    Accepted,
+    AdapterCommand,
+    AdapterOp,
+    EngineStats,
+    ErrorCode,
+    Message,
+    Ready,
+    Rejection,
+    Submit,
+    Tag,
+    pack_frames,
+)
 from service.pipe_sender import PipeSender
 from service.speculation_flags import speculation_options
 
@@ -41,6 +63,8 @@ class EngineLoop:
         )
         loaded, self.generator = build_engine(config.settings, speculation, progress=False)
         self.loaded = loaded
+        # The server's own adapters (--lora), loaded at every start: every tenant sees them.
+        self.shared_adapters = frozenset(name for name, _ in config.settings.lora_pairs())
         if config.warmup:
             self.generator.warmup()
         # The front end tokenizes (so a huge prompt never stalls decoding here): it loads the
@@ -111,6 +135,8 @@ class EngineLoop:
                     self.generator.cancel(JobId(msg.payload.decode("ascii")))
             case Tag.INFO:
                 self._send(Tag.INFO_REPLY, msg.request, self._info().SerializeToString())
+            case Tag.ADAPTER:
+                self._adapter(msg)
             case Tag.QUIT:
                 return False
             case _:
@@ -127,6 +153,8 @@ class EngineLoop:
             job_id = self.generator.enqueue(spec, JobId(submit.job_id))
         except QueueFullError as exc:
             self._reject(msg.request, ErrorCode.QUEUE_FULL, str(exc))
+        except AdapterNotFoundError as exc:
+            self._reject(msg.request, ErrorCode.ADAPTER_NOT_FOUND, str(exc))
         except PromptTooLongError as exc:
             self._reject(msg.request, ErrorCode.PROMPT_TOO_LONG, str(exc))
         except DyngenError as exc:
@@ -136,6 +164,51 @@ class EngineLoop:
             self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, f"bad request: {type(exc).__name__}")
         else:
             self._send(Tag.ACCEPTED, msg.request, Accepted(job_id, len(spec.prompt_ids)).to_bytes())
+
+    def _adapter(self, msg: Message) -> None:
+        """Load, unload or list LoRA adapters (between iterations: no forward sees a half change)."""
+        gen = self.generator
+        try:
+            cmd = AdapterCommand.from_bytes(msg.payload)
+            match cmd.op:
+                case AdapterOp.LOAD:
+                    gen.load_adapter(cmd.name, Path(cmd.path))
+                    infos = [i for i in gen.adapter_infos() if i.name == cmd.name]
+                case AdapterOp.UNLOAD:
+                    gen.unload_adapter(cmd.name)
+                    infos = []
+                case AdapterOp.LIST:
+                    infos = gen.adapter_infos()
+        except (AdapterNotFoundError, ModelNotFoundError) as exc:
+            self._reject(msg.request, ErrorCode.ADAPTER_NOT_FOUND, str(exc))
+        except AdapterExistsError as exc:
+            self._reject(msg.request, ErrorCode.ADAPTER_EXISTS, str(exc))
+        except AdapterInUseError as exc:
+            self._reject(msg.request, ErrorCode.ADAPTER_IN_USE, str(exc))
+        except AdapterLimitError as exc:
+            self._reject(msg.request, ErrorCode.ADAPTER_LIMIT, str(exc))
+        except DyngenError as exc:
+            self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # a bad command or file must never take the engine down
+            log.exception("adapter command failed")
+            self._reject(
+                msg.request, ErrorCode.INVALID_ARGUMENT, f"adapter command failed: {type(exc).__name__}"
+            )
+        else:
+            shared = self.shared_adapters
+            reply = pb.ListAdaptersResponse(
+                adapters=[
+                    pb.AdapterInfo(
+                        name=i.name,
+                        path=str(i.path),
+                        description=i.description,
+                        jobs=i.jobs,
+                        shared=i.name in shared,
+                    )
+                    for i in infos
+                ]
+            )
+            self._send(Tag.ADAPTERS, msg.request, reply.SerializeToString())
 
     def _info(self) -> pb.ModelInfo:
         g = self.generator
@@ -160,4 +233,5 @@ class EngineLoop:
             linears=self.loaded.model.describe(),
             cpu=cpu_features().summary(),
             kv_cache=g.cache.describe(),
+            max_adapters=g.adapters.max_adapters,
         )

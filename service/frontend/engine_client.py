@@ -43,6 +43,8 @@ from service.frontend.prompts import PromptTokenizer
 from service.frontend.restart_policy import RestartPolicy, RestartTracker
 from service.ipc import (
     Accepted,
+    AdapterCommand,
+    AdapterOp,
     EngineStats,
     Heartbeat,
     Message,
@@ -144,6 +146,7 @@ class EngineClient:
         self._watchdog: asyncio.Task[None] | None = None
         self._stalled = False
         self.restarts = 0
+        self._adapter_loads: dict[str, str] = {}  # engine name -> folder, loaded through LoadAdapter
 
     # -- process lifetime ----------------------------------------------------------------------
 
@@ -339,6 +342,8 @@ class EngineClient:
         self._set_ready(not self._stalled)
         if not self._first_ready.done():
             self._first_ready.set_result(None)
+        elif self._adapter_loads and self.ready:
+            await self._reload_adapters()
 
     def _job_event(self, event: pb.GenerateEvent) -> None:
         job = self.jobs.get(event.job_id)
@@ -464,6 +469,26 @@ class EngineClient:
     def cancel_all(self) -> None:
         for job in list(self.jobs.values()):
             self.cancel(job)
+
+    async def adapters(self, command: AdapterCommand) -> pb.ListAdaptersResponse:
+        """Load, unload or list the engine's LoRA adapters. Loads made here are made again on a
+        restarted engine (the server's own, --lora, are in its configuration); raises
+        EngineRejectedError, EngineBusyError or EngineDownError."""
+        reply = await self._call(Tag.ADAPTER, command.to_bytes())
+        if command.op is AdapterOp.LOAD:
+            self._adapter_loads[command.name] = command.path
+        elif command.op is AdapterOp.UNLOAD:
+            self._adapter_loads.pop(command.name, None)
+        return pb.ListAdaptersResponse.FromString(reply.payload)
+
+    async def _reload_adapters(self) -> None:
+        """A restarted engine has only its --lora adapters: load the callers' ones again."""
+        for name, path in list(self._adapter_loads.items()):
+            try:
+                await self._call(Tag.ADAPTER, AdapterCommand(AdapterOp.LOAD, name, path).to_bytes())
+            except Exception as exc:
+                self._adapter_loads.pop(name, None)
+                log.warning("adapter_not_reloaded", adapter=name, error=str(exc))
 
     async def info(self) -> pb.ModelInfo:
         info = pb.ModelInfo.FromString((await self._call(Tag.INFO, b"")).payload)

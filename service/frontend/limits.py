@@ -65,9 +65,20 @@ def check_job_id(job_id: str) -> None:
         raise RequestError(f"job_id must be 32 lowercase hex characters, got {shown!r}", "job_id")
 
 
+# A LoRA adapter's name as callers give it (the engine's own names may add a tenant scope, "~...").
+ADAPTER_NAME = re.compile(r"[0-9A-Za-z_.-]{1,48}")
+
+
+def check_adapter_name(name: str, field: str) -> None:
+    if not ADAPTER_NAME.fullmatch(name):
+        raise RequestError(f"{field}: an adapter name is 1 to 48 characters of [0-9A-Za-z_.-]", field)
+
+
 def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
     """Raise RequestError for the first limit `req` breaks."""
     _limit(len(req.identifier), limits.max_identifier_chars, "identifier", "length")
+    if req.adapter:
+        check_adapter_name(req.adapter, "adapter")
     _limit(len(req.cache_salt), limits.max_cache_salt_chars, "cache_salt", "length")
     if req.HasField("response_format"):
         which = req.response_format.WhichOneof("format")

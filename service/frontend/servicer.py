@@ -36,8 +36,16 @@ from service.frontend.engine_client import (
     short_id,
 )
 from service.frontend.event_buffer import EngineDownError
-from service.frontend.limits import Limits, RequestError, check_job_id, check_request, check_tokenize_request
-from service.ipc import ErrorCode
+from service.frontend.limits import (
+    Limits,
+    RequestError,
+    check_adapter_name,
+    check_job_id,
+    check_request,
+    check_tokenize_request,
+)
+from service.frontend.tenant_adapters import TenantAdapters, caller_name
+from service.ipc import AdapterCommand, AdapterOp, ErrorCode
 
 log = structlog.get_logger("dyngen.service")
 
@@ -52,6 +60,10 @@ _CODES = {
     ErrorCode.PROMPT_TOO_LONG: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.PROMPT_TOO_LONG),
     ErrorCode.QUEUE_FULL: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.QUEUE_FULL),
     ErrorCode.INTERNAL: (grpc.StatusCode.INTERNAL, ErrorReason.JOB_FAILED),
+    ErrorCode.ADAPTER_NOT_FOUND: (grpc.StatusCode.NOT_FOUND, ErrorReason.ADAPTER_NOT_FOUND),
+    ErrorCode.ADAPTER_EXISTS: (grpc.StatusCode.ALREADY_EXISTS, ErrorReason.ADAPTER_EXISTS),
+    ErrorCode.ADAPTER_IN_USE: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.ADAPTER_IN_USE),
+    ErrorCode.ADAPTER_LIMIT: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.ADAPTER_LIMIT),
 }
 _BY_NUMBER = {int(code.value[0]): code for code in grpc.StatusCode}
 
@@ -79,6 +91,7 @@ def lenient(cls: type[Msg]) -> Callable[[bytes], Msg | Malformed]:
 class GeneratorService:
     def __init__(self, engine: EngineClient, auth: Authenticator, limits: Limits, max_streams: int) -> None:
         self.engine = engine
+        self.adapters = TenantAdapters(auth.enabled)
         self.auth = auth
         self.limits = limits
         self.max_streams = max_streams
@@ -178,6 +191,8 @@ class GeneratorService:
         engine_request.CopyFrom(request)
         engine_request.token_ids.ids[:] = ids  # sets the oneof: the engine never tokenizes
         engine_request.cache_salt = cache_salt(tenant, request.cache_salt)
+        if request.adapter:
+            engine_request.adapter = self.adapters.engine_name(tenant, request.adapter)
         try:
             job = await self.engine.submit(engine_request, tenant, streamed)
             job.affinity = _affinity(request, context)
@@ -204,6 +219,7 @@ class GeneratorService:
                     )
                 if item.HasField("finished"):
                     f = item.finished
+                    f.adapter = caller_name(f.adapter)
                     log.info(
                         "job_finished",
                         job=short_id(job.job_id),
@@ -323,6 +339,81 @@ class GeneratorService:
         await self._tenant(context)
         return pb.TokenizeResponse(token_ids=await self._token_ids(req, context))
 
+    async def _adapter_call(
+        self, command: AdapterCommand, context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> pb.ListAdaptersResponse:
+        try:
+            return await self.engine.adapters(command)
+        except EngineRejectedError as exc:
+            code, reason = _CODES[exc.rejection.code]
+            await self._fail(context, code, exc.rejection.message, reason)
+        except EngineBusyError as exc:
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
+        except EngineDownError as exc:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
+
+    async def _adapter_name(self, name: str, field: str, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
+        try:
+            check_adapter_name(name, field)
+        except RequestError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
+        return name
+
+    async def LoadAdapter(
+        self,
+        request: pb.LoadAdapterRequest | Malformed,
+        context: grpc.aio.ServicerContext[pb.LoadAdapterRequest, pb.AdapterInfo],
+    ) -> pb.AdapterInfo:
+        req = await self._parsed(request, context)
+        tenant = await self._tenant(context)
+        name = await self._adapter_name(req.name, "name", context)
+        if not req.path:
+            await self._fail(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "path: the adapter's folder is required",
+                ErrorReason.INVALID_ARGUMENT,
+                "path",
+            )
+        engine_name = self.adapters.own_name(tenant, name)
+        reply = await self._adapter_call(AdapterCommand(AdapterOp.LOAD, engine_name, req.path), context)
+        self.adapters.loaded(tenant, name)
+        log.info("adapter_loaded", adapter=name, tenant=tenant or None, path=req.path)
+        info = reply.adapters[0] if reply.adapters else pb.AdapterInfo(name=engine_name, path=req.path)
+        info.name = name
+        return info
+
+    async def UnloadAdapter(
+        self,
+        request: pb.UnloadAdapterRequest | Malformed,
+        context: grpc.aio.ServicerContext[pb.UnloadAdapterRequest, pb.UnloadAdapterResponse],
+    ) -> pb.UnloadAdapterResponse:
+        req = await self._parsed(request, context)
+        tenant = await self._tenant(context)
+        name = await self._adapter_name(req.name, "name", context)
+        engine_name = self.adapters.unloadable_name(tenant, name)
+        if engine_name is None:
+            await self._fail(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"no adapter {name!r} of yours is loaded (the server's own cannot be unloaded by a tenant)",
+                ErrorReason.ADAPTER_NOT_FOUND,
+            )
+        await self._adapter_call(AdapterCommand(AdapterOp.UNLOAD, engine_name), context)
+        self.adapters.unloaded(tenant, name)
+        log.info("adapter_unloaded", adapter=name, tenant=tenant or None)
+        return pb.UnloadAdapterResponse()
+
+    async def ListAdapters(
+        self,
+        request: pb.ListAdaptersRequest | Malformed,
+        context: grpc.aio.ServicerContext[pb.ListAdaptersRequest, pb.ListAdaptersResponse],
+    ) -> pb.ListAdaptersResponse:
+        await self._parsed(request, context)
+        tenant = await self._tenant(context)
+        reply = await self._adapter_call(AdapterCommand(AdapterOp.LIST), context)
+        return pb.ListAdaptersResponse(adapters=self.adapters.visible(tenant, reply.adapters))
+
 
 def _serialize(message: object) -> bytes:
     assert isinstance(message, Message)
@@ -360,6 +451,21 @@ def generic_handler(service: GeneratorService) -> grpc.GenericRpcHandler:
         "Tokenize": grpc.unary_unary_rpc_method_handler(
             service.Tokenize,
             lenient(pb.TokenizeRequest),
+            _serialize,
+        ),
+        "LoadAdapter": grpc.unary_unary_rpc_method_handler(
+            service.LoadAdapter,
+            lenient(pb.LoadAdapterRequest),
+            _serialize,
+        ),
+        "UnloadAdapter": grpc.unary_unary_rpc_method_handler(
+            service.UnloadAdapter,
+            lenient(pb.UnloadAdapterRequest),
+            _serialize,
+        ),
+        "ListAdapters": grpc.unary_unary_rpc_method_handler(
+            service.ListAdapters,
+            lenient(pb.ListAdaptersRequest),
             _serialize,
         ),
     }

@@ -6,6 +6,7 @@ import * as grpc from "@grpc/grpc-js";
 import * as protoLoader from "@grpc/proto-loader";
 
 import type { ProtoGrpcType } from "./generated/generator";
+import type { AdapterInfo__Output } from "./generated/dyngen/v1/AdapterInfo";
 import type { ChatMessage } from "./generated/dyngen/v1/ChatMessage";
 import type { EnqueueResponse__Output } from "./generated/dyngen/v1/EnqueueResponse";
 import type { GenerateEvent__Output } from "./generated/dyngen/v1/GenerateEvent";
@@ -21,6 +22,7 @@ export type { GenerateEvent__Output as GenerateEvent } from "./generated/dyngen/
 export type { GenerateRequest } from "./generated/dyngen/v1/GenerateRequest";
 export type { JobFinished__Output as JobFinished } from "./generated/dyngen/v1/JobFinished";
 export type { ModelInfo__Output as ModelInfo } from "./generated/dyngen/v1/ModelInfo";
+export type { AdapterInfo__Output as AdapterInfo } from "./generated/dyngen/v1/AdapterInfo";
 
 // The options the generated types assume: field names as in the .proto, 64-bit integers as
 // strings, enums as their names, defaults filled in, `event`/`prompt` naming the set oneof member.
@@ -150,6 +152,31 @@ export class DyngenClient {
     return new Promise((resolve, reject) => {
       this.stub.Tokenize(request, this.metadata.clone(), options, (error, response) =>
         error || !response ? reject(error) : resolve(response.token_ids),
+      );
+    });
+  }
+
+  // Loads a LoRA adapter (a PEFT folder on the server's disk) for requests to name in `adapter`.
+  loadAdapter(name: string, adapterPath: string, options: CallOptions = {}): Promise<AdapterInfo__Output> {
+    return new Promise((resolve, reject) => {
+      this.stub.LoadAdapter({ name, path: adapterPath }, this.metadata.clone(), options, (error, response) =>
+        error || !response ? reject(error) : resolve(response),
+      );
+    });
+  }
+
+  // Unloads an adapter: FAILED_PRECONDITION (reason ADAPTER_IN_USE) while jobs run with it.
+  unloadAdapter(name: string, options: CallOptions = {}): Promise<void> {
+    return new Promise((resolve, reject) => {
+      this.stub.UnloadAdapter({ name }, this.metadata.clone(), options, (error) => (error ? reject(error) : resolve()));
+    });
+  }
+
+  // The adapters this caller can name: the server's own (shared) and its tenant's.
+  listAdapters(options: CallOptions = {}): Promise<AdapterInfo__Output[]> {
+    return new Promise((resolve, reject) => {
+      this.stub.ListAdapters({}, this.metadata.clone(), options, (error, response) =>
+        error || !response ? reject(error) : resolve(response.adapters),
       );
     });
   }

@@ -23,6 +23,10 @@ export const ERROR_REASONS = [
   "UNAUTHENTICATED",
   "JOB_FAILED",
   "REPLICA_LOST", // set by the clients, never the server: the stream ended without a status
+  "ADAPTER_NOT_FOUND",
+  "ADAPTER_EXISTS",
+  "ADAPTER_IN_USE",
+  "ADAPTER_LIMIT",
 ] as const;
 export type ErrorReason = (typeof ERROR_REASONS)[number];
 

@@ -29,6 +29,28 @@ test("streams a chat completion", async () => {
   assert.match(result.jobId, /^[0-9a-f]{32}$/);
 });
 
+test("runs, loads, lists and unloads LoRA adapters", async () => {
+  const folder = process.env.DYNGEN_ADAPTER_PATH;
+  assert.ok(folder, "DYNGEN_ADAPTER_PATH is not set");
+  const prompt = { token_ids: { ids: [11, 12, 13, 14, 15] }, max_new_tokens: 8, ignore_eos: true };
+  const tokens = async (adapter: string): Promise<readonly number[]> => (await collect(client.generate({ ...prompt, adapter }))).tokenIds;
+  assert.deepEqual((await client.listAdapters()).map((a) => [a.name, a.shared]), [["shared", true]]);
+  const base = await tokens("");
+  const shared = await tokens("shared");
+  assert.notDeepEqual(shared, base);
+  const info = await client.loadAdapter("mine", folder);
+  assert.equal(info.name, "mine");
+  assert.deepEqual((await client.listAdapters()).map((a) => a.name), ["mine", "shared"]);
+  assert.deepEqual(await tokens("mine"), shared); // the same folder as "shared"
+  await client.unloadAdapter("mine");
+  await assert.rejects(tokens("mine"), (error: unknown) => {
+    assert.ok(isServiceError(error));
+    assert.equal(error.code, 5); // NOT_FOUND
+    assert.equal(errorDetails(error).reason, "ADAPTER_NOT_FOUND");
+    return true;
+  });
+});
+
 test("cancels an enqueued job while streaming it", async () => {
   const { job_id } = await client.enqueue(LONG);
   let deltas = 0;

@@ -69,6 +69,14 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
         "--heal", action="store_true", help="token healing: a prompt cut mid-word continues the word"
     )
     parser.add_argument(
+        "--lora",
+        dest="adapter",
+        default="",
+        metavar="NAME",
+        help="run with the server's LoRA adapter NAME (ListAdapters); in-process `dyngen generate`: "
+        "NAME=PATH loads a PEFT folder first",
+    )
+    parser.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -200,6 +208,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 ignore_eos=args.ignore_eos,
                 banned_strings=tuple(args.ban),
                 token_healing=args.heal,
+                adapter=args.adapter,
             )
             return collect(client.generate(request))
 

@@ -141,6 +141,19 @@ class Client:
             self.stub.Tokenize(tokenize_request(prompt), timeout=timeout, metadata=self.metadata).token_ids
         )
 
+    def load_adapter(self, name: str, path: str, timeout: float | None = None) -> pb.AdapterInfo:
+        """Load a LoRA adapter (a PEFT folder on the server's disk) for requests to name."""
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        return self.stub.LoadAdapter(request, timeout=timeout, metadata=self.metadata)
+
+    def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+        """Unload an adapter (FAILED_PRECONDITION while jobs run with it)."""
+        self.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=timeout, metadata=self.metadata)
+
+    def list_adapters(self, timeout: float | None = None) -> list[pb.AdapterInfo]:
+        reply = self.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=timeout, metadata=self.metadata)
+        return list(reply.adapters)
+
 
 class AsyncClient:
     """asyncio client over grpc.aio. Use as an async context manager, or await close()."""
@@ -213,3 +226,20 @@ class AsyncClient:
     async def tokenize(self, prompt: str | Chat, timeout: float | None = None) -> list[int]:
         response = await self.stub.Tokenize(tokenize_request(prompt), timeout=timeout, metadata=self.metadata)
         return list(response.token_ids)
+
+    async def load_adapter(self, name: str, path: str, timeout: float | None = None) -> pb.AdapterInfo:
+        """Load a LoRA adapter (a PEFT folder on the server's disk) for requests to name."""
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        return await self.stub.LoadAdapter(request, timeout=timeout, metadata=self.metadata)
+
+    async def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+        """Unload an adapter (FAILED_PRECONDITION while jobs run with it)."""
+        await self.stub.UnloadAdapter(
+            pb.UnloadAdapterRequest(name=name), timeout=timeout, metadata=self.metadata
+        )
+
+    async def list_adapters(self, timeout: float | None = None) -> list[pb.AdapterInfo]:
+        reply = await self.stub.ListAdapters(
+            pb.ListAdaptersRequest(), timeout=timeout, metadata=self.metadata
+        )
+        return list(reply.adapters)

@@ -45,6 +45,10 @@ class ErrorReason(enum.StrEnum):
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no valid bearer token or client certificate
     JOB_FAILED = "JOB_FAILED"  # the job failed inside the engine; other jobs carry on
     REPLICA_LOST = "REPLICA_LOST"  # set by the clients: the stream ended without a status (retry)
+    ADAPTER_NOT_FOUND = "ADAPTER_NOT_FOUND"  # no LoRA adapter of that name (or no adapter files at the path)
+    ADAPTER_EXISTS = "ADAPTER_EXISTS"  # a LoRA adapter of that name is loaded already
+    ADAPTER_IN_USE = "ADAPTER_IN_USE"  # jobs run with the adapter: unload when they end (retry later)
+    ADAPTER_LIMIT = "ADAPTER_LIMIT"  # --max-adapters are loaded: unload one first
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ _RETRY_SECONDS = {
     ErrorReason.ENGINE_UNAVAILABLE: RETRY_UNAVAILABLE_SECONDS,
     ErrorReason.DRAINING: RETRY_UNAVAILABLE_SECONDS,
     ErrorReason.REPLICA_LOST: 0.0,
+    ErrorReason.ADAPTER_IN_USE: RETRY_BUSY_SECONDS,
 }
 
 

@@ -107,6 +107,7 @@ class Request:
     response_format: ResponseFormat | None = None  # None: free text
     banned_strings: tuple[str, ...] = ()  # never in the text: generation rewinds past them
     token_healing: bool = False  # a prompt cut mid-word continues the word (not with response_format)
+    adapter: str = ""  # a loaded LoRA adapter's name (ListAdapters); "" = the base model
 
     def to_proto(self) -> pb.GenerateRequest:
         req = pb.GenerateRequest(
@@ -122,6 +123,7 @@ class Request:
             cache_salt=self.cache_salt,
             banned_strings=self.banned_strings,
             token_healing=self.token_healing,
+            adapter=self.adapter,
         )
         if self.max_new_tokens is not None:
             req.max_new_tokens = self.max_new_tokens

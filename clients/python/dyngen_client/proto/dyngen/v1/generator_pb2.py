@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-dyngen_client/proto/dyngen/v1/generator.proto\x12\tdyngen.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dyngen.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\xba\x03\n\x10SamplingSettings\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x14\n\x07typical\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12(\n\nlogit_bias\x18\t \x03(\x0b\x32\x14.dyngen.v1.LogitBias\x12\x18\n\x10\x62\x61nned_token_ids\x18\n \x03(\r\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\n\n\x08_typicalB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seed\"\x8e\x04\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.dyngen.v1.ChatPromptH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.dyngen.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.dyngen.v1.SamplingSettings\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0cstop_strings\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x15\x64\x65\x63ode_special_tokens\x18\n \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x12\n\nidentifier\x18\r \x01(\t\x12\x12\n\ncache_salt\x18\x0e \x01(\t\x12\x32\n\x0fresponse_format\x18\x0f \x01(\x0b\x32\x19.dyngen.v1.ResponseFormat\x12\x16\n\x0e\x62\x61nned_strings\x18\x10 \x03(\t\x12\x15\n\rtoken_healing\x18\x11 \x01(\x08\x42\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"Z\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x03 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"8\n\x0f\x45nqueueResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\x1f\n\rStreamRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x1f\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\":\n\nJobStarted\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"<\n\x0fPrefillProgress\x12\x13\n\x0b\x64one_tokens\x18\x01 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\")\n\x07TopProb\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04prob\x18\x02 \x01(\x02\"\xa4\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.dyngen.v1.TopLogprob\x12\x17\n\nfinal_prob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12%\n\tfinal_top\x18\x05 \x03(\x0b\x32\x12.dyngen.v1.TopProbB\r\n\x0b_final_prob\"W\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.dyngen.v1.TokenLogprob\"R\n\x07Timings\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\"\xf2\x02\n\x0bJobFinished\x12*\n\x0bstop_reason\x18\x01 \x01(\x0e\x32\x15.dyngen.v1.StopReason\x12\x17\n\nstop_token\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bstop_string\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x12\n\nnew_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.dyngen.v1.Timings\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\t \x01(\r\x12\x1d\n\x15rejected_draft_tokens\x18\n \x01(\r\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x12\n\nerror_code\x18\x0c \x01(\r\x12\x0f\n\x07replica\x18\r \x01(\tB\r\n\x0b_stop_tokenB\x0e\n\x0c_stop_string\"\xe8\x01\n\rGenerateEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nidentifier\x18\x02 \x01(\t\x12(\n\x07started\x18\x03 \x01(\x0b\x32\x15.dyngen.v1.JobStartedH\x00\x12-\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.dyngen.v1.PrefillProgressH\x00\x12%\n\x05\x64\x65lta\x18\x05 \x01(\x0b\x32\x14.dyngen.v1.TextDeltaH\x00\x12*\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x16.dyngen.v1.JobFinishedH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13GetModelInfoRequest\"\xfc\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x07 \x01(\r\x12\x16\n\x0emax_chunk_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0bqueued_jobs\x18\n \x01(\r\x12\x14\n\x0crunning_jobs\x18\x0b \x01(\r\x12\x12\n\npages_free\x18\x0c \x01(\r\x12\x14\n\x0cpages_cached\x18\r \x01(\r\x12\x12\n\npages_used\x18\x0e \x01(\r\x12\r\n\x05quant\x18\x0f \x01(\t\x12\x0f\n\x07linears\x18\x10 \x01(\t\x12\x0b\n\x03\x63pu\x18\x11 \x01(\t\x12\x10\n\x08kv_cache\x18\x12 \x01(\t\x12\x0f\n\x07replica\x18\x13 \x01(\t\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.dyngen.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r*\xe2\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTOP_REASON_EOS\x10\x01\x12\x1a\n\x16STOP_REASON_STOP_TOKEN\x10\x02\x12\x1b\n\x17STOP_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1aSTOP_REASON_MAX_NEW_TOKENS\x10\x04\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x05\x12\x15\n\x11STOP_REASON_ERROR\x10\x06\x12\x17\n\x13STOP_REASON_GRAMMAR\x10\x07\x32\x9c\x03\n\tGenerator\x12\x41\n\x07\x45nqueue\x12\x1a.dyngen.v1.GenerateRequest\x1a\x1a.dyngen.v1.EnqueueResponse\x12>\n\x06Stream\x12\x18.dyngen.v1.StreamRequest\x1a\x18.dyngen.v1.GenerateEvent0\x01\x12=\n\x06\x43\x61ncel\x12\x18.dyngen.v1.CancelRequest\x1a\x19.dyngen.v1.CancelResponse\x12\x42\n\x08Generate\x12\x1a.dyngen.v1.GenerateRequest\x1a\x18.dyngen.v1.GenerateEvent0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.dyngen.v1.GetModelInfoRequest\x1a\x14.dyngen.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.dyngen.v1.TokenizeRequest\x1a\x1b.dyngen.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-dyngen_client/proto/dyngen/v1/generator.proto\x12\tdyngen.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dyngen.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\xba\x03\n\x10SamplingSettings\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x14\n\x07typical\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12(\n\nlogit_bias\x18\t \x03(\x0b\x32\x14.dyngen.v1.LogitBias\x12\x18\n\x10\x62\x61nned_token_ids\x18\n \x03(\r\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\n\n\x08_typicalB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seed\"\x9f\x04\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.dyngen.v1.ChatPromptH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.dyngen.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.dyngen.v1.SamplingSettings\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x14\n\x0cstop_strings\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x15\x64\x65\x63ode_special_tokens\x18\n \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x0b \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0c \x01(\r\x12\x12\n\nidentifier\x18\r \x01(\t\x12\x12\n\ncache_salt\x18\x0e \x01(\t\x12\x32\n\x0fresponse_format\x18\x0f \x01(\x0b\x32\x19.dyngen.v1.ResponseFormat\x12\x16\n\x0e\x62\x61nned_strings\x18\x10 \x03(\t\x12\x15\n\rtoken_healing\x18\x11 \x01(\x08\x12\x0f\n\x07\x61\x64\x61pter\x18\x12 \x01(\tB\x08\n\x06promptB\x11\n\x0f_max_new_tokens\"Z\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x03 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"8\n\x0f\x45nqueueResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\x1f\n\rStreamRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x1f\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\":\n\nJobStarted\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"<\n\x0fPrefillProgress\x12\x13\n\x0b\x64one_tokens\x18\x01 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\")\n\x07TopProb\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04prob\x18\x02 \x01(\x02\"\xa4\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.dyngen.v1.TopLogprob\x12\x17\n\nfinal_prob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12%\n\tfinal_top\x18\x05 \x03(\x0b\x32\x12.dyngen.v1.TopProbB\r\n\x0b_final_prob\"W\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.dyngen.v1.TokenLogprob\"R\n\x07Timings\x12\x16\n\x0equeued_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x03 \x01(\x01\"\x83\x03\n\x0bJobFinished\x12*\n\x0bstop_reason\x18\x01 \x01(\x0e\x32\x15.dyngen.v1.StopReason\x12\x17\n\nstop_token\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bstop_string\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x12\n\nnew_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.dyngen.v1.Timings\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\t \x01(\r\x12\x1d\n\x15rejected_draft_tokens\x18\n \x01(\r\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x12\n\nerror_code\x18\x0c \x01(\r\x12\x0f\n\x07replica\x18\r \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x0e \x01(\tB\r\n\x0b_stop_tokenB\x0e\n\x0c_stop_string\"\xe8\x01\n\rGenerateEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nidentifier\x18\x02 \x01(\t\x12(\n\x07started\x18\x03 \x01(\x0b\x32\x15.dyngen.v1.JobStartedH\x00\x12-\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.dyngen.v1.PrefillProgressH\x00\x12%\n\x05\x64\x65lta\x18\x05 \x01(\x0b\x32\x14.dyngen.v1.TextDeltaH\x00\x12*\n\x08\x66inished\x18\x06 \x01(\x0b\x32\x16.dyngen.v1.JobFinishedH\x00\x42\x07\n\x05\x65vent\"\x15\n\x13GetModelInfoRequest\"\x92\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x11\n\tnum_pages\x18\x05 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x07 \x01(\r\x12\x16\n\x0emax_chunk_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0bqueued_jobs\x18\n \x01(\r\x12\x14\n\x0crunning_jobs\x18\x0b \x01(\r\x12\x12\n\npages_free\x18\x0c \x01(\r\x12\x14\n\x0cpages_cached\x18\r \x01(\r\x12\x12\n\npages_used\x18\x0e \x01(\r\x12\r\n\x05quant\x18\x0f \x01(\t\x12\x0f\n\x07linears\x18\x10 \x01(\t\x12\x0b\n\x03\x63pu\x18\x11 \x01(\t\x12\x10\n\x08kv_cache\x18\x12 \x01(\t\x12\x0f\n\x07replica\x18\x13 \x01(\t\x12\x14\n\x0cmax_adapters\x18\x14 \x01(\r\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.dyngen.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"\x15\n\x13ListAdaptersRequest\"\\\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x0c\n\x04jobs\x18\x04 \x01(\r\x12\x0e\n\x06shared\x18\x05 \x01(\x08\"@\n\x14ListAdaptersResponse\x12(\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x16.dyngen.v1.AdapterInfo*\xe2\x01\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTOP_REASON_EOS\x10\x01\x12\x1a\n\x16STOP_REASON_STOP_TOKEN\x10\x02\x12\x1b\n\x17STOP_REASON_STOP_STRING\x10\x03\x12\x1e\n\x1aSTOP_REASON_MAX_NEW_TOKENS\x10\x04\x12\x19\n\x15STOP_REASON_CANCELLED\x10\x05\x12\x15\n\x11STOP_REASON_ERROR\x10\x06\x12\x17\n\x13STOP_REASON_GRAMMAR\x10\x07\x32\x87\x05\n\tGenerator\x12\x41\n\x07\x45nqueue\x12\x1a.dyngen.v1.GenerateRequest\x1a\x1a.dyngen.v1.EnqueueResponse\x12>\n\x06Stream\x12\x18.dyngen.v1.StreamRequest\x1a\x18.dyngen.v1.GenerateEvent0\x01\x12=\n\x06\x43\x61ncel\x12\x18.dyngen.v1.CancelRequest\x1a\x19.dyngen.v1.CancelResponse\x12\x42\n\x08Generate\x12\x1a.dyngen.v1.GenerateRequest\x1a\x18.dyngen.v1.GenerateEvent0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.dyngen.v1.GetModelInfoRequest\x1a\x14.dyngen.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.dyngen.v1.TokenizeRequest\x1a\x1b.dyngen.v1.TokenizeResponse\x12\x44\n\x0bLoadAdapter\x12\x1d.dyngen.v1.LoadAdapterRequest\x1a\x16.dyngen.v1.AdapterInfo\x12R\n\rUnloadAdapter\x12\x1f.dyngen.v1.UnloadAdapterRequest\x1a .dyngen.v1.UnloadAdapterResponse\x12O\n\x0cListAdapters\x12\x1e.dyngen.v1.ListAdaptersRequest\x1a\x1f.dyngen.v1.ListAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dyngen_client.proto.dyngen.v1.generator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STOPREASON']._serialized_start=3132
-  _globals['_STOPREASON']._serialized_end=3358
+  _globals['_STOPREASON']._serialized_start=3484
+  _globals['_STOPREASON']._serialized_end=3710
   _globals['_CHATMESSAGE']._serialized_start=60
   _globals['_CHATMESSAGE']._serialized_end=104
   _globals['_CHATPROMPT']._serialized_start=106
@@ -44,43 +44,55 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGSETTINGS']._serialized_start=233
   _globals['_SAMPLINGSETTINGS']._serialized_end=675
   _globals['_GENERATEREQUEST']._serialized_start=678
-  _globals['_GENERATEREQUEST']._serialized_end=1204
-  _globals['_RESPONSEFORMAT']._serialized_start=1206
-  _globals['_RESPONSEFORMAT']._serialized_end=1296
-  _globals['_ENQUEUERESPONSE']._serialized_start=1298
-  _globals['_ENQUEUERESPONSE']._serialized_end=1354
-  _globals['_STREAMREQUEST']._serialized_start=1356
-  _globals['_STREAMREQUEST']._serialized_end=1387
-  _globals['_CANCELREQUEST']._serialized_start=1389
-  _globals['_CANCELREQUEST']._serialized_end=1420
-  _globals['_CANCELRESPONSE']._serialized_start=1422
-  _globals['_CANCELRESPONSE']._serialized_end=1438
-  _globals['_JOBSTARTED']._serialized_start=1440
-  _globals['_JOBSTARTED']._serialized_end=1498
-  _globals['_PREFILLPROGRESS']._serialized_start=1500
-  _globals['_PREFILLPROGRESS']._serialized_end=1560
-  _globals['_TOPLOGPROB']._serialized_start=1562
-  _globals['_TOPLOGPROB']._serialized_end=1609
-  _globals['_TOPPROB']._serialized_start=1611
-  _globals['_TOPPROB']._serialized_end=1652
-  _globals['_TOKENLOGPROB']._serialized_start=1655
-  _globals['_TOKENLOGPROB']._serialized_end=1819
-  _globals['_TEXTDELTA']._serialized_start=1821
-  _globals['_TEXTDELTA']._serialized_end=1908
-  _globals['_TIMINGS']._serialized_start=1910
-  _globals['_TIMINGS']._serialized_end=1992
-  _globals['_JOBFINISHED']._serialized_start=1995
-  _globals['_JOBFINISHED']._serialized_end=2365
-  _globals['_GENERATEEVENT']._serialized_start=2368
-  _globals['_GENERATEEVENT']._serialized_end=2600
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2602
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2623
-  _globals['_MODELINFO']._serialized_start=2626
-  _globals['_MODELINFO']._serialized_end=3006
-  _globals['_TOKENIZEREQUEST']._serialized_start=3008
-  _globals['_TOKENIZEREQUEST']._serialized_end=3090
-  _globals['_TOKENIZERESPONSE']._serialized_start=3092
-  _globals['_TOKENIZERESPONSE']._serialized_end=3129
-  _globals['_GENERATOR']._serialized_start=3361
-  _globals['_GENERATOR']._serialized_end=3773
+  _globals['_GENERATEREQUEST']._serialized_end=1221
+  _globals['_RESPONSEFORMAT']._serialized_start=1223
+  _globals['_RESPONSEFORMAT']._serialized_end=1313
+  _globals['_ENQUEUERESPONSE']._serialized_start=1315
+  _globals['_ENQUEUERESPONSE']._serialized_end=1371
+  _globals['_STREAMREQUEST']._serialized_start=1373
+  _globals['_STREAMREQUEST']._serialized_end=1404
+  _globals['_CANCELREQUEST']._serialized_start=1406
+  _globals['_CANCELREQUEST']._serialized_end=1437
+  _globals['_CANCELRESPONSE']._serialized_start=1439
+  _globals['_CANCELRESPONSE']._serialized_end=1455
+  _globals['_JOBSTARTED']._serialized_start=1457
+  _globals['_JOBSTARTED']._serialized_end=1515
+  _globals['_PREFILLPROGRESS']._serialized_start=1517
+  _globals['_PREFILLPROGRESS']._serialized_end=1577
+  _globals['_TOPLOGPROB']._serialized_start=1579
+  _globals['_TOPLOGPROB']._serialized_end=1626
+  _globals['_TOPPROB']._serialized_start=1628
+  _globals['_TOPPROB']._serialized_end=1669
+  _globals['_TOKENLOGPROB']._serialized_start=1672
+  _globals['_TOKENLOGPROB']._serialized_end=1836
+  _globals['_TEXTDELTA']._serialized_start=1838
+  _globals['_TEXTDELTA']._serialized_end=1925
+  _globals['_TIMINGS']._serialized_start=1927
+  _globals['_TIMINGS']._serialized_end=2009
+  _globals['_JOBFINISHED']._serialized_start=2012
+  _globals['_JOBFINISHED']._serialized_end=2399
+  _globals['_GENERATEEVENT']._serialized_start=2402
+  _globals['_GENERATEEVENT']._serialized_end=2634
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2636
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2657
+  _globals['_MODELINFO']._serialized_start=2660
+  _globals['_MODELINFO']._serialized_end=3062
+  _globals['_TOKENIZEREQUEST']._serialized_start=3064
+  _globals['_TOKENIZEREQUEST']._serialized_end=3146
+  _globals['_TOKENIZERESPONSE']._serialized_start=3148
+  _globals['_TOKENIZERESPONSE']._serialized_end=3185
+  _globals['_LOADADAPTERREQUEST']._serialized_start=3187
+  _globals['_LOADADAPTERREQUEST']._serialized_end=3235
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=3237
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=3273
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=3275
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=3298
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=3300
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=3321
+  _globals['_ADAPTERINFO']._serialized_start=3323
+  _globals['_ADAPTERINFO']._serialized_end=3415
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=3417
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=3481
+  _globals['_GENERATOR']._serialized_start=3713
+  _globals['_GENERATOR']._serialized_end=4360
 # @@protoc_insertion_point(module_scope)

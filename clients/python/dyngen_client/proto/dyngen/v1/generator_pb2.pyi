@@ -312,6 +312,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     BANNED_STRINGS_FIELD_NUMBER: _builtins.int
     TOKEN_HEALING_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Plain completion; the tokenizer adds BOS if the model wants one. At most
     --max-prompt-chars (1 Mi) characters.
@@ -344,6 +345,11 @@ class GenerateRequest(_message.Message):
     prompt that ends mid-word ("...over the la") continues the word as the whole word would.
     The text leaves the taken-back part out ("zy dog", not " lazy dog"); prompt_tokens does not
     count it and the token ids re-spell it. Not with response_format.
+    """
+    adapter: _builtins.str
+    """The LoRA adapter to run with, by name (ListAdapters); empty = the base model. A name that is
+    not loaded is NOT_FOUND. Prompt pages cached under one adapter serve only jobs of the same
+    adapter.
     """
     @_builtins.property
     def chat(self) -> Global___ChatPrompt:
@@ -404,10 +410,11 @@ class GenerateRequest(_message.Message):
         response_format: Global___ResponseFormat | None = ...,
         banned_strings: _abc.Iterable[_builtins.str] | None = ...,
         token_healing: _builtins.bool = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "banned_strings", b"banned_strings", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_healing", b"token_healing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "adapter", b"adapter", "banned_strings", b"banned_strings", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_healing", b"token_healing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
@@ -783,6 +790,7 @@ class JobFinished(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     stop_reason: Global___StopReason.ValueType
     """Why the job stopped."""
     stop_token: _builtins.int
@@ -807,6 +815,8 @@ class JobFinished(_message.Message):
     """With STOP_REASON_ERROR: the gRPC status code (google.rpc.Code) the stream ends with."""
     replica: _builtins.str
     """The replica (server) the job ran on: its --replica-id, by default "<hostname>:<port>"."""
+    adapter: _builtins.str
+    """The LoRA adapter the job ran with, as the request named it ("" = the base model)."""
     @_builtins.property
     def timings(self) -> Global___Timings:
         """Where the job's time went."""
@@ -827,10 +837,11 @@ class JobFinished(_message.Message):
         error: _builtins.str = ...,
         error_code: _builtins.int = ...,
         replica: _builtins.str = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string", "_stop_token", b"_stop_token", "stop_string", b"stop_string", "stop_token", b"stop_token", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string", "_stop_token", b"_stop_token", "accepted_draft_tokens", b"accepted_draft_tokens", "cached_tokens", b"cached_tokens", "error", b"error", "error_code", b"error_code", "new_tokens", b"new_tokens", "prompt_tokens", b"prompt_tokens", "rejected_draft_tokens", b"rejected_draft_tokens", "replica", b"replica", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token", b"stop_token", "text", b"text", "timings", b"timings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string", "_stop_token", b"_stop_token", "accepted_draft_tokens", b"accepted_draft_tokens", "adapter", b"adapter", "cached_tokens", b"cached_tokens", "error", b"error", "error_code", b"error_code", "new_tokens", b"new_tokens", "prompt_tokens", b"prompt_tokens", "rejected_draft_tokens", b"rejected_draft_tokens", "replica", b"replica", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token", b"stop_token", "text", b"text", "timings", b"timings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stop_string: _TypeAlias = _typing.Literal["stop_string"]  # noqa: Y015
     _WhichOneofArgType__stop_string: _TypeAlias = _typing.Literal["_stop_string", b"_stop_string"]  # noqa: Y015
@@ -937,6 +948,7 @@ class ModelInfo(_message.Message):
     CPU_FIELD_NUMBER: _builtins.int
     KV_CACHE_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
+    MAX_ADAPTERS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model's file or folder name."""
     vocab_size: _builtins.int
@@ -975,6 +987,8 @@ class ModelInfo(_message.Message):
     """What the KV cache stores (float in the model's dtype, or int8) and its size."""
     replica: _builtins.str
     """This replica's name (--replica-id, by default "<hostname>:<port>"), as JobFinished.replica."""
+    max_adapters: _builtins.int
+    """Most LoRA adapters loaded at once (--max-adapters)."""
     def __init__(
         self,
         *,
@@ -997,10 +1011,11 @@ class ModelInfo(_message.Message):
         cpu: _builtins.str = ...,
         kv_cache: _builtins.str = ...,
         replica: _builtins.str = ...,
+        max_adapters: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "dtype", b"dtype", "kv_cache", b"kv_cache", "linears", b"linears", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "replica", b"replica", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "dtype", b"dtype", "kv_cache", b"kv_cache", "linears", b"linears", "max_adapters", b"max_adapters", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "replica", b"replica", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1059,3 +1074,149 @@ class TokenizeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
+
+@_typing.final
+class LoadAdapterRequest(_message.Message):
+    """A LoRA adapter to load."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests will use: 1 to 48 characters of [0-9A-Za-z_.-]."""
+    path: _builtins.str
+    """A folder on the server holding adapter_config.json and adapter_model.safetensors as peft
+    saves them (rank, alpha, rsLoRA; q/k/v/o/gate/up/down projections). Nothing is fetched.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterRequest(_message.Message):
+    """Which adapter to unload."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its name, as loaded."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterResponse(_message.Message):
+    """UnloadAdapter's answer: the adapter is gone."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterResponse: _TypeAlias = UnloadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ListAdaptersRequest(_message.Message):
+    """ListAdapters takes no arguments."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """A loaded LoRA adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    JOBS_FIELD_NUMBER: _builtins.int
+    SHARED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests give in GenerateRequest.adapter."""
+    path: _builtins.str
+    """The folder it was loaded from."""
+    description: _builtins.str
+    """Its ranks and adapted projections, e.g. "rank 8 on o_proj, q_proj, v_proj"."""
+    jobs: _builtins.int
+    """Jobs queued or running with it at the moment of the call."""
+    shared: _builtins.bool
+    """Loaded by the server (--lora) and seen by every tenant, not by a caller's LoadAdapter."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        description: _builtins.str = ...,
+        jobs: _builtins.int = ...,
+        shared: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "jobs", b"jobs", "name", b"name", "path", b"path", "shared", b"shared"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
+
+@_typing.final
+class ListAdaptersResponse(_message.Message):
+    """The adapters the caller can name."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
+        """By name."""
+
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015

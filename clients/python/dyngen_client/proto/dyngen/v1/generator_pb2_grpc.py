@@ -65,6 +65,21 @@ class GeneratorStub:
                 request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/dyngen.v1.Generator/LoadAdapter',
+                request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/dyngen.v1.Generator/UnloadAdapter',
+                request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/dyngen.v1.Generator/ListAdapters',
+                request_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GeneratorServicer:
@@ -120,6 +135,34 @@ class GeneratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Loads a LoRA adapter (a PEFT folder on the server's own disk) under a name that requests can
+        then give in GenerateRequest.adapter. With authentication on, the adapter is the calling
+        tenant's: only its requests see it. Errors: INVALID_ARGUMENT (a bad name, a folder the engine
+        cannot apply: the message says why), NOT_FOUND (no adapter files at the path),
+        RESOURCE_EXHAUSTED (--max-adapters loaded), ALREADY_EXISTS (the name is taken; unload first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unloads an adapter. Refused with FAILED_PRECONDITION while a queued or running job uses it
+        (retry when those jobs end, or cancel them); NOT_FOUND for a name the caller cannot see,
+        and for the server's own adapters (--lora) when authentication is on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The adapters the caller can name: the server's own (--lora, shared) and, with authentication
+        on, the ones its tenant loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GeneratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -152,6 +195,21 @@ def add_GeneratorServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeRequest.FromString,
                     response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -317,6 +375,87 @@ class Generator:
             '/dyngen.v1.Generator/Tokenize',
             dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeRequest.SerializeToString,
             dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dyngen.v1.Generator/LoadAdapter',
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.LoadAdapterRequest.SerializeToString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dyngen.v1.Generator/UnloadAdapter',
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.UnloadAdapterRequest.SerializeToString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dyngen.v1.Generator/ListAdapters',
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ListAdaptersRequest.SerializeToString,
+            dyngen__client_dot_proto_dot_dyngen_dot_v1_dot_generator__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,22 @@ class GeneratorStub:
     """The served model, the engine's limits and its state at the moment of the call."""
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generator_pb2.TokenizeRequest, _generator_pb2.TokenizeResponse]
     """The token ids the server makes of a prompt (the chat template applied for a chat)."""
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_generator_pb2.LoadAdapterRequest, _generator_pb2.AdapterInfo]
+    """Loads a LoRA adapter (a PEFT folder on the server's own disk) under a name that requests can
+    then give in GenerateRequest.adapter. With authentication on, the adapter is the calling
+    tenant's: only its requests see it. Errors: INVALID_ARGUMENT (a bad name, a folder the engine
+    cannot apply: the message says why), NOT_FOUND (no adapter files at the path),
+    RESOURCE_EXHAUSTED (--max-adapters loaded), ALREADY_EXISTS (the name is taken; unload first).
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_generator_pb2.UnloadAdapterRequest, _generator_pb2.UnloadAdapterResponse]
+    """Unloads an adapter. Refused with FAILED_PRECONDITION while a queued or running job uses it
+    (retry when those jobs end, or cancel them); NOT_FOUND for a name the caller cannot see,
+    and for the server's own adapters (--lora) when authentication is on.
+    """
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_generator_pb2.ListAdaptersRequest, _generator_pb2.ListAdaptersResponse]
+    """The adapters the caller can name: the server's own (--lora, shared) and, with authentication
+    on, the ones its tenant loaded.
+    """
 
 @_typing.type_check_only
 class GeneratorAsyncStub(GeneratorStub):
@@ -97,6 +113,22 @@ class GeneratorAsyncStub(GeneratorStub):
     """The served model, the engine's limits and its state at the moment of the call."""
     Tokenize: _aio.UnaryUnaryMultiCallable[_generator_pb2.TokenizeRequest, _generator_pb2.TokenizeResponse]  # type: ignore[assignment]
     """The token ids the server makes of a prompt (the chat template applied for a chat)."""
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_generator_pb2.LoadAdapterRequest, _generator_pb2.AdapterInfo]  # type: ignore[assignment]
+    """Loads a LoRA adapter (a PEFT folder on the server's own disk) under a name that requests can
+    then give in GenerateRequest.adapter. With authentication on, the adapter is the calling
+    tenant's: only its requests see it. Errors: INVALID_ARGUMENT (a bad name, a folder the engine
+    cannot apply: the message says why), NOT_FOUND (no adapter files at the path),
+    RESOURCE_EXHAUSTED (--max-adapters loaded), ALREADY_EXISTS (the name is taken; unload first).
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_generator_pb2.UnloadAdapterRequest, _generator_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """Unloads an adapter. Refused with FAILED_PRECONDITION while a queued or running job uses it
+    (retry when those jobs end, or cancel them); NOT_FOUND for a name the caller cannot see,
+    and for the server's own adapters (--lora) when authentication is on.
+    """
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_generator_pb2.ListAdaptersRequest, _generator_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """The adapters the caller can name: the server's own (--lora, shared) and, with authentication
+    on, the ones its tenant loaded.
+    """
 
 class GeneratorServicer(metaclass=_abc_1.ABCMeta):
     """Generates text with the served model for many callers at once (continuous batching)."""
@@ -158,5 +190,39 @@ class GeneratorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generator_pb2.TokenizeResponse, _abc.Awaitable[_generator_pb2.TokenizeResponse]]:
         """The token ids the server makes of a prompt (the chat template applied for a chat)."""
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _generator_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generator_pb2.AdapterInfo, _abc.Awaitable[_generator_pb2.AdapterInfo]]:
+        """Loads a LoRA adapter (a PEFT folder on the server's own disk) under a name that requests can
+        then give in GenerateRequest.adapter. With authentication on, the adapter is the calling
+        tenant's: only its requests see it. Errors: INVALID_ARGUMENT (a bad name, a folder the engine
+        cannot apply: the message says why), NOT_FOUND (no adapter files at the path),
+        RESOURCE_EXHAUSTED (--max-adapters loaded), ALREADY_EXISTS (the name is taken; unload first).
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _generator_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generator_pb2.UnloadAdapterResponse, _abc.Awaitable[_generator_pb2.UnloadAdapterResponse]]:
+        """Unloads an adapter. Refused with FAILED_PRECONDITION while a queued or running job uses it
+        (retry when those jobs end, or cancel them); NOT_FOUND for a name the caller cannot see,
+        and for the server's own adapters (--lora) when authentication is on.
+        """
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _generator_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generator_pb2.ListAdaptersResponse, _abc.Awaitable[_generator_pb2.ListAdaptersResponse]]:
+        """The adapters the caller can name: the server's own (--lora, shared) and, with authentication
+        on, the ones its tenant loaded.
+        """
 
 def add_GeneratorServicer_to_server(servicer: GeneratorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
