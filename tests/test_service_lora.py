@@ -5,6 +5,7 @@ each refusal, and tenants that see only their own adapters and the server's."""
 from __future__ import annotations
 
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +70,10 @@ def test_adapters_change_the_output_and_are_listed(server: ServerProcess, folder
         finished = collect(c.generate(Request(list(PROMPT), max_new_tokens=2, adapter="shared"))).finished
         assert finished.adapter == "shared"
         assert c.model_info().max_adapters == 2
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        metrics = r.read().decode()
+    assert 'dyngen_adapter_jobs_finished_total{adapter="shared"} 3.0' in metrics
 
 
 def test_load_unload_while_jobs_stream(server: ServerProcess, folders: dict[str, Path]) -> None:

@@ -29,6 +29,14 @@ class Metrics:
         )
         self.generated = Counter("dyngen_generated_tokens", "tokens streamed to callers", registry=r)
         self.jobs = Counter("dyngen_jobs_finished", "finished jobs by stop reason", ["reason"], registry=r)
+        # The engine's adapter name (a tenant's adapters are scoped apart); bounded by --max-adapters
+        # loaded at once, and by what was ever loaded over the server's life.
+        self.adapter_jobs = Counter(
+            "dyngen_adapter_jobs_finished",
+            "finished jobs by the LoRA adapter they ran with",
+            ["adapter"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "dyngen_ttft_seconds", "submit to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -80,5 +88,7 @@ class Metrics:
             f = event.finished
             self._last_token.pop(job.job_id, None)
             self.jobs.labels(pb.StopReason.Name(f.stop_reason).removeprefix("STOP_REASON_").lower()).inc()
+            if f.adapter:
+                self.adapter_jobs.labels(f.adapter).inc()
             self.draft_accepted.inc(f.accepted_draft_tokens)
             self.draft_rejected.inc(f.rejected_draft_tokens)
