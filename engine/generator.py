@@ -353,6 +353,9 @@ class DynamicGenerator:
                 self._contain(c.job, "preparing its step", exc, events)
         if not staged:
             return events
+        if any(seq.adapter is not None for _, seq in staged):
+            # Each adapter's rows side by side: its deltas then run on one slice of the batch.
+            staged.sort(key=lambda cs: 0 if cs[1].adapter is None else cs[1].adapter.uid)
         self._iterations += 1
         masks = self._start_masks(staged)
         if masks is not None and self.mask_overlap is MaskOverlap.BEFORE:
