@@ -105,7 +105,9 @@ def packed_linear(
     try:
         layout = BlockLayout(tag & _LAYOUT_BITS)
         if kind is LinearKind.INT4_Q8:
-            return Int4BlockLinear.from_packed(lib, (layout, blocks), shape, bias, bool(tag & FROM_FILE))
+            int4 = Int4BlockLinear.from_packed(lib, (layout, blocks), shape, bias)
+            int4.from_file = bool(tag & FROM_FILE)
+            return int4
         if kind is LinearKind.INT8_Q8:
             return Int8BlockLinear.from_packed(lib, (layout, blocks), shape, bias)
     except ValueError as exc:

@@ -17,6 +17,8 @@ stored without horizontal sums. Else one output row's blocks follow each other (
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
 from kernels.linear.int4_groups import GROUP_SIZE, Int4Groups
@@ -166,6 +168,20 @@ class BlockLinear:
         self.in_features = k
         self.bias = bias
 
+    @classmethod
+    def from_packed(
+        cls,
+        lib: NativeLibrary,
+        packed: tuple[BlockLayout, torch.Tensor],
+        shape: tuple[int, int],
+        bias: torch.Tensor | None,
+    ) -> Self:
+        """The linear over bytes an earlier one packed (its `packed`), used as they are;
+        ValueError if they are not the shape the layout has for `shape`."""
+        self = cls.__new__(cls)
+        BlockLinear.__init__(self, lib, _checked(lib, packed, shape), packed[0], shape[0], shape[1], bias)
+        return self
+
     @property
     def packed(self) -> tuple[BlockLayout, torch.Tensor]:
         """The weight bytes as the kernels read them, and their layout: what a later start can map
@@ -206,6 +222,7 @@ class BlockLinear:
 
 class Int4BlockLinear(BlockLinear):
     kind = LinearKind.INT4_Q8
+    from_file = False  # the file's own 4-bit blocks, not re-quantized
 
     def __init__(
         self,
@@ -224,22 +241,6 @@ class Int4BlockLinear(BlockLinear):
         super().__init__(lib, blocks, layout, n, k, bias)
         self.from_file = from_file
 
-    @classmethod
-    def from_packed(
-        cls,
-        lib: NativeLibrary,
-        packed: tuple[BlockLayout, torch.Tensor],
-        shape: tuple[int, int],
-        bias: torch.Tensor | None,
-        from_file: bool,
-    ) -> Int4BlockLinear:
-        """The linear over bytes an earlier one packed (its `packed`), used as they are;
-        ValueError if they are not the shape the layout has for `shape`."""
-        self = cls.__new__(cls)
-        BlockLinear.__init__(self, lib, _checked(lib, packed, shape), packed[0], shape[0], shape[1], bias)
-        self.from_file = from_file
-        return self
-
     def describe(self) -> str:
         return "int4_q8[file]" if self.from_file else "int4_q8[requant]"
 
@@ -255,20 +256,6 @@ class Int8BlockLinear(BlockLinear):
         except ValueError:  # rows not in 8s
             blocks, layout = pack_q8(q, d, lib), BlockLayout.Q8
         super().__init__(lib, blocks, layout, n, k, bias)
-
-    @classmethod
-    def from_packed(
-        cls,
-        lib: NativeLibrary,
-        packed: tuple[BlockLayout, torch.Tensor],
-        shape: tuple[int, int],
-        bias: torch.Tensor | None,
-    ) -> Int8BlockLinear:
-        """The linear over bytes an earlier one packed (its `packed`), used as they are;
-        ValueError if they are not the shape the layout has for `shape`."""
-        self = cls.__new__(cls)
-        BlockLinear.__init__(self, lib, _checked(lib, packed, shape), packed[0], shape[0], shape[1], bias)
-        return self
 
     def describe(self) -> str:
         return "int8_q8"
