@@ -229,3 +229,30 @@ def test_adapters_load_list_and_unload(tiny: tuple[Path, Any], adapters: dict[st
     with pytest.raises(AdapterNotFoundError):
         gen.unload_adapter("attn")
     gen.close()
+
+
+def test_ngram_speculation_keeps_an_adapter_jobs_tokens(
+    tiny: tuple[Path, Any], adapters: dict[str, tuple[Path, Any]]
+) -> None:
+    """The n-gram drafter speculates for adapter jobs (its drafts are the job's own tokens) and
+    the verified output is the adapter's greedy output, as without speculation."""
+    from engine.generator import DynamicGenerator, GeneratorConfig
+    from engine.jobs import JobSpec
+    from engine.speculation_config import DrafterKind, SpeculationConfig
+
+    folder, _ = tiny
+    loaded = load_model(folder, WeightDtype.FLOAT32, progress=False)
+    prompt = tuple([7, 8, 9, 10] * 6)  # repeats: the n-gram drafter finds drafts
+    outputs = []
+    for kind in (DrafterKind.NONE, DrafterKind.NGRAM):
+        config = GeneratorConfig(page_size=PAGE, num_pages=64, speculation=SpeculationConfig(kind=kind))
+        gen = DynamicGenerator(loaded.model, loaded.tokenizer, config)
+        gen.load_adapter("attn", adapters["attn"][0])
+        (done,) = gen.generate([JobSpec(prompt, max_new_tokens=24, ignore_eos=True, adapter="attn")])
+        outputs.append(
+            (list(done.token_ids), done.finished.accepted_draft_tokens + done.finished.rejected_draft_tokens)
+        )
+        gen.close()
+    (plain, _), (speculated, drafted) = outputs
+    assert speculated == plain == _greedy(adapters["attn"][1], list(prompt), 24)
+    assert drafted > 0  # drafts were verified
