@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import ErrorKind, InvalidRequestError
 from engine.ids import JobId, new_job_id
+from engine.loop_detector import LoopStop
 from engine.response_format import ResponseFormat
 
 # JobId and new_job_id live in engine/ids.py (the front end needs them without the engine);
@@ -45,6 +46,7 @@ class StopReason(enum.Enum):
     CANCELLED = "cancelled"
     ERROR = "error"  # the engine failed this job (JobFinished.error says why); other jobs went on
     GRAMMAR = "grammar"  # the output is complete under the job's response_format (no token may follow)
+    LOOP = "loop"  # the output ends with one pattern repeated (JobSpec.stop_on_loop)
 
 
 class JobStage(enum.Enum):
@@ -132,6 +134,8 @@ class JobSpec:
     token_healing: bool = False
     # The LoRA adapter to run with (a name the engine has loaded); None: the base model.
     adapter: str | None = None
+    # Stop (StopReason.LOOP) once the output ends with a pattern repeated (engine/loop_detector.py).
+    stop_on_loop: LoopStop | None = None
 
     def validate(self, vocab_size: int) -> None:
         _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
@@ -152,6 +156,9 @@ class JobSpec:
             "token_healing cannot be combined with response_format (the healed text is the prompt's, "
             "not the output's)",
         )
+        if self.stop_on_loop is not None:
+            problem = self.stop_on_loop.problem()
+            _check(problem is None, problem or "")
         for token in self.stop_token_ids:
             _check(0 <= token < vocab_size, f"stop token id {token} is outside [0, {vocab_size})")
         _check(

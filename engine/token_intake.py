@@ -19,6 +19,7 @@ from engine.constraints import token_bitmask
 from engine.errors import InvalidRequestError
 from engine.job_state import HeldToken, JobState
 from engine.jobs import JobEvent, JobFinished, StopReason, TokenLogprob, TokensGenerated
+from engine.loop_detector import loop_period
 from engine.sampler import Sampler, SampleRequest
 from engine.text_stream import BannedMatch
 from engine.token_healing import TokenHealer
@@ -127,6 +128,8 @@ class TokenIntake:
             self._finish_releasing(job, StopReason.GRAMMAR, None, events)
         elif job.new_tokens >= spec.max_new_tokens:
             self._finish_releasing(job, StopReason.MAX_NEW_TOKENS, None, events)
+        elif spec.stop_on_loop is not None and loop_period(job.tokens, job.prompt_len, spec.stop_on_loop):
+            self._finish_releasing(job, StopReason.LOOP, None, events)
         return None
 
     def _finish_releasing(

@@ -96,6 +96,7 @@ def run_generate(args: argparse.Namespace) -> int:
     texts = prompt_texts(args)
     # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
     from engine.jobs import JobSpec, SamplingSettings
+    from engine.loop_detector import LoopStop
     from engine.model.tokenizer import ChatMessage
     from service.engine.build import build_engine
     from service.engine_config import engine_settings_from, split_lora_flag
@@ -133,6 +134,7 @@ def run_generate(args: argparse.Namespace) -> int:
             banned_strings=tuple(args.ban),
             token_healing=args.heal,
             adapter=adapter,
+            stop_on_loop=None if args.stop_on_loop is None else LoopStop(*args.stop_on_loop),
         )
         for t in texts
     ]

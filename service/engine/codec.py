@@ -18,6 +18,7 @@ from engine.jobs import (
     StopReason,
     TokensGenerated,
 )
+from engine.loop_detector import LoopStop
 
 STOP_REASONS = {
     StopReason.EOS: pb.STOP_REASON_EOS,
@@ -27,6 +28,7 @@ STOP_REASONS = {
     StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
     StopReason.ERROR: pb.STOP_REASON_ERROR,
     StopReason.GRAMMAR: pb.STOP_REASON_GRAMMAR,
+    StopReason.LOOP: pb.STOP_REASON_LOOP,
 }
 
 # The status a failed job's stream ends with (google.rpc.Code numbers, as grpc.StatusCode has them).
@@ -97,6 +99,9 @@ def job_spec(req: pb.GenerateRequest) -> JobSpec:
         banned_strings=tuple(req.banned_strings),
         token_healing=req.token_healing,
         adapter=req.adapter or None,
+        stop_on_loop=LoopStop(req.stop_on_loop.window, req.stop_on_loop.min_repetitions)
+        if req.HasField("stop_on_loop")
+        else None,
     )
 
 

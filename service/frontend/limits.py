@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.loop_detector import LoopStop
 from engine.response_format import MAX_GRAMMAR_CHARS
 
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -79,6 +80,12 @@ def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
     _limit(len(req.identifier), limits.max_identifier_chars, "identifier", "length")
     if req.adapter:
         check_adapter_name(req.adapter, "adapter")
+    if req.HasField("stop_on_loop"):
+        loop = req.stop_on_loop
+        problem = LoopStop(loop.window, loop.min_repetitions).problem()
+        if problem is not None:
+            field = "stop_on_loop.window" if "window" in problem else "stop_on_loop.min_repetitions"
+            raise RequestError(problem, field)
     _limit(len(req.cache_salt), limits.max_cache_salt_chars, "cache_salt", "length")
     if req.HasField("response_format"):
         which = req.response_format.WhichOneof("format")

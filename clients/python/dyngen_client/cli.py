@@ -45,6 +45,16 @@ def non_negative_float(value: str) -> float:
     return x
 
 
+def _loop_stop(text: str) -> tuple[int, int]:
+    window, sep, reps = text.partition(",")
+    try:
+        if not sep:
+            raise ValueError
+        return int(window), int(reps)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WINDOW,REPS (two integers), got {text!r}") from None
+
+
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     """The prompt, sampling and output flags that `generate` takes in either mode."""
     parser.add_argument("prompt", nargs="?", help="the prompt text (omit with --prompts-file)")
@@ -67,6 +77,13 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--heal", action="store_true", help="token healing: a prompt cut mid-word continues the word"
+    )
+    parser.add_argument(
+        "--stop-on-loop",
+        type=_loop_stop,
+        default=None,
+        metavar="WINDOW,REPS",
+        help="stop once the output ends with a pattern of up to WINDOW tokens repeated REPS times",
     )
     parser.add_argument(
         "--lora",
@@ -209,6 +226,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 banned_strings=tuple(args.ban),
                 token_healing=args.heal,
                 adapter=args.adapter,
+                stop_on_loop=args.stop_on_loop,
             )
             return collect(client.generate(request))
 

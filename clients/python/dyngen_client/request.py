@@ -108,6 +108,9 @@ class Request:
     banned_strings: tuple[str, ...] = ()  # never in the text: generation rewinds past them
     token_healing: bool = False  # a prompt cut mid-word continues the word (not with response_format)
     adapter: str = ""  # a loaded LoRA adapter's name (ListAdapters); "" = the base model
+    # (window, min_repetitions): stop (STOP_REASON_LOOP) once the output ends with a pattern of up
+    # to `window` tokens repeated `min_repetitions` times; None = never.
+    stop_on_loop: tuple[int, int] | None = None
 
     def to_proto(self) -> pb.GenerateRequest:
         req = pb.GenerateRequest(
@@ -127,6 +130,8 @@ class Request:
         )
         if self.max_new_tokens is not None:
             req.max_new_tokens = self.max_new_tokens
+        if self.stop_on_loop is not None:
+            req.stop_on_loop.window, req.stop_on_loop.min_repetitions = self.stop_on_loop
         match self.response_format:
             case JsonSchema(schema=str() as text):
                 req.response_format.json_schema = text

@@ -57,6 +57,8 @@ class _StopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopReason
     """
     STOP_REASON_GRAMMAR: _StopReason.ValueType  # 7
     """The output completed the job's response_format: no further token could follow."""
+    STOP_REASON_LOOP: _StopReason.ValueType  # 8
+    """The output ended with one pattern repeated (GenerateRequest.stop_on_loop)."""
 
 class StopReason(_StopReason, metaclass=_StopReasonEnumTypeWrapper):
     """Why a job finished."""
@@ -79,6 +81,8 @@ or INVALID_ARGUMENT for input the engine could not handle) and everyone else con
 """
 STOP_REASON_GRAMMAR: StopReason.ValueType  # 7
 """The output completed the job's response_format: no further token could follow."""
+STOP_REASON_LOOP: StopReason.ValueType  # 8
+"""The output ended with one pattern repeated (GenerateRequest.stop_on_loop)."""
 Global___StopReason: _TypeAlias = StopReason  # noqa: Y015
 
 @_typing.final
@@ -313,6 +317,7 @@ class GenerateRequest(_message.Message):
     BANNED_STRINGS_FIELD_NUMBER: _builtins.int
     TOKEN_HEALING_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    STOP_ON_LOOP_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Plain completion; the tokenizer adds BOS if the model wants one. At most
     --max-prompt-chars (1 Mi) characters.
@@ -390,6 +395,10 @@ class GenerateRequest(_message.Message):
         job with banned strings does not speculate. At most 64, each 1 to 256 characters.
         """
 
+    @_builtins.property
+    def stop_on_loop(self) -> Global___LoopStop:
+        """Stop (STOP_REASON_LOOP) once the output ends with one pattern of tokens repeated; unset = never."""
+
     def __init__(
         self,
         *,
@@ -411,10 +420,11 @@ class GenerateRequest(_message.Message):
         banned_strings: _abc.Iterable[_builtins.str] | None = ...,
         token_healing: _builtins.bool = ...,
         adapter: _builtins.str = ...,
+        stop_on_loop: Global___LoopStop | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stop_on_loop", b"stop_on_loop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "adapter", b"adapter", "banned_strings", b"banned_strings", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_healing", b"token_healing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "adapter", b"adapter", "banned_strings", b"banned_strings", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_on_loop", b"stop_on_loop", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_healing", b"token_healing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
@@ -426,6 +436,35 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class LoopStop(_message.Message):
+    """When a job's output counts as looping: it ends with a pattern of 1 to `window` tokens repeated
+    at least `min_repetitions` times in a row (e.g. "la femme au roi, " three times). The output is
+    streamed as generated, the repetitions included; the job then ends with STOP_REASON_LOOP.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WINDOW_FIELD_NUMBER: _builtins.int
+    MIN_REPETITIONS_FIELD_NUMBER: _builtins.int
+    window: _builtins.int
+    """Longest pattern looked for, in tokens: 1 to 256."""
+    min_repetitions: _builtins.int
+    """Copies in a row that make a loop: 2 to 64."""
+    def __init__(
+        self,
+        *,
+        window: _builtins.int = ...,
+        min_repetitions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_repetitions", b"min_repetitions", "window", b"window"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoopStop: _TypeAlias = LoopStop  # noqa: Y015
 
 @_typing.final
 class ResponseFormat(_message.Message):
