@@ -62,10 +62,20 @@ def test_a_damaged_store_is_rebuilt(model: Path) -> None:
     path.write_bytes(b"not a torch file")
     again = _outputs(model)
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    store = PackedStore.open(DerivedFiles.of(model), source_digest())
     assert (
-        PackedStore.open(DerivedFiles.of(model), source_digest()).get("model.embed_tokens.weight|float32")
-        is not None
+        store is not None and store.get("model.embed_tokens.weight|float32") is not None
     )  # written again, whole
+
+
+def test_a_draft_of_the_first_layers_leaves_the_store_whole(model: Path) -> None:
+    """A draft model (the first layers of the same file) runs kept bytes and drops none of the rest."""
+    _outputs(model)
+    path = _store_path(model)
+    before = (path.stat().st_mtime_ns, len(torch.load(path, mmap=True, weights_only=True)["tensors"]))
+    load_model(model, WeightDtype.FLOAT32, progress=False, quant=QuantMode.INT4, num_layers=1)
+    after = (path.stat().st_mtime_ns, len(torch.load(path, mmap=True, weights_only=True)["tensors"]))
+    assert after == before
 
 
 def test_bytes_of_the_wrong_shape_are_not_run() -> None:

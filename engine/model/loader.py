@@ -125,5 +125,6 @@ def load_model(
             plan=plan_for(quant, cpu_features()),
             packed=packed,
         )
-        packed.save()
+        if packed is not None:
+            packed.save()
         return LoadedModel(model, tokenizer.result(), model_path)

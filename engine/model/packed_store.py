@@ -31,20 +31,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PackedStore:
-    """Tensors by key (a linear's source tensors and kind; a table's name and dtype)."""
+    """Tensors by key (a linear's source tensors and kind; a table's name and dtype) in one file."""
 
-    path: Path | None  # None: nothing kept (no derived folder)
-    derived: DerivedFiles | None = None
+    derived: DerivedFiles
+    path: Path
     _tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     _meta: dict[str, int] = field(default_factory=dict)
-    _added: bool = False
+    _fresh: set[str] = field(default_factory=set)  # keys built by this load, not read from the file
 
     @staticmethod
-    def open(derived: DerivedFiles | None, version: str) -> PackedStore:
+    def open(derived: DerivedFiles | None, version: str) -> PackedStore | None:
+        """The store of a model file's derived folder (None without one: nothing is kept)."""
         if derived is None:
-            return PackedStore(None)
-        store = PackedStore(derived.packed(version), derived)
-        if store.path is not None and store.path.is_file():
+            return None
+        store = PackedStore(derived, derived.packed(version))
+        if store.path.is_file():
             try:
                 data = torch.load(store.path, mmap=True, weights_only=True)
                 tensors, meta = data["tensors"], data["meta"]
@@ -65,25 +66,25 @@ class PackedStore:
     def put(self, key: str, tensor: torch.Tensor, tag: int = 0) -> None:
         self._tensors[key] = tensor.detach().contiguous()
         self._meta[key] = tag
-        self._added = True
+        self._fresh.add(key)
 
     def retain(self, used: Sequence[torch.Tensor]) -> None:
-        """Keep only the entries that are `used` (what the model runs): an autotune builds every
-        candidate kind once, and the losers' bytes would only fill the disk and the next start's map."""
+        """Drop what this load built and does not run: an autotune builds every candidate kind
+        once, and the losers' bytes would only fill the disk and the next start's map. Entries read
+        from the file stay (a draft model built from the first layers uses only some of them)."""
         ptrs = {t.data_ptr() for t in used}
-        drop = [k for k, t in self._tensors.items() if t.data_ptr() not in ptrs]
-        for key in drop:
+        for key in [k for k in self._fresh if self._tensors[k].data_ptr() not in ptrs]:
             del self._tensors[key]
-            self._meta.pop(key, None)
-            self._added = True
+            del self._meta[key]
+            self._fresh.discard(key)
 
     def save(self) -> None:
         """Write the store again if this load added to it (whole, or not at all)."""
-        if not self._added or self.path is None or self.derived is None:
+        if not self._fresh:
             return
         data = {"tensors": dict(self._tensors), "meta": dict(self._meta)}
         self.derived.publish_written(self.path, lambda tmp: torch.save(data, tmp))
-        self._added = False
+        self._fresh.clear()
 
 
 _LAYOUT_BITS = 15
