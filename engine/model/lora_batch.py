@@ -31,6 +31,7 @@ class LoraRun:
 @dataclass(frozen=True)
 class LoraBatch:
     runs: tuple[LoraRun, ...]
+    adapters: tuple[LoraAdapter, ...]  # each once, in batch order
 
     @staticmethod
     def build(spans: Sequence[tuple[LoraAdapter | None, int]]) -> LoraBatch | None:
@@ -46,11 +47,9 @@ class LoraBatch:
                 else:
                     runs.append(LoraRun(adapter, start, start + n))
             start += n
-        return LoraBatch(tuple(runs)) if runs else None
-
-    @property
-    def adapters(self) -> list[LoraAdapter]:
-        return list({id(r.adapter): r.adapter for r in self.runs}.values())
+        if not runs:
+            return None
+        return LoraBatch(tuple(runs), tuple({id(r.adapter): r.adapter for r in runs}.values()))
 
     def touches(self, layer: int, projection: str) -> bool:
         return any(a.delta(layer, projection) is not None for a in self.adapters)
