@@ -80,6 +80,9 @@ class ServiceConfig:
     draft_layers: int = SpeculationFlags.draft_layers
     draft_dtype: str = SpeculationFlags.draft_dtype
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora", tuple(self.lora))  # flags and JSON give a list
+
     @property
     def num_pages(self) -> int:
         return max(1, self.cache_tokens // self.page_size)
@@ -104,9 +107,7 @@ class ServiceConfig:
 
     @staticmethod
     def from_json(text: str) -> ServiceConfig:
-        values = json.loads(text)
-        values["lora"] = tuple(values.get("lora", ()))
-        return ServiceConfig(**values)
+        return ServiceConfig(**json.loads(text))
 
 
 def _flag(text: str) -> bool:
@@ -242,6 +243,6 @@ def _lora_flag(text: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    values = {k: getattr(args, k) for k in ServiceConfig.__dataclass_fields__ if hasattr(args, k)}
-    values["lora"] = tuple(values.get("lora") or ())
-    return ServiceConfig(**values)
+    return ServiceConfig(
+        **{k: getattr(args, k) for k in ServiceConfig.__dataclass_fields__ if hasattr(args, k)}
+    )

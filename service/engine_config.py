@@ -32,6 +32,10 @@ class EngineSettings:
     lora: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters loaded at start (--lora, repeatable)
     max_adapters: int = defaults.MAX_ADAPTERS
 
+    def __post_init__(self) -> None:
+        # Flags and JSON give a list; the settings are frozen and hashable.
+        object.__setattr__(self, "lora", tuple(self.lora))
+
     @property
     def num_pages(self) -> int:
         return max(1, self.cache_tokens // self.page_size)
@@ -68,7 +72,6 @@ def engine_settings_from(flags: object) -> EngineSettings:
     commands' flags become engine settings."""
     values = {f.name: getattr(flags, f.name) for f in fields(EngineSettings) if hasattr(flags, f.name)}
     model = values.pop("model", None)
-    values["lora"] = tuple(values.get("lora") or ())
     return EngineSettings(model=Path(model) if model else None, **values)
 
 
@@ -101,7 +104,6 @@ class EngineConfig:
         d = json.loads(text)
         settings = d.pop("settings")
         model = settings.pop("model")
-        settings["lora"] = tuple(settings.get("lora", ()))
         return EngineConfig(
             settings=EngineSettings(model=None if model is None else Path(model), **settings),
             speculation=SpeculationFlags(**d.pop("speculation")),

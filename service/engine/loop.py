@@ -43,6 +43,18 @@ from service.speculation_flags import speculation_options
 
 log = logging.getLogger("dyngen.engine")
 
+# Why the engine refused a request, by the error it raised (the first match; any other
+# DyngenError is INVALID_ARGUMENT). A missing adapter folder is ModelNotFoundError.
+_REFUSALS: tuple[tuple[type[DyngenError], ErrorCode], ...] = (
+    (QueueFullError, ErrorCode.QUEUE_FULL),
+    (PromptTooLongError, ErrorCode.PROMPT_TOO_LONG),
+    (AdapterNotFoundError, ErrorCode.ADAPTER_NOT_FOUND),
+    (ModelNotFoundError, ErrorCode.ADAPTER_NOT_FOUND),
+    (AdapterExistsError, ErrorCode.ADAPTER_EXISTS),
+    (AdapterInUseError, ErrorCode.ADAPTER_IN_USE),
+    (AdapterLimitError, ErrorCode.ADAPTER_LIMIT),
+)
+
 STATS_INTERVAL = 0.5
 IDLE_POLL = 0.25
 
@@ -146,22 +158,22 @@ class EngineLoop:
     def _reject(self, request: int, code: ErrorCode, message: str) -> None:
         self._send(Tag.REJECTED, request, Rejection(code, message).to_bytes())
 
+    def _refuse(self, request: int, exc: Exception, label: str) -> None:
+        """Answer a request the engine refused; a malformed one must never take the engine down."""
+        if isinstance(exc, DyngenError):
+            code = next((c for kind, c in _REFUSALS if isinstance(exc, kind)), ErrorCode.INVALID_ARGUMENT)
+            self._reject(request, code, str(exc))
+        else:
+            log.exception(label)
+            self._reject(request, ErrorCode.INVALID_ARGUMENT, f"{label}: {type(exc).__name__}")
+
     def _submit(self, msg: Message) -> None:
         try:
             submit = Submit.from_bytes(msg.payload)
             spec = job_spec(pb.GenerateRequest.FromString(submit.request))
             job_id = self.generator.enqueue(spec, JobId(submit.job_id))
-        except QueueFullError as exc:
-            self._reject(msg.request, ErrorCode.QUEUE_FULL, str(exc))
-        except AdapterNotFoundError as exc:
-            self._reject(msg.request, ErrorCode.ADAPTER_NOT_FOUND, str(exc))
-        except PromptTooLongError as exc:
-            self._reject(msg.request, ErrorCode.PROMPT_TOO_LONG, str(exc))
-        except DyngenError as exc:
-            self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:  # a malformed request must never take the engine down
-            log.exception("submit failed")
-            self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, f"bad request: {type(exc).__name__}")
+        except Exception as exc:
+            self._refuse(msg.request, exc, "bad request")
         else:
             self._send(Tag.ACCEPTED, msg.request, Accepted(job_id, len(spec.prompt_ids)).to_bytes())
 
@@ -179,23 +191,9 @@ class EngineLoop:
                     infos = []
                 case AdapterOp.LIST:
                     infos = gen.adapter_infos()
-        except (AdapterNotFoundError, ModelNotFoundError) as exc:
-            self._reject(msg.request, ErrorCode.ADAPTER_NOT_FOUND, str(exc))
-        except AdapterExistsError as exc:
-            self._reject(msg.request, ErrorCode.ADAPTER_EXISTS, str(exc))
-        except AdapterInUseError as exc:
-            self._reject(msg.request, ErrorCode.ADAPTER_IN_USE, str(exc))
-        except AdapterLimitError as exc:
-            self._reject(msg.request, ErrorCode.ADAPTER_LIMIT, str(exc))
-        except DyngenError as exc:
-            self._reject(msg.request, ErrorCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:  # a bad command or file must never take the engine down
-            log.exception("adapter command failed")
-            self._reject(
-                msg.request, ErrorCode.INVALID_ARGUMENT, f"adapter command failed: {type(exc).__name__}"
-            )
+        except Exception as exc:
+            self._refuse(msg.request, exc, "adapter command failed")
         else:
-            shared = self.shared_adapters
             reply = pb.ListAdaptersResponse(
                 adapters=[
                     pb.AdapterInfo(
@@ -203,7 +201,7 @@ class EngineLoop:
                         path=str(i.path),
                         description=i.description,
                         jobs=i.jobs,
-                        shared=i.name in shared,
+                        shared=i.name in self.shared_adapters,
                     )
                     for i in infos
                 ]

@@ -146,7 +146,9 @@ class EngineClient:
         self._watchdog: asyncio.Task[None] | None = None
         self._stalled = False
         self.restarts = 0
-        self._adapter_loads: dict[str, str] = {}  # engine name -> folder, loaded through LoadAdapter
+        # Engine name -> folder of each adapter loaded through LoadAdapter (not --lora): loaded again
+        # on a restarted engine; written here alone, as the engine answers.
+        self.adapter_loads: dict[str, str] = {}
 
     # -- process lifetime ----------------------------------------------------------------------
 
@@ -342,7 +344,7 @@ class EngineClient:
         self._set_ready(not self._stalled)
         if not self._first_ready.done():
             self._first_ready.set_result(None)
-        elif self._adapter_loads and self.ready:
+        elif self.adapter_loads and self.ready:
             await self._reload_adapters()
 
     def _job_event(self, event: pb.GenerateEvent) -> None:
@@ -476,18 +478,18 @@ class EngineClient:
         EngineRejectedError, EngineBusyError or EngineDownError."""
         reply = await self._call(Tag.ADAPTER, command.to_bytes())
         if command.op is AdapterOp.LOAD:
-            self._adapter_loads[command.name] = command.path
+            self.adapter_loads[command.name] = command.path
         elif command.op is AdapterOp.UNLOAD:
-            self._adapter_loads.pop(command.name, None)
+            self.adapter_loads.pop(command.name, None)
         return pb.ListAdaptersResponse.FromString(reply.payload)
 
     async def _reload_adapters(self) -> None:
         """A restarted engine has only its --lora adapters: load the callers' ones again."""
-        for name, path in list(self._adapter_loads.items()):
+        for name, path in list(self.adapter_loads.items()):
             try:
                 await self._call(Tag.ADAPTER, AdapterCommand(AdapterOp.LOAD, name, path).to_bytes())
             except Exception as exc:
-                self._adapter_loads.pop(name, None)
+                self.adapter_loads.pop(name, None)
                 log.warning("adapter_not_reloaded", adapter=name, error=str(exc))
 
     async def info(self) -> pb.ModelInfo:

@@ -91,7 +91,7 @@ def lenient(cls: type[Msg]) -> Callable[[bytes], Msg | Malformed]:
 class GeneratorService:
     def __init__(self, engine: EngineClient, auth: Authenticator, limits: Limits, max_streams: int) -> None:
         self.engine = engine
-        self.adapters = TenantAdapters(auth.enabled)
+        self.adapters = TenantAdapters(auth.enabled, engine.adapter_loads)
         self.auth = auth
         self.limits = limits
         self.max_streams = max_streams
@@ -129,6 +129,19 @@ class GeneratorService:
                 ErrorReason.UNAUTHENTICATED,
             )
         return tenant
+
+    async def _engine_failed(
+        self,
+        exc: EngineRejectedError | EngineBusyError | EngineDownError,
+        context: grpc.aio.ServicerContext[Req, Resp],
+    ) -> NoReturn:
+        """A call the engine refused, could not take (too many waiting) or could not answer."""
+        if isinstance(exc, EngineRejectedError):
+            code, reason = _CODES[exc.rejection.code]
+            await self._fail(context, code, exc.rejection.message, reason)
+        if isinstance(exc, EngineBusyError):
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
+        await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
 
     async def _job_id(self, job_id: str, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
         try:
@@ -197,13 +210,8 @@ class GeneratorService:
             job = await self.engine.submit(engine_request, tenant, streamed)
             job.affinity = _affinity(request, context)
             return job
-        except EngineRejectedError as exc:
-            code, reason = _CODES[exc.rejection.code]
-            await self._fail(context, code, exc.rejection.message, reason)
-        except EngineBusyError as exc:
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
-        except EngineDownError as exc:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
+        except (EngineRejectedError, EngineBusyError, EngineDownError) as exc:
+            await self._engine_failed(exc, context)
 
     async def _events(
         self, job: JobChannel, context: grpc.aio.ServicerContext[Req, Resp]
@@ -325,10 +333,8 @@ class GeneratorService:
         await self._tenant(context)
         try:
             return await self.engine.info()
-        except EngineBusyError as exc:
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
-        except EngineDownError as exc:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
+        except (EngineBusyError, EngineDownError) as exc:
+            await self._engine_failed(exc, context)
 
     async def Tokenize(
         self,
@@ -344,13 +350,8 @@ class GeneratorService:
     ) -> pb.ListAdaptersResponse:
         try:
             return await self.engine.adapters(command)
-        except EngineRejectedError as exc:
-            code, reason = _CODES[exc.rejection.code]
-            await self._fail(context, code, exc.rejection.message, reason)
-        except EngineBusyError as exc:
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
-        except EngineDownError as exc:
-            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
+        except (EngineRejectedError, EngineBusyError, EngineDownError) as exc:
+            await self._engine_failed(exc, context)
 
     async def _adapter_name(self, name: str, field: str, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
         try:
@@ -377,7 +378,6 @@ class GeneratorService:
             )
         engine_name = self.adapters.own_name(tenant, name)
         reply = await self._adapter_call(AdapterCommand(AdapterOp.LOAD, engine_name, req.path), context)
-        self.adapters.loaded(tenant, name)
         log.info("adapter_loaded", adapter=name, tenant=tenant or None, path=req.path)
         info = reply.adapters[0] if reply.adapters else pb.AdapterInfo(name=engine_name, path=req.path)
         info.name = name
@@ -400,7 +400,6 @@ class GeneratorService:
                 ErrorReason.ADAPTER_NOT_FOUND,
             )
         await self._adapter_call(AdapterCommand(AdapterOp.UNLOAD, engine_name), context)
-        self.adapters.unloaded(tenant, name)
         log.info("adapter_unloaded", adapter=name, tenant=tenant or None)
         return pb.UnloadAdapterResponse()
 

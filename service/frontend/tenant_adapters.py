@@ -6,7 +6,7 @@ tenant's adapter by naming it. Without authentication every adapter is everyone'
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 
@@ -19,9 +19,12 @@ def caller_name(engine_name: str) -> str:
 
 
 class TenantAdapters:
-    def __init__(self, scoped: bool) -> None:
+    """The names; which adapters a tenant loaded is read from `loads` (the engine client's record of
+    LoadAdapter calls, engine name -> folder), the one place that knows it."""
+
+    def __init__(self, scoped: bool, loads: Mapping[str, str]) -> None:
         self.scoped = scoped
-        self._own: dict[str, set[str]] = {}  # tenant -> names it loaded
+        self._loads = loads
 
     def _suffix(self, tenant: str) -> str:
         return SCOPE + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:12]
@@ -30,25 +33,18 @@ class TenantAdapters:
         """The engine's name for an adapter `tenant` loads as `name`."""
         return name + self._suffix(tenant) if self.scoped else name
 
-    def loaded(self, tenant: str, name: str) -> None:
-        if self.scoped:
-            self._own.setdefault(tenant, set()).add(name)
-
-    def unloaded(self, tenant: str, name: str) -> None:
-        if self.scoped:
-            self._own.get(tenant, set()).discard(name)
+    def _owns(self, tenant: str, name: str) -> bool:
+        return self.own_name(tenant, name) in self._loads
 
     def engine_name(self, tenant: str, name: str) -> str:
         """What a request's `adapter` names: the tenant's own adapter of that name, else the shared one."""
-        if self.scoped and name in self._own.get(tenant, ()):
-            return self.own_name(tenant, name)
-        return name
+        return self.own_name(tenant, name) if self.scoped and self._owns(tenant, name) else name
 
     def unloadable_name(self, tenant: str, name: str) -> str | None:
         """The engine's name of an adapter `tenant` may unload (None: none of its own)."""
         if not self.scoped:
             return name
-        return self.own_name(tenant, name) if name in self._own.get(tenant, ()) else None
+        return self.own_name(tenant, name) if self._owns(tenant, name) else None
 
     def visible(self, tenant: str, infos: Iterable[pb.AdapterInfo]) -> list[pb.AdapterInfo]:
         """The adapters `tenant` can name, under the names it gives them."""
