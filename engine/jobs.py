@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import ErrorKind, InvalidRequestError
 from engine.ids import JobId, new_job_id
+from engine.guidance import Guidance
 from engine.loop_detector import LoopStop
 from engine.response_format import ResponseFormat
 
@@ -19,6 +20,7 @@ from engine.response_format import ResponseFormat
 # they are exported from here too, beside the events that carry them.
 __all__ = [
     "MAX_CACHE_SALT_CHARS",
+    "MAX_PRIORITY",
     "JobError",
     "JobEvent",
     "JobFinished",
@@ -36,6 +38,7 @@ __all__ = [
 ]
 
 MAX_CACHE_SALT_CHARS = 256
+MAX_PRIORITY = 1000  # |priority| limit: enough levels for any policy, small enough to log
 
 
 class StopReason(enum.Enum):
@@ -136,6 +139,11 @@ class JobSpec:
     adapter: str | None = None
     # Stop (StopReason.LOOP) once the output ends with a pattern repeated (engine/loop_detector.py).
     stop_on_loop: LoopStop | None = None
+    # Admission order (higher first, then arrival); a waiting job preempts running jobs of lower
+    # priority when the batch or the page pool is full (engine/scheduler.py).
+    priority: int = 0
+    # Classifier-free guidance against a negative prompt (engine/guidance.py); None: off.
+    guidance: Guidance | None = None
 
     def validate(self, vocab_size: int) -> None:
         _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
@@ -158,6 +166,13 @@ class JobSpec:
         )
         if self.stop_on_loop is not None:
             problem = self.stop_on_loop.problem()
+            _check(problem is None, problem or "")
+        _check(
+            -MAX_PRIORITY <= self.priority <= MAX_PRIORITY,
+            f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority}",
+        )
+        if self.guidance is not None:
+            problem = self.guidance.problem(vocab_size)
             _check(problem is None, problem or "")
         for token in self.stop_token_ids:
             _check(0 <= token < vocab_size, f"stop token id {token} is outside [0, {vocab_size})")
