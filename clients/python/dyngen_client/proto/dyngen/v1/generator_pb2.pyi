@@ -318,6 +318,8 @@ class GenerateRequest(_message.Message):
     TOKEN_HEALING_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
     STOP_ON_LOOP_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    GUIDANCE_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Plain completion; the tokenizer adds BOS if the model wants one. At most
     --max-prompt-chars (1 Mi) characters.
@@ -355,6 +357,15 @@ class GenerateRequest(_message.Message):
     """The LoRA adapter to run with, by name (ListAdapters); empty = the base model. A name that is
     not loaded is NOT_FOUND. Prompt pages cached under one adapter serve only jobs of the same
     adapter.
+    """
+    priority: _builtins.int
+    """Scheduling priority, higher first; in [-1000, 1000], default 0. Waiting jobs are admitted by
+    priority, then by arrival. When the batch or the page pool is full, a waiting job preempts
+    running jobs of lower priority: they go back to the queue and resume later with their output
+    intact (a greedy job's text is the same as if it had never been preempted). Equal priorities
+    never preempt each other. With authentication on, a tenant may have at most
+    --max-priority-jobs (default 4) jobs with priority > 0 queued or running at once; one more is
+    RESOURCE_EXHAUSTED (PRIORITY_LIMIT). Without authentication there is no such cap.
     """
     @_builtins.property
     def chat(self) -> Global___ChatPrompt:
@@ -399,6 +410,10 @@ class GenerateRequest(_message.Message):
     def stop_on_loop(self) -> Global___LoopStop:
         """Stop (STOP_REASON_LOOP) once the output ends with one pattern of tokens repeated; unset = never."""
 
+    @_builtins.property
+    def guidance(self) -> Global___Guidance:
+        """Classifier-free guidance: sample pushed away from a negative prompt; unset = off."""
+
     def __init__(
         self,
         *,
@@ -421,10 +436,12 @@ class GenerateRequest(_message.Message):
         token_healing: _builtins.bool = ...,
         adapter: _builtins.str = ...,
         stop_on_loop: Global___LoopStop | None = ...,
+        priority: _builtins.int = ...,
+        guidance: Global___Guidance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stop_on_loop", b"stop_on_loop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "guidance", b"guidance", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stop_on_loop", b"stop_on_loop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "adapter", b"adapter", "banned_strings", b"banned_strings", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_on_loop", b"stop_on_loop", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_healing", b"token_healing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "adapter", b"adapter", "banned_strings", b"banned_strings", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "guidance", b"guidance", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "priority", b"priority", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_on_loop", b"stop_on_loop", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_healing", b"token_healing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
@@ -436,6 +453,58 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class Guidance(_message.Message):
+    """Classifier-free guidance (transformers' guidance_scale / negative_prompt_ids rule). The job runs
+    a second sequence beside its own, the negative prompt followed by the job's output, and samples
+    from log_softmax(uncond) + scale * (log_softmax(cond) - log_softmax(uncond)), before penalties,
+    filters and masks. So the response_format mask, stop strings, banned strings and the adapter
+    apply as usual, and return_logprobs reports the mixed distribution. The negative sequence has
+    pages of its own (a guided job holds about twice a plain job's pages), and a guided job does not
+    speculate.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCALE_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    CHAT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    scale: _builtins.float
+    """How far the job is pushed from the negative prompt: finite, in [0, 100]. 1 = the job alone (no
+    guidance effect), 0 = the negative prompt alone, above 1 pushes away from the negative prompt
+    (1.5 to 3 is usual).
+    """
+    text: _builtins.str
+    """Plain text; the tokenizer adds BOS if the model wants one. At most --max-prompt-chars
+    (1 Mi) characters.
+    """
+    @_builtins.property
+    def chat(self) -> Global___ChatPrompt:
+        """Chat messages, rendered with the model's chat template (limits as GenerateRequest.chat)."""
+
+    @_builtins.property
+    def token_ids(self) -> Global___TokenIds:
+        """Token ids, used as they are: 1 to 1 Mi ids, each below the vocabulary size."""
+
+    def __init__(
+        self,
+        *,
+        scale: _builtins.float = ...,
+        text: _builtins.str = ...,
+        chat: Global___ChatPrompt | None = ...,
+        token_ids: Global___TokenIds | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "negative_prompt", b"negative_prompt", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "negative_prompt", b"negative_prompt", "scale", b"scale", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_negative_prompt: _TypeAlias = _typing.Literal["text", "chat", "token_ids"]  # noqa: Y015
+    _WhichOneofArgType_negative_prompt: _TypeAlias = _typing.Literal["negative_prompt", b"negative_prompt"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_negative_prompt) -> _WhichOneofReturnType_negative_prompt | None: ...
+
+Global___Guidance: _TypeAlias = Guidance  # noqa: Y015
 
 @_typing.final
 class LoopStop(_message.Message):

@@ -90,8 +90,8 @@ class GeneratorServicer:
         """Validates and queues a job and returns its id at once. The job must be streamed within
         the server's grace period (--stream-grace-seconds, default 30 s) or it is cancelled.
         Errors: INVALID_ARGUMENT (a limit, a bad value, a prompt too long for the context or the
-        cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting), UNAVAILABLE (engine
-        restarting, server draining), UNAUTHENTICATED.
+        cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting, the tenant's priority jobs
+        at --max-priority-jobs), UNAVAILABLE (engine restarting, server draining), UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

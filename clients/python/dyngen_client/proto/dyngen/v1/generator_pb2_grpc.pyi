@@ -51,8 +51,8 @@ class GeneratorStub:
     """Validates and queues a job and returns its id at once. The job must be streamed within
     the server's grace period (--stream-grace-seconds, default 30 s) or it is cancelled.
     Errors: INVALID_ARGUMENT (a limit, a bad value, a prompt too long for the context or the
-    cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting), UNAVAILABLE (engine
-    restarting, server draining), UNAUTHENTICATED.
+    cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting, the tenant's priority jobs
+    at --max-priority-jobs), UNAVAILABLE (engine restarting, server draining), UNAUTHENTICATED.
     """
     Stream: _grpc.UnaryStreamMultiCallable[_generator_pb2.StreamRequest, _generator_pb2.GenerateEvent]
     """The events of one enqueued job until it finishes: started, prefill progress, text deltas,
@@ -95,8 +95,8 @@ class GeneratorAsyncStub(GeneratorStub):
     """Validates and queues a job and returns its id at once. The job must be streamed within
     the server's grace period (--stream-grace-seconds, default 30 s) or it is cancelled.
     Errors: INVALID_ARGUMENT (a limit, a bad value, a prompt too long for the context or the
-    cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting), UNAVAILABLE (engine
-    restarting, server draining), UNAUTHENTICATED.
+    cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting, the tenant's priority jobs
+    at --max-priority-jobs), UNAVAILABLE (engine restarting, server draining), UNAUTHENTICATED.
     """
     Stream: _aio.UnaryStreamMultiCallable[_generator_pb2.StreamRequest, _generator_pb2.GenerateEvent]  # type: ignore[assignment]
     """The events of one enqueued job until it finishes: started, prefill progress, text deltas,
@@ -142,8 +142,8 @@ class GeneratorServicer(metaclass=_abc_1.ABCMeta):
         """Validates and queues a job and returns its id at once. The job must be streamed within
         the server's grace period (--stream-grace-seconds, default 30 s) or it is cancelled.
         Errors: INVALID_ARGUMENT (a limit, a bad value, a prompt too long for the context or the
-        cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting), UNAVAILABLE (engine
-        restarting, server draining), UNAUTHENTICATED.
+        cache), RESOURCE_EXHAUSTED (queue full, too many calls waiting, the tenant's priority jobs
+        at --max-priority-jobs), UNAVAILABLE (engine restarting, server draining), UNAUTHENTICATED.
         """
 
     @_abc_1.abstractmethod
