@@ -54,6 +54,9 @@ class ServiceConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     max_prompt_chars: int = 1 << 20  # text or chat contents, checked before tokenizing
     max_streams: int = 1024  # Generate + Stream calls open at once; RESOURCE_EXHAUSTED past it
+    # With authentication on: jobs of priority > 0 one tenant may have queued or running at once
+    # (RESOURCE_EXHAUSTED past it), so no tenant starves the others with high-priority jobs.
+    max_priority_jobs: int = 4
     max_pending_calls: int = 1024  # calls waiting for the engine's answer (bounds the pipe's outbox)
     keepalive_seconds: float = 30.0  # HTTP/2 pings to idle clients; dead peers are dropped
     max_connection_age_seconds: float = 0.0  # 0 = unlimited; else connections are recycled (balancers)
@@ -205,6 +208,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("max_message_bytes", int, d.max_message_bytes, "largest gRPC message, both directions")
     opt("max_prompt_chars", int, d.max_prompt_chars, "longest text or chat prompt, in characters")
     opt("max_streams", int, d.max_streams, "Generate/Stream calls open at once")
+    opt(
+        "max_priority_jobs",
+        int,
+        d.max_priority_jobs,
+        "with authentication on: jobs of priority > 0 one tenant may have queued or running at once "
+        "(one more is RESOURCE_EXHAUSTED, so no tenant starves the others; no cap without authentication)",
+    )
     opt("max_pending_calls", int, d.max_pending_calls, "engine calls waiting for an answer at once")
     opt("keepalive_seconds", float, d.keepalive_seconds, "HTTP/2 keepalive ping interval")
     opt("max_connection_age_seconds", float, d.max_connection_age_seconds, "recycle connections (0 = never)")

@@ -148,6 +148,8 @@ class Ready:
     linears: str  # which linear kernel runs per projection
     cpu: str  # the CPU features the kernels were chosen for
     kv_cache: str  # what the KV cache stores and its size (PagedKVCache.describe)
+    vocab_size: int  # token ids are below this (the front end checks a negative prompt's ids)
+    cache_tokens: int  # the whole KV cache in tokens (pages x page size)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -162,6 +164,8 @@ class Ready:
             str(obj["linears"]),
             str(obj["cpu"]),
             str(obj["kv_cache"]),
+            int(obj["vocab_size"]),
+            int(obj["cache_tokens"]),
         )
 
 

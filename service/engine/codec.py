@@ -8,6 +8,7 @@ from __future__ import annotations
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.constraints import GrammarKind, ResponseFormat
 from engine.errors import ErrorKind, InvalidRequestError
+from engine.guidance import Guidance
 from engine.jobs import (
     JobEvent,
     JobFinished,
@@ -78,6 +79,14 @@ def sampling_settings(s: pb.SamplingSettings) -> SamplingSettings:
     )
 
 
+def _guidance(req: pb.GenerateRequest) -> Guidance | None:
+    if not req.HasField("guidance"):
+        return None
+    if req.guidance.WhichOneof("negative_prompt") != "token_ids":
+        raise InvalidRequestError("the engine takes negative prompts as token ids (the front end tokenizes)")
+    return Guidance(req.guidance.scale, tuple(req.guidance.token_ids.ids))
+
+
 def job_spec(req: pb.GenerateRequest) -> JobSpec:
     """The job a tokenized request asks for; InvalidRequestError where it cannot be one."""
     if req.WhichOneof("prompt") != "token_ids":
@@ -102,6 +111,8 @@ def job_spec(req: pb.GenerateRequest) -> JobSpec:
         stop_on_loop=LoopStop(req.stop_on_loop.window, req.stop_on_loop.min_repetitions)
         if req.HasField("stop_on_loop")
         else None,
+        priority=req.priority,
+        guidance=_guidance(req),
     )
 
 

@@ -91,6 +91,8 @@ class EngineLoop:
             loaded.model.describe(),
             cpu_features().summary(),
             self.generator.cache.describe(),
+            loaded.model.config.vocab_size,
+            self.generator.pool.num_pages * self.generator.pool.page_size,
         )
         self._send(Tag.READY, 0, ready.to_bytes())
 

@@ -39,6 +39,7 @@ from engine.model.tokenizer import preload_tokenizer_code
 from service.config import ServiceConfig
 from service.engine.process import run as engine_main
 from service.frontend.event_buffer import EngineDownError, EventBuffer
+from service.frontend.limits import ModelBounds
 from service.frontend.prompts import PromptTokenizer
 from service.frontend.restart_policy import RestartPolicy, RestartTracker
 from service.ipc import (
@@ -90,6 +91,7 @@ class JobChannel:
     cancel_sent: bool = False
     grace_timer: asyncio.TimerHandle | None = None
     affinity: str = ""  # the request's prefix-affinity key (dyngen_client.affinity), for the logs
+    priority: int = 0  # GenerateRequest.priority (the servicer caps a tenant's jobs above 0)
 
 
 StateListener = Callable[[bool], None]
@@ -119,7 +121,8 @@ class EngineClient:
         # Named in every JobFinished and ModelInfo; the server sets "<hostname>:<port>" once bound.
         self.replica = config.replica_id
         self.model_name = ""
-        self.context_length = 0
+        # The model's vocabulary, context and cache sizes, from the engine's READY (None before).
+        self.bounds: ModelBounds | None = None
         self.prompts: PromptTokenizer | None = None
         self.ready = False
         self.failed = False  # gave up restarting (crash loop)
@@ -332,7 +335,7 @@ class EngineClient:
             return
         proc.ready_at = time.monotonic()
         self.model_name = ready.model
-        self.context_length = ready.context_length
+        self.bounds = ModelBounds(ready.vocab_size, ready.context_length, ready.cache_tokens)
         log.info(
             "engine_ready",
             model=self.model_name,
@@ -398,7 +401,9 @@ class EngineClient:
         registered before the engine hears of the job; whatever way this call ends without
         the job accepted (refused, caller gone, deadline), nothing is left behind.
         """
-        job = JobChannel(new_job_id(), owner, time.perf_counter(), streamed=streamed)
+        job = JobChannel(
+            new_job_id(), owner, time.perf_counter(), streamed=streamed, priority=request.priority
+        )
         self.jobs[job.job_id] = job
         try:
             reply = await self._call(Tag.SUBMIT, Submit(job.job_id, request.SerializeToString()).to_bytes())
@@ -431,6 +436,15 @@ class EngineClient:
         if job is None or job.owner != owner or not job.accepted:
             return None
         return job
+
+    def priority_jobs(self, owner: str) -> int:
+        """`owner`'s jobs of priority > 0 that are queued or running: not finished, not cancelled
+        (a cancelled job leaves the engine at its next iteration), submitted or being submitted."""
+        return sum(
+            1
+            for j in self.jobs.values()
+            if j.priority > 0 and j.owner == owner and not j.finished and not j.cancel_sent
+        )
 
     def attach(self, job_id: str, owner: str) -> JobChannel | None:
         """Claim a job's stream; None if unknown. Raises ValueError if already streamed."""

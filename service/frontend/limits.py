@@ -8,11 +8,15 @@ the context and the cache, sampling ranges) still apply after these.
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.guidance import MAX_GUIDANCE_SCALE
+from engine.jobs import MAX_PRIORITY
 from engine.loop_detector import LoopStop
 from engine.response_format import MAX_GRAMMAR_CHARS
 
@@ -86,6 +90,12 @@ def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
         if problem is not None:
             field = "stop_on_loop.window" if "window" in problem else "stop_on_loop.min_repetitions"
             raise RequestError(problem, field)
+    if not -MAX_PRIORITY <= req.priority <= MAX_PRIORITY:
+        raise RequestError(
+            f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {req.priority}", "priority"
+        )
+    if req.HasField("guidance"):
+        check_guidance(req.guidance, limits)
     _limit(len(req.cache_salt), limits.max_cache_salt_chars, "cache_salt", "length")
     if req.HasField("response_format"):
         which = req.response_format.WhichOneof("format")
@@ -117,15 +127,75 @@ def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
             raise RequestError("prompt: set one of text, chat or token_ids", "prompt")
 
 
-def check_chat(chat: pb.ChatPrompt, limits: Limits) -> None:
+NEGATIVE_PROMPT = "guidance.negative_prompt"  # the field to blame for a missing or empty negative prompt
+
+
+def check_guidance(guidance: pb.Guidance, limits: Limits) -> None:
+    """The guidance settings' limits before tokenizing: the scale's range, the negative prompt's
+    size as the prompt's (its token count against the context: `check_negative_prompt_ids`)."""
+    if not (math.isfinite(guidance.scale) and 0.0 <= guidance.scale <= MAX_GUIDANCE_SCALE):
+        raise RequestError(
+            f"guidance.scale must be finite and in [0, {MAX_GUIDANCE_SCALE:g}], got {guidance.scale:g}",
+            "guidance.scale",
+        )
+    match guidance.WhichOneof("negative_prompt"):
+        case "text":
+            if not guidance.text:
+                raise RequestError(f"{NEGATIVE_PROMPT} must not be empty", NEGATIVE_PROMPT)
+            _limit(len(guidance.text), limits.max_prompt_chars, "guidance.text", "length")
+        case "chat":
+            check_chat(guidance.chat, limits, "guidance.")
+        case "token_ids":
+            if not guidance.token_ids.ids:
+                raise RequestError(f"{NEGATIVE_PROMPT} must hold at least one token", NEGATIVE_PROMPT)
+            _limit(len(guidance.token_ids.ids), limits.max_prompt_tokens, "guidance.token_ids.ids", "count")
+        case _:
+            raise RequestError(f"{NEGATIVE_PROMPT}: set one of text, chat or token_ids", NEGATIVE_PROMPT)
+
+
+@dataclass(frozen=True)
+class ModelBounds:
+    """What the engine said of its model when it became ready, for the checks made after tokenizing."""
+
+    vocab_size: int  # token ids are below this
+    context_length: int  # prompt + max_new_tokens of one sequence, in tokens
+    cache_tokens: int  # the whole KV cache, in tokens
+
+
+def check_negative_prompt_ids(ids: Sequence[int], max_new_tokens: int, bounds: ModelBounds) -> None:
+    """The tokenized negative prompt, as the engine checks the prompt: at least one token, every id
+    in the vocabulary, and with max_new_tokens within the context and the cache (PROMPT_TOO_LONG)."""
+    if not ids:
+        raise RequestError(f"{NEGATIVE_PROMPT} must make at least one token", NEGATIVE_PROMPT)
+    bad = next((t for t in ids if not 0 <= t < bounds.vocab_size), None)
+    if bad is not None:
+        raise RequestError(
+            f"guidance.token_ids.ids: token id {bad} is not below the vocabulary size {bounds.vocab_size}",
+            "guidance.token_ids.ids",
+        )
+    total = len(ids) + max_new_tokens
+    most = min(bounds.context_length, bounds.cache_tokens)
+    if total > most:
+        within = "the context" if most == bounds.context_length else "the whole KV cache"
+        raise RequestError(
+            f"{NEGATIVE_PROMPT} of {len(ids)} tokens + max_new_tokens {max_new_tokens} = {total} tokens "
+            f"exceeds {within} of {most} tokens",
+            NEGATIVE_PROMPT,
+            ErrorReason.PROMPT_TOO_LONG,
+        )
+
+
+def check_chat(chat: pb.ChatPrompt, limits: Limits, prefix: str = "") -> None:
+    """A chat prompt's limits; `prefix` is where it sits in the request ("guidance." for a negative one)."""
+    field = f"{prefix}chat.messages"
     if not chat.messages:
-        raise RequestError("chat.messages must hold at least one message", "chat.messages")
-    _limit(len(chat.messages), limits.max_chat_messages, "chat.messages", "count")
+        raise RequestError(f"{field} must hold at least one message", field)
+    _limit(len(chat.messages), limits.max_chat_messages, field, "count")
     total = 0
     for i, m in enumerate(chat.messages):
-        _limit(len(m.role), limits.max_role_chars, f"chat.messages[{i}].role", "length")
+        _limit(len(m.role), limits.max_role_chars, f"{field}[{i}].role", "length")
         total += len(m.content)
-    _limit(total, limits.max_prompt_chars, "chat.messages", "contents length")
+    _limit(total, limits.max_prompt_chars, field, "contents length")
 
 
 def check_tokenize_request(req: pb.TokenizeRequest, limits: Limits) -> None:

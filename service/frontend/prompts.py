@@ -82,25 +82,47 @@ class PromptTokenizer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _chat_ids(self, chat: pb.ChatPrompt, field: str) -> list[int]:
+        messages = [ChatMessage(m.role, m.content) for m in chat.messages]
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except DyngenError as exc:
+            raise RequestError(str(exc), field) from exc
+        except Exception as exc:  # the template's raise_exception(), or a template error
+            raise RequestError(f"{field}: the model's chat template refused it: {exc}", field) from exc
+
     def token_ids(self, prompt: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
         """The prompt's ids; RequestError for an empty prompt or a chat the template refuses."""
         match prompt.WhichOneof("prompt"):
             case "text":
                 return self.tokenizer.encode(prompt.text)
             case "chat":
-                messages = [ChatMessage(m.role, m.content) for m in prompt.chat.messages]
-                try:
-                    return self.tokenizer.encode_chat(messages)
-                except DyngenError as exc:
-                    raise RequestError(str(exc), "chat") from exc
-                except Exception as exc:  # the template's raise_exception(), or a template error
-                    raise RequestError(f"chat: the model's chat template refused it: {exc}", "chat") from exc
+                return self._chat_ids(prompt.chat, "chat")
             case "token_ids" if isinstance(prompt, pb.GenerateRequest):
                 return list(prompt.token_ids.ids)
             case _:
                 raise RequestError("prompt: set one of text, chat or token_ids", "prompt")
 
+    def negative_ids(self, guidance: pb.Guidance) -> list[int]:
+        """The guidance's negative prompt's ids, made exactly as a prompt's (BOS, chat template)."""
+        match guidance.WhichOneof("negative_prompt"):
+            case "text":
+                return self.tokenizer.encode(guidance.text)
+            case "chat":
+                return self._chat_ids(guidance.chat, "guidance.chat")
+            case "token_ids":
+                return list(guidance.token_ids.ids)
+            case _:
+                raise RequestError(
+                    "guidance.negative_prompt: set one of text, chat or token_ids", "guidance.negative_prompt"
+                )
+
     async def token_ids_async(self, prompt: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
         if prompt.WhichOneof("prompt") == "token_ids":
             return self.token_ids(prompt)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.token_ids, prompt)
+
+    async def negative_ids_async(self, guidance: pb.Guidance) -> list[int]:
+        if guidance.WhichOneof("negative_prompt") == "token_ids":
+            return self.negative_ids(guidance)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.negative_ids, guidance)

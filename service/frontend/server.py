@@ -86,7 +86,11 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
     health_servicer = health.aio.HealthServicer()
     tasks: set[asyncio.Task[None]] = set()
     service = GeneratorService(
-        engine, auth, Limits(max_prompt_chars=config.max_prompt_chars), config.max_streams
+        engine,
+        auth,
+        Limits(max_prompt_chars=config.max_prompt_chars),
+        config.max_streams,
+        config.max_priority_jobs,
     )
 
     leaving = asyncio.Event()  # SIGTERM seen: health stays NOT_SERVING whatever the engine does

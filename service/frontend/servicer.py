@@ -27,6 +27,7 @@ from dyngen_client.affinity import AFFINITY_HEADER, affinity_key
 from dyngen_client.errors import ErrorReason, Failure
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.request import Chat
+from engine.jobs import JobSpec
 from service.frontend.auth import Authenticator, cache_salt
 from service.frontend.engine_client import (
     EngineBusyError,
@@ -41,6 +42,7 @@ from service.frontend.limits import (
     RequestError,
     check_adapter_name,
     check_job_id,
+    check_negative_prompt_ids,
     check_request,
     check_tokenize_request,
 )
@@ -89,12 +91,21 @@ def lenient(cls: type[Msg]) -> Callable[[bytes], Msg | Malformed]:
 
 
 class GeneratorService:
-    def __init__(self, engine: EngineClient, auth: Authenticator, limits: Limits, max_streams: int) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        auth: Authenticator,
+        limits: Limits,
+        max_streams: int,
+        max_priority_jobs: int,
+    ) -> None:
         self.engine = engine
         self.adapters = TenantAdapters(auth.enabled, engine.adapter_loads)
         self.auth = auth
         self.limits = limits
         self.max_streams = max_streams
+        # With authentication on: one tenant's jobs of priority > 0 queued or running at once.
+        self.max_priority_jobs = max_priority_jobs
         self.open_streams = 0
         self.draining = False
 
@@ -181,6 +192,43 @@ class GeneratorService:
         except RequestError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
 
+    async def _negative_ids(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> list[int]:
+        """The guidance's negative prompt as ids, tokenized as the prompt is and checked as the engine
+        checks a prompt (ids in the vocabulary, within the context and the cache with max_new_tokens)."""
+        prompts, bounds = self.engine.prompts, self.engine.bounds
+        if prompts is None or bounds is None:
+            await self._fail(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine is not running",
+                ErrorReason.ENGINE_UNAVAILABLE,
+            )
+        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else JobSpec.max_new_tokens
+        try:
+            ids = await prompts.negative_ids_async(request.guidance)
+            check_negative_prompt_ids(ids, max_new, bounds)
+            return ids
+        except RequestError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
+
+    async def _check_priority_jobs(
+        self, request: pb.GenerateRequest, tenant: str, context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> None:
+        """With authentication on, a tenant's jobs of priority > 0 are capped, so that one tenant
+        cannot hold the engine's queue ahead of everyone else's with an endless run of them."""
+        if request.priority <= 0 or not self.auth.enabled:
+            return
+        if self.engine.priority_jobs(tenant) >= self.max_priority_jobs:
+            await self._fail(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"priority > 0: this tenant has {self.max_priority_jobs} such jobs queued or running, "
+                f"the server's limit (--max-priority-jobs); retry when one ends, or send priority <= 0",
+                ErrorReason.PRIORITY_LIMIT,
+            )
+
     async def _submit(
         self,
         request: pb.GenerateRequest,
@@ -203,9 +251,14 @@ class GeneratorService:
         engine_request = pb.GenerateRequest()
         engine_request.CopyFrom(request)
         engine_request.token_ids.ids[:] = ids  # sets the oneof: the engine never tokenizes
+        if request.HasField("guidance"):
+            engine_request.guidance.token_ids.ids[:] = await self._negative_ids(request, context)
         engine_request.cache_salt = cache_salt(tenant, request.cache_salt)
         if request.adapter:
             engine_request.adapter = self.adapters.engine_name(tenant, request.adapter)
+        # No await between this count and the job's entry in the engine client's table (submit
+        # registers it before its first await), so concurrent calls cannot both pass the cap.
+        await self._check_priority_jobs(request, tenant, context)
         try:
             job = await self.engine.submit(engine_request, tenant, streamed)
             job.affinity = _affinity(request, context)

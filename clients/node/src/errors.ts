@@ -27,6 +27,7 @@ export const ERROR_REASONS = [
   "ADAPTER_EXISTS",
   "ADAPTER_IN_USE",
   "ADAPTER_LIMIT",
+  "PRIORITY_LIMIT",
 ] as const;
 export type ErrorReason = (typeof ERROR_REASONS)[number];
 

@@ -49,6 +49,7 @@ class ErrorReason(enum.StrEnum):
     ADAPTER_EXISTS = "ADAPTER_EXISTS"  # a LoRA adapter of that name is loaded already
     ADAPTER_IN_USE = "ADAPTER_IN_USE"  # jobs run with the adapter: unload when they end (retry later)
     ADAPTER_LIMIT = "ADAPTER_LIMIT"  # --max-adapters are loaded: unload one first
+    PRIORITY_LIMIT = "PRIORITY_LIMIT"  # the tenant has --max-priority-jobs jobs of priority > 0 (retry later)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ _RETRY_SECONDS = {
     ErrorReason.DRAINING: RETRY_UNAVAILABLE_SECONDS,
     ErrorReason.REPLICA_LOST: 0.0,
     ErrorReason.ADAPTER_IN_USE: RETRY_BUSY_SECONDS,
+    ErrorReason.PRIORITY_LIMIT: RETRY_BUSY_SECONDS,
 }
 
 
