@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dyngen_client import cli as client_cli
-from dyngen_client.cli import CliError, json_record, positive_int, prompt_texts
+from dyngen_client.cli import CliError, guidance_flags, json_record, positive_int, prompt_texts
 from engine import defaults
 from engine.errors import DyngenError
 
@@ -94,7 +94,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.server is not None:
         return client_cli.run_generate(args)
     texts = prompt_texts(args)
+    flags = guidance_flags(args)
     # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
+    from engine.guidance import Guidance
     from engine.jobs import JobSpec, SamplingSettings
     from engine.loop_detector import LoopStop
     from engine.model.tokenizer import ChatMessage
@@ -124,9 +126,14 @@ def run_generate(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     if not args.quiet:
         print(f"kv cache: {generator.cache.describe()}", file=sys.stderr)
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tok.encode_chat([ChatMessage("user", text)]) if args.chat else tok.encode(text))
+
+    guidance = None if flags is None else Guidance(flags[0], encode(flags[1]))
     specs = [
         JobSpec(
-            tuple(tok.encode_chat([ChatMessage("user", t)]) if args.chat else tok.encode(t)),
+            encode(t),
             max_new_tokens=args.max_new_tokens,
             ignore_eos=args.ignore_eos,
             stop_strings=tuple(args.stop),
@@ -135,6 +142,8 @@ def run_generate(args: argparse.Namespace) -> int:
             token_healing=args.heal,
             adapter=adapter,
             stop_on_loop=None if args.stop_on_loop is None else LoopStop(*args.stop_on_loop),
+            priority=args.priority,
+            guidance=guidance,
         )
         for t in texts
     ]

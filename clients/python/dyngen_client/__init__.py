@@ -13,6 +13,7 @@ from dyngen_client.errors import (
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.request import (
     Chat,
+    Guidance,
     JsonSchema,
     LarkGrammar,
     Prompt,
@@ -32,6 +33,7 @@ __all__ = [
     "ErrorReason",
     "Event",
     "FieldViolation",
+    "Guidance",
     "JsonSchema",
     "LarkGrammar",
     "Prompt",

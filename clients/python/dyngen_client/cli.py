@@ -21,7 +21,7 @@ from google.protobuf import json_format
 
 from dyngen_client.client import Client, tls_credentials
 from dyngen_client.errors import error_details
-from dyngen_client.request import Chat, Request, Sampling
+from dyngen_client.request import DEFAULT_GUIDANCE_SCALE, Chat, Guidance, Request, Sampling
 from dyngen_client.result import Result, collect, stop_reason_name
 
 MAX_PARALLEL_STREAMS = 64  # prompts of a --prompts-file in flight at once
@@ -86,6 +86,27 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop once the output ends with a pattern of up to WINDOW tokens repeated REPS times",
     )
     parser.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="scheduling priority in [-1000, 1000], higher first (default 0); a waiting job preempts "
+        "running jobs of lower priority when the engine is full",
+    )
+    parser.add_argument(
+        "--negative-prompt",
+        default=None,
+        metavar="TEXT",
+        help="classifier-free guidance: push the output away from this prompt (tokenized like the "
+        "prompt, a user message with --chat)",
+    )
+    parser.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"with --negative-prompt: how far from it, in [0, 100]; 1 = no effect (default {DEFAULT_GUIDANCE_SCALE:g})",
+    )
+    parser.add_argument(
         "--lora",
         dest="adapter",
         default="",
@@ -138,6 +159,16 @@ def read_prompts_file(path: Path) -> list[str]:
     if not prompts:
         raise CliError(f"{path}: no prompts")
     return prompts
+
+
+def guidance_flags(args: argparse.Namespace) -> tuple[float, str] | None:
+    """(scale, negative prompt text) of --guidance-scale / --negative-prompt; None: no guidance."""
+    if args.negative_prompt is None:
+        if args.guidance_scale is not None:
+            raise CliError("--guidance-scale needs --negative-prompt")
+        return None
+    scale = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
+    return scale, args.negative_prompt
 
 
 def prompt_texts(args: argparse.Namespace) -> list[str]:
@@ -205,6 +236,8 @@ def server_error(exc: grpc.RpcError) -> CliError:
 def run_generate(args: argparse.Namespace) -> int:
     """Send every prompt to the server at once (a thread per stream) and print them in order."""
     texts = prompt_texts(args)
+    flags = guidance_flags(args)
+    guidance = None if flags is None else Guidance(flags[0], Chat.user(flags[1]) if args.chat else flags[1])
     sampling = Sampling(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -227,6 +260,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 token_healing=args.heal,
                 adapter=args.adapter,
                 stop_on_loop=args.stop_on_loop,
+                priority=args.priority,
+                guidance=guidance,
             )
             return collect(client.generate(request))
 

@@ -89,6 +89,29 @@ class LarkGrammar:
 
 ResponseFormat = JsonSchema | Regex | LarkGrammar
 
+DEFAULT_GUIDANCE_SCALE = 1.5  # both CLIs' --guidance-scale (the wire has no default: unset is 0)
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """Classifier-free guidance: the job is pushed away from `negative_prompt` (text, chat messages
+    or token ids, tokenized by the server like the prompt). `scale` is finite, in [0, 100]: 1 = no
+    effect, 0 = the negative prompt alone, above 1 = further from it."""
+
+    scale: float
+    negative_prompt: Prompt
+
+    def to_proto(self) -> pb.Guidance:
+        g = pb.Guidance(scale=self.scale)
+        match self.negative_prompt:
+            case str():
+                g.text = self.negative_prompt
+            case Chat():
+                g.chat.CopyFrom(chat_proto(self.negative_prompt))
+            case _:
+                g.token_ids.ids.extend(self.negative_prompt)
+        return g
+
 
 @dataclass(frozen=True)
 class Request:
@@ -111,6 +134,11 @@ class Request:
     # (window, min_repetitions): stop (STOP_REASON_LOOP) once the output ends with a pattern of up
     # to `window` tokens repeated `min_repetitions` times; None = never.
     stop_on_loop: tuple[int, int] | None = None
+    # Scheduling priority in [-1000, 1000], higher first; a waiting job preempts running jobs of
+    # lower priority when the engine is full. With authentication on, the server caps a tenant's
+    # jobs above 0 (--max-priority-jobs).
+    priority: int = 0
+    guidance: Guidance | None = None  # classifier-free guidance against a negative prompt; None = off
 
     def to_proto(self) -> pb.GenerateRequest:
         req = pb.GenerateRequest(
@@ -127,7 +155,10 @@ class Request:
             banned_strings=self.banned_strings,
             token_healing=self.token_healing,
             adapter=self.adapter,
+            priority=self.priority,
         )
+        if self.guidance is not None:
+            req.guidance.CopyFrom(self.guidance.to_proto())
         if self.max_new_tokens is not None:
             req.max_new_tokens = self.max_new_tokens
         if self.stop_on_loop is not None:
