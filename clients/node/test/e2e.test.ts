@@ -90,6 +90,22 @@ test("a request past a limit is INVALID_ARGUMENT naming the field", async () => 
   });
 });
 
+test("carries priority and guidance; a bad guidance scale is INVALID_ARGUMENT naming it", async () => {
+  const result = await collect(client.generate({ text: "Hi", max_new_tokens: 3, ignore_eos: true, priority: 5 }));
+  assert.equal(result.finished?.new_tokens, 3);
+  const guided = { text: "Hi", priority: -2, guidance: { scale: 101, text: "dull" } };
+  await assert.rejects(collect(client.generate(guided)), (error: unknown) => {
+    assert.ok(isServiceError(error));
+    const details = errorDetails(error);
+    assert.equal(details.codeName, "INVALID_ARGUMENT");
+    assert.deepEqual(
+      details.fieldViolations.map((v) => v.field),
+      ["guidance.scale"],
+    );
+    return true;
+  });
+});
+
 test("a stream past the server's limit is RESOURCE_EXHAUSTED with a RetryInfo", async () => {
   const open = client.generate(LONG);
   const first = await new Promise<GenerateEvent>((resolve, reject) => {
