@@ -474,7 +474,7 @@ class Guidance(_message.Message):
     scale: _builtins.float
     """How far the job is pushed from the negative prompt: finite, in [0, 100]. 1 = the job alone (no
     guidance effect), 0 = the negative prompt alone, above 1 pushes away from the negative prompt
-    (1.5 to 3 is usual).
+    (1.5 to 3 is usual). Unset is 0, as for any proto3 number: always set it.
     """
     text: _builtins.str
     """Plain text; the tokenizer adds BOS if the model wants one. At most --max-prompt-chars
