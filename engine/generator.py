@@ -52,16 +52,18 @@ from engine.jobs import (
     JobStarted,
     JobTimings,
     PrefillProgress,
+    SamplingSettings,
     StopReason,
     TokenLogprob,
     TokensGenerated,
     new_job_id,
 )
 from engine.kv_cache import KVCacheKind, PagedKVCache
+from engine.logit_processors import mix_guided
 from engine.model.llama import LlamaModel
 from engine.model.lora_adapter import LoraAdapter
 from engine.model.tokenizer import Tokenizer
-from engine.pages import PagePool
+from engine.pages import PagePool, common_prefix_len
 from engine.runner import ModelRunner
 from engine.sampler import (
     DEFAULT_SAMPLER_MODE,
@@ -87,6 +89,11 @@ from engine.token_intake import TokenIntake
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 200
+
+
+def _scale(job: JobState) -> float:
+    assert job.spec.guidance is not None
+    return job.spec.guidance.scale
 
 
 # Ids appear in logs and metrics: printable, bounded, no separators to forge.
@@ -237,19 +244,7 @@ class DynamicGenerator:
             if job_id in self.jobs:
                 raise InvalidRequestError(f"job id {job_id} is in use by another job")
         spec.validate(self.model.config.vocab_size)
-        total = len(spec.prompt_ids) + spec.max_new_tokens
-        if total > self.max_seq_len:
-            raise PromptTooLongError(
-                f"prompt of {len(spec.prompt_ids)} tokens + max_new_tokens {spec.max_new_tokens} = {total} "
-                f"tokens exceeds max_seq_len {self.max_seq_len}"
-            )
-        capacity = self.pool.num_pages * self.pool.page_size
-        if total > capacity:
-            raise PromptTooLongError(
-                f"prompt of {len(spec.prompt_ids)} tokens + max_new_tokens {spec.max_new_tokens} = {total} "
-                f"tokens exceeds the whole KV cache of {capacity} tokens "
-                f"({self.pool.num_pages} pages of {self.pool.page_size})"
-            )
+        self._check_fits(spec)
         adapter = self.adapters.get(spec.adapter) if spec.adapter is not None else None
         # Compiled (or taken from the cache) here: a bad schema is the caller's error, at enqueue.
         constraint = self.grammars.compile(spec.response_format) if spec.response_format is not None else None
@@ -277,9 +272,58 @@ class DynamicGenerator:
             healing=heal.removed if heal is not None else b"",
             adapter=adapter,
         )
+        if spec.guidance is not None:
+            job.negative = self._negative_sequence(job)
         self.scheduler.submit(job)
         self.jobs[job_id] = job
         return job_id
+
+    def _check_fits(self, spec: JobSpec) -> None:
+        """PromptTooLongError unless the job (with its negative prompt, if guided) fits the context
+        and the whole cache at its longest."""
+        ps = self.pool.page_size
+        prompts = [("prompt", len(spec.prompt_ids))]
+        if spec.guidance is not None:
+            prompts.append(("negative prompt", len(spec.guidance.negative_prompt_ids)))
+        for what, n in prompts:
+            total = n + spec.max_new_tokens
+            if total > self.max_seq_len:
+                raise PromptTooLongError(
+                    f"{what} of {n} tokens + max_new_tokens {spec.max_new_tokens} = {total} "
+                    f"tokens exceeds max_seq_len {self.max_seq_len}"
+                )
+        pages = sum(-(-(n + spec.max_new_tokens) // ps) for _, n in prompts)
+        if pages > self.pool.num_pages:
+            what = " and ".join(f"{w} of {n} tokens" for w, n in prompts)
+            raise PromptTooLongError(
+                f"{what} + max_new_tokens {spec.max_new_tokens} need {pages} pages, more than the whole "
+                f"KV cache's {self.pool.num_pages} pages of {ps} tokens"
+            )
+
+    def _negative_sequence(self, job: JobState) -> JobState:
+        """A guided job's second sequence: its negative prompt, then (as they come) its output tokens;
+        run with the job's adapter and cache salt, never sampled (engine/guidance.py)."""
+        spec = job.spec
+        assert spec.guidance is not None
+        ids = spec.guidance.negative_prompt_ids
+        return JobState(
+            job_id=JobId(f"{job.job_id}-negative"),
+            spec=JobSpec(
+                prompt_ids=ids,
+                max_new_tokens=spec.max_new_tokens,
+                cache_salt=spec.cache_salt,
+                adapter=spec.adapter,
+                priority=spec.priority,
+            ),
+            sampler=SamplerState(SamplingSettings(), (), self.model.config.vocab_size),
+            text=TextStream(self.tokenizer, (), True, (), ""),
+            enqueued_at=job.enqueued_at,
+            order=0,
+            tokens=list(ids),
+            started=True,  # it reports nothing: the job's events are the job's alone
+            adapter=job.adapter,
+            positive=job,
+        )
 
     # -- LoRA adapters -------------------------------------------------------------------------
 
@@ -329,7 +373,9 @@ class DynamicGenerator:
         )
 
     def check_invariants(self) -> None:
-        self.pool.check_invariants(j.pages for j in self.jobs.values() if j.pages)
+        sequences = [s for j in self.jobs.values() for s in (j, j.negative) if s is not None]
+        holds = [s.prefix_copy.source for s in sequences if s.prefix_copy is not None]
+        self.pool.check_invariants((s.pages for s in sequences if s.pages), holds)
 
     # -- one iteration -------------------------------------------------------------------------
 
@@ -361,9 +407,15 @@ class DynamicGenerator:
         if masks is not None and self.mask_overlap is MaskOverlap.BEFORE:
             wait([masks])  # no core to spare: the worker would stall the forward's threads
         sampled: list[_StepOutput] = []
+        negatives: dict[JobState, _StepOutput] = {}  # guided job -> its negative sequence's row
         for out in self._forward(staged, events):
             job, seq = out.chunk.job, out.seq
             try:
+                if job.positive is not None:  # a negative sequence: its row waits for its job's
+                    self.scheduler.advance(job, seq.end_pos)
+                    if seq.want_logits:
+                        negatives[job.positive] = out
+                    continue
                 if out.chunk.draft:
                     logits = out.logits[out.row : out.row + seq.logit_positions]
                     self.speculation.verify(job, out.chunk.draft, logits, events)
@@ -378,10 +430,63 @@ class DynamicGenerator:
             except Exception as exc:
                 self._contain(job, "taking its step's results", exc, events)
         if sampled:
+            if negatives or any(o.chunk.job.negative is not None for o in sampled):
+                sampled = self._guide(sampled, negatives, events)
             self._sample(sampled, events, masks)
         elif masks is not None:
             masks.result()  # nobody samples after all (failed forwards): let the worker finish
         return events
+
+    def _guide(
+        self, sampled: list[_StepOutput], negatives: dict[JobState, _StepOutput], events: list[JobEvent]
+    ) -> list[_StepOutput]:
+        """Replace each guided job's logits row by its mix with its negative sequence's row, in place
+        (so every later step, masks and kept rows for rewinds, sees the guided distribution)."""
+        guided: list[tuple[_StepOutput, _StepOutput]] = []
+        kept: list[_StepOutput] = []
+        for out in sampled:
+            job = out.chunk.job
+            if job.negative is None:
+                kept.append(out)
+            elif job.stage is JobStage.FINISHED:  # failed with its negative sequence's share
+                continue
+            elif (negative := negatives.get(job)) is None:
+                error = RuntimeError("its negative sequence's logits are not in the same forward")
+                self._contain(job, "guiding its sampling", error, events)
+            else:
+                guided.append((out, negative))
+        if not guided:
+            return kept
+        try:
+            cond = torch.stack([o.logits[o.row] for o, _ in guided])
+            uncond = torch.stack([n.logits[n.row] for _, n in guided])
+            scales = torch.tensor([_scale(o.chunk.job) for o, _ in guided])
+            mixed = mix_guided(cond, uncond, scales)
+            with torch.inference_mode(
+                guided[0][0].logits.is_inference()
+            ):  # the forward's logits are inference tensors
+                for i, (o, _) in enumerate(guided):
+                    o.logits[o.row].copy_(mixed[i])
+        except Exception as exc:
+            for o, _ in guided:
+                self._contain(o.chunk.job, "guiding its sampling", exc, events)
+            return kept
+        return kept + [o for o, _ in guided]
+
+    def _follow_output(self, job: JobState) -> None:
+        """Give a guided job's negative sequence the job's output tokens (and take back what a
+        rewind took back from the job, with its K/V)."""
+        negative = job.negative
+        if negative is None or job.stage is JobStage.FINISHED:
+            return
+        output = job.tokens[job.prompt_len :]
+        base = negative.prompt_len
+        same = common_prefix_len(negative.tokens[base:], output)
+        if base + same < len(negative.tokens):
+            if negative.computed > base + same:
+                self._truncate_cache(negative, base + same)
+            del negative.tokens[base + same :]
+        negative.tokens.extend(output[same:])
 
     def _start_masks(self, staged: list[tuple[ScheduledChunk, SequenceInput]]) -> Future[_Masks] | None:
         """Start computing the token masks of the constrained jobs that sample after this forward."""
@@ -507,14 +612,15 @@ class DynamicGenerator:
                 self.intake.accept(
                     out.chunk.job, result.token_id, result.logprob, events, out.logits[out.row]
                 )
+                self._follow_output(out.chunk.job)
             except Exception as exc:
                 self._contain(out.chunk.job, "taking its sampled token", exc, events)
 
     def _truncate_cache(self, job: JobState, keep: int) -> None:
         """Take the job's K/V back to its first `keep` tokens (the scheduler's truncate)."""
         if not self.scheduler.truncate(job, keep, self.cache.copy_prefix):
-            self._on_preempt(job)
-        self.speculation.forget(job)  # its drafter state saw the tokens taken back
+            self._on_preempt(job.positive or job)  # preempted, with its pair if guided
+        self.speculation.forget(job.positive or job)  # its drafter state saw the tokens taken back
 
     def _on_preempt(self, job: JobState) -> None:
         self.speculation.forget(job)  # the scheduler has sent it back to the queue
@@ -522,7 +628,9 @@ class DynamicGenerator:
     # -- failures ------------------------------------------------------------------------------
 
     def _contain(self, job: JobState, where: str, exc: Exception, events: list[JobEvent]) -> None:
-        """An exception while running `job` alone: fail the job (once), log the traceback, go on."""
+        """An exception while running `job` alone: fail the job (once), log the traceback, go on.
+        A negative sequence's failure is its guided job's."""
+        job = job.positive or job
         if job.stage is JobStage.FINISHED:  # its JobFinished is already in `events`
             logger.error("job %s: error while %s after it finished", job.job_id[:8], where, exc_info=exc)
             return

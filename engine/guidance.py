@@ -6,14 +6,14 @@ in the same forwards as everything else and never sampled. The job samples from
 `uncond + scale * (cond - uncond)` over the two rows' log-softmaxes (the rule of transformers'
 `guidance_scale` with `negative_prompt_ids`), before penalties, masks and the other filters:
 scale 1 is the job alone, scale 0 the negative prompt alone, larger scales push further from it.
+The mixing itself is the sampler's first step (engine/logit_processors.py `mix_guided`); this file
+stays free of torch, for the front end's checks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
 
 MAX_GUIDANCE_SCALE = 100.0
 
@@ -32,11 +32,3 @@ class Guidance:
         if not all(0 <= t < vocab_size for t in self.negative_prompt_ids):
             return f"guidance negative prompt token ids must be in [0, {vocab_size})"
         return None
-
-
-def mix_guided(cond: torch.Tensor, uncond: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Guided log-probabilities of rows `cond` [N, V] against their negative rows `uncond` [N, V],
-    with one scale per row [N]: log_softmax(uncond) + scale * (log_softmax(cond) - log_softmax(uncond))."""
-    lc = torch.log_softmax(cond.float(), dim=-1)
-    lu = torch.log_softmax(uncond.float(), dim=-1)
-    return torch.addcmul(lu, lc - lu, scales.to(lu.dtype).unsqueeze(1))

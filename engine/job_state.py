@@ -78,6 +78,11 @@ class JobState:
     preemptions: int = 0
     draft_budget: int = 0  # draft tokens to verify with the next decode step (0: no speculation)
     adapter: LoraAdapter | None = None  # set at enqueue from spec.adapter, never changed
+    # Classifier-free guidance (engine/guidance.py), both set at enqueue and never changed: a guided
+    # job's negative sequence (the negative prompt, then this job's output tokens), and on that
+    # sequence the job it serves. The pair is scheduled, preempted and finished as one unit.
+    negative: JobState | None = None
+    positive: JobState | None = None
     accepted_drafts: int = 0
     rejected_drafts: int = 0
     scheduled_at: float | None = None

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import ErrorKind, InvalidRequestError
-from engine.ids import JobId, new_job_id
 from engine.guidance import Guidance
+from engine.ids import JobId, new_job_id
 from engine.loop_detector import LoopStop
 from engine.response_format import ResponseFormat
 

@@ -1,4 +1,5 @@
-"""Steps 1-4 of the sampler's order (see engine/sampler.py): a grammar's token mask, the
+"""Steps 1-4 of the sampler's order (see engine/sampler.py), after classifier-free guidance's
+mix (`mix_guided`, done by the generator on the forward's rows): a grammar's token mask, the
 penalties, logit bias and bans, applied in place to the rows that need them, touching only the
 listed token ids of each row; and the fallback for a row they leave without a finite maximum."""
 
@@ -112,3 +113,11 @@ def fallback_row(raw: torch.Tensor, state: SamplerState, extra: torch.Tensor | N
     penalize_bias_ban(row, [0], [state], [None], use_bias=False, use_penalties=False)
     row.clamp_(max=F32_MAX)
     return row[0] if bool(torch.isfinite(row.amax())) else torch.zeros_like(raw)
+
+
+def mix_guided(cond: torch.Tensor, uncond: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Guided log-probabilities of rows `cond` [N, V] against their negative rows `uncond` [N, V],
+    with one scale per row [N]: log_softmax(uncond) + scale * (log_softmax(cond) - log_softmax(uncond))."""
+    lc = torch.log_softmax(cond.float(), dim=-1)
+    lu = torch.log_softmax(uncond.float(), dim=-1)
+    return torch.addcmul(lu, lc - lu, scales.to(lu.dtype).unsqueeze(1))

@@ -445,11 +445,14 @@ class PagePool:
 
     # -- checking ------------------------------------------------------------------------
 
-    def check_invariants(self, tables: Iterable[Sequence[PageId]]) -> None:
-        """Raise AssertionError listing every broken invariant, given all live page tables."""
+    def check_invariants(self, tables: Iterable[Sequence[PageId]], holds: Iterable[PageId] = ()) -> None:
+        """Raise AssertionError listing every broken invariant, given all live page tables and the
+        pages held outside them (`hold`: a partial prefix's source page, until it is copied)."""
         problems: list[str] = []
         n = self._num_pages
         holders = [0] * n
+        for page in holds:
+            holders[page] += 1
         for t, table in enumerate(tables):
             seen: set[PageId] = set()
             for page in table:

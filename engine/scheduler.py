@@ -29,6 +29,18 @@ job is filling) instead of computing them: 32 prompts that share 1019 tokens on 
 A queued job's page hashes are computed once and kept on the job, and a try that does
 not fit takes nothing and counts no prefix lookup: a job waiting for room costs dict
 lookups per step, and the hit-rate stats count one lookup per admission.
+
+Priority (JobSpec.priority, higher first): the queue is kept in priority order, arrivals of
+equal priority in turn (a preempted job goes back before them), and only jobs of equal
+priority pass each other under max_skips. When the highest waiting job outranks a running one
+and the batch or the pool has no room for it, the lowest-priority running job (the newest
+among equals) is preempted, again until it fits, so it starts in the same step; the pool's
+own preemptions take the same victim. Equal priorities never preempt each other.
+
+Guided jobs (classifier-free guidance) run with their negative sequence: a second row with
+its own pages, admitted, preempted and removed together with the job, which counts two rows
+of the batch. Both rows reach their last token in the same forward, since the job samples
+from the two rows' logits: until both can, each keeps its last token back.
 """
 
 from __future__ import annotations
@@ -85,17 +97,39 @@ class Scheduler:
             raise QueueFullError(
                 f"the queue is full ({self.config.max_q_size} jobs waiting); try again later"
             )
-        self.queue.append(job)
+        self._enqueue(job, resume=False)
+
+    def _enqueue(self, job: JobState, resume: bool) -> None:
+        """Queue `job` in priority order: after the jobs of its priority (a new one) or before them
+        (`resume`: a preempted one goes on first)."""
+        p = job.spec.priority
+        q = self.queue
+        if not q or (q[-1].spec.priority >= p if not resume else q[-1].spec.priority > p):
+            q.append(job)  # the usual case: one priority, or the lowest
+            return
+        for i, other in enumerate(q):
+            if other.spec.priority < p or (resume and other.spec.priority == p):
+                q.insert(i, job)
+                return
+        q.append(job)
 
     def remove(self, job: JobState) -> None:
-        """Take a job out (finish or cancel) and give its pages back; it is FINISHED from here on,
-        even if giving the pages back fails."""
+        """Take a job out (finish or cancel) and give its pages back (its negative sequence's too);
+        it is FINISHED from here on, even if giving the pages back fails."""
         job.stage = JobStage.FINISHED
+        if job.negative is not None:
+            job.negative.stage = JobStage.FINISHED
+            if job.negative in self.running:
+                self.running.remove(job.negative)
         if job in self.running:
             self.running.remove(job)
         elif job in self.queue:
             self.queue.remove(job)
-        self._release(job)
+        try:
+            if job.negative is not None:
+                self._release(job.negative)
+        finally:
+            self._release(job)
 
     # -- the generator's reports: progress and pages are written here only ----------------------
 
@@ -184,25 +218,39 @@ class Scheduler:
         for job in self.running:
             if job.inflight and job.inflight[0][0] < job.registered:
                 self._forget_inflight(job, job.registered)
-        # 1. Decode steps, oldest first: each may need one more page; preempt the newest when dry.
+        # 0. A waiting job that outranks a running one takes its place if there is no room for it.
+        self._admit_by_priority(on_preempt)
+        # 1. Decode steps, highest priority and oldest first: each may need one more page; the pool
+        #    running dry preempts the lowest-priority, newest job (never one already scheduled).
         #    A speculating job asks for room for its drafts too (verified in the same step).
-        for job in sorted((j for j in self.running if j.decoding), key=lambda j: j.order):
+        decoding = (j for j in self.running if j.positive is None and self._decoding(j))
+        for job in sorted(decoding, key=lambda j: (-j.spec.priority, j.order)):
             if budget < 1 or job.stage is JobStage.QUEUED:  # preempted for an older job's page
                 continue
-            take = min(1 + job.draft_budget, budget)
-            if not self._ensure_pages(job, job.computed + take, ps, on_preempt):
+            negative = job.negative
+            if negative is None:
+                take = min(1 + job.draft_budget, budget)
+                if not self._ensure_pages(job, job.computed + take, ps, on_preempt):
+                    continue
+                chunks.append(ScheduledChunk(job, take))
+                budget -= take
                 continue
-            chunks.append(ScheduledChunk(job, take))
-            budget -= take
+            if budget < 2:  # both rows or neither
+                continue
+            if not (
+                self._ensure_pages(job, job.computed + 1, ps, on_preempt)
+                and self._ensure_pages(negative, negative.computed + 1, ps, on_preempt)
+            ):
+                continue
+            chunks += (ScheduledChunk(job, 1), ScheduledChunk(negative, 1))
+            budget -= 2
         # 2. Prefill chunks of running jobs (their prompt pages were taken at admission).
         for job in self.running:
             if budget < 1:
                 break
-            if job.decoding:  # its step (if the budget allowed one) was scheduled above
+            if job.positive is not None or self._decoding(job):  # scheduled above (budget allowing)
                 continue
-            take = min(job.pending, budget)
-            chunks.append(ScheduledChunk(job, take))
-            budget -= take
+            budget = self._add_chunks(job, budget, chunks)
         # 3. Admit queued jobs while the budget, the batch and the pool allow.
         waiting: list[JobState] = []
         while self.queue and budget >= 1 and len(self.running) < self.config.max_batch_size:
@@ -210,11 +258,14 @@ class Scheduler:
             if self._awaits_inflight_prefix(job):
                 waiting.append(self.queue.popleft())
                 continue
-            if not self._admit(job):
+            if not self._admit_unit(job):
                 if job.skips >= self.config.max_skips or len(self.queue) == 1:
                     break
-                # Let a later job try to pass this one (it has been passed `skips` times).
-                passer = next((j for j in list(self.queue)[1:] if self._admit(j)), None)
+                # Let a later job of the same priority try to pass this one (passed `skips` times).
+                p = job.spec.priority
+                passer = next(
+                    (j for j in list(self.queue)[1:] if j.spec.priority == p and self._admit_unit(j)), None
+                )
                 if passer is None:
                     break
                 job.skips += 1
@@ -222,11 +273,67 @@ class Scheduler:
                 job = passer
             else:
                 self.queue.popleft()
-            take = min(job.pending, budget)
-            chunks.append(ScheduledChunk(job, take))
-            budget -= take
+            budget = self._add_chunks(job, budget, chunks)
         self.queue.extendleft(reversed(waiting))
         return chunks
+
+    @staticmethod
+    def _decoding(job: JobState) -> bool:
+        """Whether the job (with its negative sequence, if guided) takes a plain decode step."""
+        return job.decoding and (job.negative is None or job.negative.decoding)
+
+    @staticmethod
+    def _add_chunks(job: JobState, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Add the prefill chunk(s) of a running job within `budget`; returns the budget left."""
+        negative = job.negative
+        if negative is None:
+            take = min(job.pending, budget)
+            chunks.append(ScheduledChunk(job, take))
+            return budget - take
+        own, neg = job.pending, negative.pending
+        if own + neg > budget:
+            # The job samples from both rows' logits after the same forward: until both fit, each
+            # computes all but its last token.
+            neg = min(neg - 1, budget)
+            own = min(own - 1, budget - neg)
+        for seq, take in ((job, own), (negative, neg)):
+            if take > 0:
+                chunks.append(ScheduledChunk(seq, take))
+        return budget - own - neg
+
+    def _victim(self) -> JobState | None:
+        """The running job to preempt first: the lowest priority, the newest among equals."""
+        jobs = (j for j in self.running if j.positive is None)
+        return max(jobs, key=lambda j: (-j.spec.priority, j.order), default=None)
+
+    def _admit_by_priority(self, on_preempt: Callable[[JobState], None]) -> None:
+        """Admit the waiting jobs that outrank a running one, preempting the lowest-priority running
+        jobs while there is no room for them (batch rows or pages)."""
+        while self.queue:
+            head = self.queue[0]
+            victim = self._victim()
+            if victim is None or victim.spec.priority >= head.spec.priority:
+                return
+            if self._admit_unit(head):
+                self.queue.popleft()
+                continue
+            self._preempt(victim)  # it requeues behind `head`, which outranks it
+            on_preempt(victim)
+
+    def _admit_unit(self, job: JobState) -> bool:
+        """Admit a job, and with it its negative sequence (both or neither), if the batch has the rows
+        and the pool the pages."""
+        negative = job.negative
+        if len(self.running) + (1 if negative is None else 2) > self.config.max_batch_size:
+            return False
+        if not self._admit(job):
+            return False
+        if negative is None or self._admit(negative):
+            return True
+        self.running.remove(job)  # no room for the negative sequence: the job waits too
+        self._release(job)
+        job.stage = JobStage.QUEUED
+        return False
 
     def _full_page_hashes(self, job: JobState) -> list[int]:
         """Chain hashes of the job's full pages that a prefix match may cover (all but the last token).
@@ -348,26 +455,33 @@ class Scheduler:
             if got is not None:
                 job.pages.extend(got)
                 return True
-            victim = max(self.running, key=lambda j: j.order)
+            victim = self._victim()
+            assert victim is not None, "a job asking for pages is running"
             self._preempt(victim)
             on_preempt(victim)
-            if victim is job:
+            if victim is job or victim is job.positive:
                 return False
         return True
 
     def preempt(self, job: JobState) -> None:
-        """Send a running job back to the head of the queue, its pages released (its output kept)."""
+        """Send a running job (and its negative sequence, or the job a negative sequence serves)
+        back to the queue, before the jobs of its priority, its pages released (its output kept)."""
         if job in self.running:
             self._preempt(job)
 
     def _preempt(self, job: JobState) -> None:
-        self.running.remove(job)
-        self._release(job)
-        job.stage = JobStage.QUEUED
-        # Its budget was planned for a decode step it will not take: re-admitted, it prefills first.
-        job.draft_budget = 0
-        job.preemptions += 1
-        self.queue.appendleft(job)
+        job = job.positive or job
+        for seq in (job, job.negative):
+            if seq is None:
+                continue
+            if seq in self.running:
+                self.running.remove(seq)
+            self._release(seq)
+            seq.stage = JobStage.QUEUED
+            # Its budget was planned for a decode step it will not take: re-admitted, it prefills first.
+            seq.draft_budget = 0
+            seq.preemptions += 1
+        self._enqueue(job, resume=True)
 
     def _release(self, job: JobState) -> None:
         if job.prefix_copy is not None:  # admitted but never staged: drop the hold on the source

@@ -62,6 +62,9 @@ class SpeculationStep:
             and s.presence_penalty == 0.0
             and not job.spec.banned_strings  # a rewind needs each held token's own logits row
             and not job.healing  # its next token is held to the prompt's taken-back text
+            # A guided job's draft would need its negative sequence to verify alongside: it does not speculate.
+            and job.negative is None
+            and job.positive is None
             # A draft model runs without the job's adapter, so its drafts would mostly be rejected:
             # such jobs do not speculate (n-gram drafts come from the job's own tokens and do).
             and not (job.adapter is not None and isinstance(self.drafter, DraftModelDrafter))

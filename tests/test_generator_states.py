@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.errors import JobNotFoundError, QueueFullError
+from engine.errors import JobNotFoundError, PromptTooLongError, QueueFullError
 from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.guidance import Guidance
 from engine.jobs import JobFinished, JobId, JobSpec, PrefillProgress, SamplingSettings, StopReason
 from engine.model.loader import LoadedModel, load_model
 from engine.scheduler import SchedulerConfig
@@ -111,7 +113,8 @@ def test_min_new_tokens_suppresses_stop_tokens(tiny: LoadedModel) -> None:
 
 class GeneratorLifecycle(RuleBasedStateMachine):
     """Random enqueue / step / cancel sequences; a small pool forces preemption, with and without
-    n-gram speculation, and jobs of two cache salts share prompts."""
+    n-gram speculation, and jobs of two cache salts share prompts; jobs of three priorities, some
+    guided (a negative sequence of their own, on shared prompts too)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -136,16 +139,21 @@ class GeneratorLifecycle(RuleBasedStateMachine):
         tail=st.lists(st.integers(3, 40), min_size=1, max_size=12),
         new=st.integers(1, 12),
         salt=st.sampled_from(["", "t"]),
+        priority=st.integers(0, 2),
+        negative=st.none() | st.lists(st.integers(3, 40), min_size=1, max_size=10),
     )
-    def enqueue(self, prefix: int, tail: list[int], new: int, salt: str) -> None:
+    def enqueue(
+        self, prefix: int, tail: list[int], new: int, salt: str, priority: int, negative: list[int] | None
+    ) -> None:
         assert self.gen is not None
         # Shared leading tokens so prefix pages collide often.
         prompt = tuple([11, 12, 13, 14, 15, 16, 17, 18] * prefix + tail)
-        capacity = self.gen.pool.num_pages * self.gen.pool.page_size
-        if len(prompt) + new > capacity:
-            return
-        spec = JobSpec(prompt, max_new_tokens=new, ignore_eos=True, cache_salt=salt)
-        self.live.append(self.gen.enqueue(spec))
+        guidance = None if negative is None else Guidance(2.0, (11, 12, 13, 14, *negative))
+        spec = JobSpec(
+            prompt, max_new_tokens=new, ignore_eos=True, cache_salt=salt, priority=priority, guidance=guidance
+        )
+        with contextlib.suppress(PromptTooLongError):  # more than the whole (small) cache
+            self.live.append(self.gen.enqueue(spec))
 
     @rule(steps=st.integers(1, 4))
     def step(self, steps: int) -> None:
