@@ -56,6 +56,13 @@ def test_a_bad_scale_names_guidance_scale(scale: float) -> None:
     assert error.field == "guidance.scale" and "guidance.scale" in str(error)
 
 
+def test_an_unset_scale_is_refused_not_taken_as_zero() -> None:
+    req = Request("Hello").to_proto()
+    req.guidance.text = "boring"  # guidance set, its scale not
+    error = _refusal(req)
+    assert error.field == "guidance.scale" and "must be set" in str(error)
+
+
 @pytest.mark.parametrize("scale", [0.0, 1.0, 1.5, 100.0])
 def test_scales_in_range_pass(scale: float) -> None:
     check_request(_guided(scale, "boring"), Limits())

@@ -133,6 +133,8 @@ NEGATIVE_PROMPT = "guidance.negative_prompt"  # the field to blame for a missing
 def check_guidance(guidance: pb.Guidance, limits: Limits) -> None:
     """The guidance settings' limits before tokenizing: the scale's range, the negative prompt's
     size as the prompt's (its token count against the context: `check_negative_prompt_ids`)."""
+    if not guidance.HasField("scale"):
+        raise RequestError("guidance.scale must be set (1 = no effect; 1.5 to 3 is usual)", "guidance.scale")
     if not (math.isfinite(guidance.scale) and 0.0 <= guidance.scale <= MAX_GUIDANCE_SCALE):
         raise RequestError(
             f"guidance.scale must be finite and in [0, {MAX_GUIDANCE_SCALE:g}], got {guidance.scale:g}",

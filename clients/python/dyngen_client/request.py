@@ -89,7 +89,7 @@ class LarkGrammar:
 
 ResponseFormat = JsonSchema | Regex | LarkGrammar
 
-DEFAULT_GUIDANCE_SCALE = 1.5  # both CLIs' --guidance-scale (the wire has no default: unset is 0)
+DEFAULT_GUIDANCE_SCALE = 1.5  # both CLIs' --guidance-scale (the wire has none: scale is required)
 
 
 @dataclass(frozen=True)

@@ -474,7 +474,8 @@ class Guidance(_message.Message):
     scale: _builtins.float
     """How far the job is pushed from the negative prompt: finite, in [0, 100]. 1 = the job alone (no
     guidance effect), 0 = the negative prompt alone, above 1 pushes away from the negative prompt
-    (1.5 to 3 is usual). Unset is 0, as for any proto3 number: always set it.
+    (1.5 to 3 is usual). Required: a request without it is INVALID_ARGUMENT (a proto3 default of 0
+    would quietly sample from the negative prompt alone).
     """
     text: _builtins.str
     """Plain text; the tokenizer adds BOS if the model wants one. At most --max-prompt-chars
@@ -491,17 +492,22 @@ class Guidance(_message.Message):
     def __init__(
         self,
         *,
-        scale: _builtins.float = ...,
+        scale: _builtins.float | None = ...,
         text: _builtins.str = ...,
         chat: Global___ChatPrompt | None = ...,
         token_ids: Global___TokenIds | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "negative_prompt", b"negative_prompt", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_scale", b"_scale", "chat", b"chat", "negative_prompt", b"negative_prompt", "scale", b"scale", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "negative_prompt", b"negative_prompt", "scale", b"scale", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_scale", b"_scale", "chat", b"chat", "negative_prompt", b"negative_prompt", "scale", b"scale", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__scale: _TypeAlias = _typing.Literal["scale"]  # noqa: Y015
+    _WhichOneofArgType__scale: _TypeAlias = _typing.Literal["_scale", b"_scale"]  # noqa: Y015
     _WhichOneofReturnType_negative_prompt: _TypeAlias = _typing.Literal["text", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_negative_prompt: _TypeAlias = _typing.Literal["negative_prompt", b"negative_prompt"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__scale) -> _WhichOneofReturnType__scale | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_negative_prompt) -> _WhichOneofReturnType_negative_prompt | None: ...
 
 Global___Guidance: _TypeAlias = Guidance  # noqa: Y015
