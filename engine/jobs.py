@@ -14,6 +14,7 @@ from engine.errors import ErrorKind, InvalidRequestError
 from engine.guidance import Guidance
 from engine.ids import JobId, new_job_id
 from engine.loop_detector import LoopStop
+from engine.prompt_embeddings import PromptEmbedding, check_embeddings
 from engine.response_format import ResponseFormat
 
 # JobId and new_job_id live in engine/ids.py (the front end needs them without the engine);
@@ -144,6 +145,9 @@ class JobSpec:
     priority: int = 0
     # Classifier-free guidance against a negative prompt (engine/guidance.py); None: off.
     guidance: Guidance | None = None
+    # Vectors fed instead of the token embeddings of spans of the prompt (engine/prompt_embeddings.py);
+    # their rows must be of the model's hidden size (checked at enqueue).
+    embeddings: tuple[PromptEmbedding, ...] = ()
 
     def validate(self, vocab_size: int) -> None:
         _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
@@ -174,6 +178,12 @@ class JobSpec:
         if self.guidance is not None:
             problem = self.guidance.problem(vocab_size)
             _check(problem is None, problem or "")
+        if self.embeddings:
+            check_embeddings(self.embeddings, len(self.prompt_ids), None)
+            _check(
+                not self.token_healing,
+                "token_healing cannot be combined with embeddings (it takes back the prompt's last tokens)",
+            )
         for token in self.stop_token_ids:
             _check(0 <= token < vocab_size, f"stop token id {token} is outside [0, {vocab_size})")
         _check(
