@@ -320,6 +320,7 @@ class GenerateRequest(_message.Message):
     STOP_ON_LOOP_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     GUIDANCE_FIELD_NUMBER: _builtins.int
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Plain completion; the tokenizer adds BOS if the model wants one. At most
     --max-prompt-chars (1 Mi) characters.
@@ -351,7 +352,7 @@ class GenerateRequest(_message.Message):
     that continue the same word) is taken back and the output must spell it again first, so a
     prompt that ends mid-word ("...over the la") continues the word as the whole word would.
     The text leaves the taken-back part out ("zy dog", not " lazy dog"); prompt_tokens does not
-    count it and the token ids re-spell it. Not with response_format.
+    count it and the token ids re-spell it. Not with response_format, nor with embeddings.
     """
     adapter: _builtins.str
     """The LoRA adapter to run with, by name (ListAdapters); empty = the base model. A name that is
@@ -414,6 +415,17 @@ class GenerateRequest(_message.Message):
     def guidance(self) -> Global___Guidance:
         """Classifier-free guidance: sample pushed away from a negative prompt; unset = off."""
 
+    @_builtins.property
+    def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptEmbedding]:
+        """Vectors fed to the model instead of the token embeddings of spans of the prompt (an image
+        encoder's outputs, say); empty = none. All spans of one request are placed the same way (every
+        one by position, or every one by placeholder_token_id). At most 64 spans and 8192 rows in all,
+        and the whole request within --max-message-bytes (4 MiB default). The prefix cache shares pages
+        over a span only between jobs whose vectors are equal byte for byte. A job with embeddings does
+        not speculate, and cannot have token_healing. A bad span is INVALID_ARGUMENT naming
+        `embeddings[i].<field>` (or `embeddings` for the count, the total and mixed placements).
+        """
+
     def __init__(
         self,
         *,
@@ -438,10 +450,11 @@ class GenerateRequest(_message.Message):
         stop_on_loop: Global___LoopStop | None = ...,
         priority: _builtins.int = ...,
         guidance: Global___Guidance | None = ...,
+        embeddings: _abc.Iterable[Global___PromptEmbedding] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "chat", b"chat", "guidance", b"guidance", "max_new_tokens", b"max_new_tokens", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stop_on_loop", b"stop_on_loop", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "adapter", b"adapter", "banned_strings", b"banned_strings", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "guidance", b"guidance", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "priority", b"priority", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_on_loop", b"stop_on_loop", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_healing", b"token_healing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "adapter", b"adapter", "banned_strings", b"banned_strings", "cache_salt", b"cache_salt", "chat", b"chat", "decode_special_tokens", b"decode_special_tokens", "embeddings", b"embeddings", "guidance", b"guidance", "identifier", b"identifier", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "priority", b"priority", "prompt", b"prompt", "response_format", b"response_format", "return_logprobs", b"return_logprobs", "sampling", b"sampling", "stop_on_loop", b"stop_on_loop", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_healing", b"token_healing", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
@@ -453,6 +466,54 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class PromptEmbedding(_message.Message):
+    """One span of prompt embeddings: `rows` vectors that replace the token embeddings of `rows`
+    consecutive prompt positions. ModelInfo.hidden_size says how wide a vector is.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    PLACEHOLDER_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    """The vectors: `rows` rows of ModelInfo.hidden_size float32 values each, little-endian,
+    row-major, so exactly rows * hidden_size * 4 bytes.
+    """
+    rows: _builtins.int
+    """How many vectors (prompt positions) the span covers, >= 1."""
+    position: _builtins.int
+    """The first prompt position the span covers: a 0-based token index in the prompt as tokenized
+    (Tokenize, or token_ids as sent). The span [position, position + rows) must lie inside the
+    prompt, and spans must not overlap. The tokens there stay in the prompt (they count in
+    prompt_tokens); the model sees the vectors instead of their embeddings.
+    """
+    placeholder_token_id: _builtins.int
+    """The span goes where the prompt has this token id: each span takes the next occurrence of its
+    placeholder that no earlier span (in this list's order) took, and that one token is expanded
+    to `rows` positions, so the prompt grows by rows - 1 (prompt_tokens reports the expanded
+    length, which must fit the context with max_new_tokens). Every span needs an occurrence.
+    """
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        rows: _builtins.int = ...,
+        position: _builtins.int = ...,
+        placeholder_token_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["placeholder_token_id", b"placeholder_token_id", "placement", b"placement", "position", b"position"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "placeholder_token_id", b"placeholder_token_id", "placement", b"placement", "position", b"position", "rows", b"rows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_placement: _TypeAlias = _typing.Literal["position", "placeholder_token_id"]  # noqa: Y015
+    _WhichOneofArgType_placement: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_placement) -> _WhichOneofReturnType_placement | None: ...
+
+Global___PromptEmbedding: _TypeAlias = PromptEmbedding  # noqa: Y015
 
 @_typing.final
 class Guidance(_message.Message):
@@ -1063,6 +1124,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
     MAX_ADAPTERS_FIELD_NUMBER: _builtins.int
+    HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model's file or folder name."""
     vocab_size: _builtins.int
@@ -1103,6 +1165,8 @@ class ModelInfo(_message.Message):
     """This replica's name (--replica-id, by default "<hostname>:<port>"), as JobFinished.replica."""
     max_adapters: _builtins.int
     """Most LoRA adapters loaded at once (--max-adapters)."""
+    hidden_size: _builtins.int
+    """Width of the model's embeddings: PromptEmbedding rows have this many float32 values."""
     def __init__(
         self,
         *,
@@ -1126,10 +1190,11 @@ class ModelInfo(_message.Message):
         kv_cache: _builtins.str = ...,
         replica: _builtins.str = ...,
         max_adapters: _builtins.int = ...,
+        hidden_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "dtype", b"dtype", "kv_cache", b"kv_cache", "linears", b"linears", "max_adapters", b"max_adapters", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "replica", b"replica", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "dtype", b"dtype", "hidden_size", b"hidden_size", "kv_cache", b"kv_cache", "linears", b"linears", "max_adapters", b"max_adapters", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "replica", b"replica", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
