@@ -61,7 +61,7 @@ def check_embeddings(embeddings: Sequence[PromptEmbedding], prompt_len: int, hid
     if total > MAX_EMBEDDING_ROWS:
         raise InvalidRequestError(f"embeddings: at most {MAX_EMBEDDING_ROWS} rows in all, got {total}")
     end = 0
-    for i, e in enumerate(sorted(embeddings, key=lambda e: e.position)):
+    for i, e in sorted(enumerate(embeddings), key=lambda item: item[1].position):  # i: as the job lists it
         if e.rows < 1:
             raise InvalidRequestError(f"embeddings[{i}].rows must be >= 1, got {e.rows}")
         if e.position < 0 or e.end > prompt_len:
