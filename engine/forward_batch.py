@@ -35,6 +35,9 @@ class SequenceInput:
     # How many of the last new tokens need logits (speculative verification wants all of them).
     logit_positions: int = 1
     adapter: LoraAdapter | None = None  # the job's LoRA adapter (None: the base model)
+    # Vectors replacing the token embeddings of some new tokens: (index into token_ids, rows [n, hidden]).
+    # Those tokens' ids may be negative pseudo ids (engine/prompt_embeddings.py): never looked up.
+    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
 
     @property
     def end_pos(self) -> int:
@@ -49,6 +52,8 @@ class ForwardBatch(AttentionBatch):
     positions: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [N] int64: rows of the flattened batch whose logits are returned
     lora: LoraBatch | None = None  # the rows of each LoRA adapter (None: the base model only)
+    # Prompt embeddings: (rows of the flattened batch [K], their vectors [K, hidden]); None: none.
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,8 +74,13 @@ class ForwardBatch(AttentionBatch):
         max_pages = max(len(s.page_table) for s in seqs)
         tables = array.array("q")
         rows = 0
+        embed_rows: list[torch.Tensor] = []
+        embed_values: list[torch.Tensor] = []
         for s in seqs:
             q = len(s.token_ids)
+            for offset, values in s.embeds:
+                embed_rows.append(torch.arange(rows + offset, rows + offset + values.shape[0]))
+                embed_values.append(values)
             if not q:
                 raise ValueError("every sequence in a forward batch needs at least one new token")
             end = s.start_pos + q
@@ -103,6 +113,11 @@ class ForwardBatch(AttentionBatch):
                     "q", chain.from_iterable(repeat(i * max_pages, q) for i, q in enumerate(query_lens))
                 )
             )
+        ids_t = _tensor(ids)
+        embeds = None
+        if embed_rows:
+            ids_t = ids_t.clamp(min=0)  # pseudo ids under embeddings: any real id, overwritten
+            embeds = (torch.cat(embed_rows).to(device), torch.cat(embed_values).to(device))
         pages = table_t.view(-1)[first_of_row + torch.div(pos_t, page_size, rounding_mode="floor")]
         slots = pages * page_size + pos_t % page_size
         return ForwardBatch(
@@ -111,12 +126,13 @@ class ForwardBatch(AttentionBatch):
             query_lens=tuple(query_lens),
             seq_lens=tuple(seq_lens),
             page_size=page_size,
-            input_ids=_tensor(ids).to(device),
+            input_ids=ids_t.to(device),
             positions=pos_t.to(device),
             logits_indices=_tensor(array.array("q", logits_rows)).to(device),
             lora=LoraBatch.build([(s.adapter, len(s.token_ids)) for s in seqs])
             if any(s.adapter is not None for s in seqs)
             else None,
+            embeds=embeds,
         )
 
 

@@ -64,6 +64,7 @@ from engine.model.llama import LlamaModel
 from engine.model.lora_adapter import LoraAdapter
 from engine.model.tokenizer import Tokenizer
 from engine.pages import PagePool, common_prefix_len
+from engine.prompt_embeddings import check_embeddings, span_token_ids
 from engine.runner import ModelRunner
 from engine.sampler import (
     DEFAULT_SAMPLER_MODE,
@@ -245,6 +246,8 @@ class DynamicGenerator:
                 raise InvalidRequestError(f"job id {job_id} is in use by another job")
         spec.validate(self.model.config.vocab_size)
         self._check_fits(spec)
+        if spec.embeddings:
+            check_embeddings(spec.embeddings, len(spec.prompt_ids), self.model.config.hidden_size)
         adapter = self.adapters.get(spec.adapter) if spec.adapter is not None else None
         # Compiled (or taken from the cache) here: a bad schema is the caller's error, at enqueue.
         constraint = self.grammars.compile(spec.response_format) if spec.response_format is not None else None
@@ -274,9 +277,22 @@ class DynamicGenerator:
         )
         if spec.guidance is not None:
             job.negative = self._negative_sequence(job)
+        if spec.embeddings:
+            job.embeds = self._embedding_spans(job)
         self.scheduler.submit(job)
         self.jobs[job_id] = job
         return job_id
+
+    def _embedding_spans(self, job: JobState) -> tuple[tuple[int, torch.Tensor], ...]:
+        """The job's prompt embeddings as tensors; their positions in its tokens take pseudo ids
+        (from the vectors' bytes), which the prefix cache hashes like tokens."""
+        hidden = self.model.config.hidden_size
+        spans = []
+        for e in job.spec.embeddings:
+            values = torch.frombuffer(bytearray(e.data), dtype=torch.float32).view(e.rows, hidden)
+            job.tokens[e.position : e.end] = span_token_ids(e)
+            spans.append((e.position, values))
+        return tuple(spans)
 
     def _check_fits(self, spec: JobSpec) -> None:
         """PromptTooLongError unless the job (with its negative prompt, if guided) fits the context
@@ -292,8 +308,16 @@ class DynamicGenerator:
                     f"{what} of {n} tokens + max_new_tokens {spec.max_new_tokens} = {total} "
                     f"tokens exceeds max_seq_len {self.max_seq_len}"
                 )
+        capacity = self.pool.num_pages * ps
+        total = len(spec.prompt_ids) + spec.max_new_tokens
+        if total > capacity:
+            raise PromptTooLongError(
+                f"prompt of {len(spec.prompt_ids)} tokens + max_new_tokens {spec.max_new_tokens} = {total} "
+                f"tokens exceeds the whole KV cache of {capacity} tokens "
+                f"({self.pool.num_pages} pages of {ps})"
+            )
         pages = sum(-(-(n + spec.max_new_tokens) // ps) for _, n in prompts)
-        if pages > self.pool.num_pages:
+        if pages > self.pool.num_pages:  # a guided job: its two sequences together
             what = " and ".join(f"{w} of {n} tokens" for w, n in prompts)
             raise PromptTooLongError(
                 f"{what} + max_new_tokens {spec.max_new_tokens} need {pages} pages, more than the whole "
@@ -523,9 +547,14 @@ class DynamicGenerator:
         if c.draft:
             tokens = [*job.tokens[job.computed :], *c.draft]
             return SequenceInput(tokens, job.computed, job.pages, True, len(tokens), job.adapter)
-        end = job.computed + c.num_tokens
+        start, end = job.computed, job.computed + c.num_tokens
+        embeds = tuple(
+            (max(at, start) - start, values[max(at, start) - at : min(at + len(values), end) - at])
+            for at, values in job.embeds
+            if at < end and at + len(values) > start
+        )
         return SequenceInput(
-            job.tokens[job.computed : end], job.computed, job.pages, end == len(job.tokens), 1, job.adapter
+            job.tokens[start:end], start, job.pages, end == len(job.tokens), 1, job.adapter, embeds
         )
 
     def _forward(

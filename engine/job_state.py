@@ -83,6 +83,9 @@ class JobState:
     # sequence the job it serves. The pair is scheduled, preempted and finished as one unit.
     negative: JobState | None = None
     positive: JobState | None = None
+    # Prompt embedding spans (start position, float32 rows [n, hidden]), set at enqueue from
+    # spec.embeddings: fed instead of the token embeddings there, at every (re)computation.
+    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
     accepted_drafts: int = 0
     rejected_drafts: int = 0
     scheduled_at: float | None = None

@@ -65,6 +65,8 @@ class SpeculationStep:
             # A guided job's draft would need its negative sequence to verify alongside: it does not speculate.
             and job.negative is None
             and job.positive is None
+            # Pseudo ids stand under prompt embeddings: no drafter may read or propose them.
+            and not job.embeds
             # A draft model runs without the job's adapter, so its drafts would mostly be rejected:
             # such jobs do not speculate (n-gram drafts come from the job's own tokens and do).
             and not (job.adapter is not None and isinstance(self.drafter, DraftModelDrafter))

@@ -353,12 +353,20 @@ class LlamaModel:
             eps=c.rms_norm_eps,
             attn_scale=c.head_dim**-0.5,
         )
-        x = self.embed[batch.input_ids]
+        x = self._embed(batch)
         h = self._norm(x, self.layers[0].attn_norm)
         for layer in layers:
             native.decode_layer(step, x, h, layer)
         last = self._norm(x[batch.logits_indices], self.final_norm)
         return self.lm_head(last).to(torch.float32).contiguous()
+
+    def _embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's input embeddings: the table's rows, and a job's own vectors where it gave some."""
+        x = self.embed[batch.input_ids]
+        if batch.embeds is not None:
+            rows, values = batch.embeds
+            x[rows] = values.to(x.dtype)
+        return x
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -378,7 +386,7 @@ class LlamaModel:
         native = self._native_ops
         if native is None:
             cos, sin = self.rope.tables(batch.positions)
-        x = self.embed[batch.input_ids]
+        x = self._embed(batch)
         h = self._norm(x, self.layers[0].attn_norm)
         lora = batch.lora
         for i, layer in enumerate(self.layers):
