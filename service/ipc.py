@@ -150,6 +150,7 @@ class Ready:
     kv_cache: str  # what the KV cache stores and its size (PagedKVCache.describe)
     vocab_size: int  # token ids are below this (the front end checks a negative prompt's ids)
     cache_tokens: int  # the whole KV cache in tokens (pages x page size)
+    hidden_size: int  # the model's embedding width (the front end checks prompt embeddings' rows)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -166,6 +167,7 @@ class Ready:
             str(obj["kv_cache"]),
             int(obj["vocab_size"]),
             int(obj["cache_tokens"]),
+            int(obj["hidden_size"]),
         )
 
 

@@ -100,7 +100,7 @@ def test_priorities_in_range_pass() -> None:
 
 
 def test_the_negative_ids_are_checked_as_the_engine_checks_a_prompt() -> None:
-    bounds = ModelBounds(vocab_size=100, context_length=50, cache_tokens=80)
+    bounds = ModelBounds(vocab_size=100, context_length=50, cache_tokens=80, hidden_size=8)
     check_negative_prompt_ids([0, 99], 48, bounds)
     cases = [
         ([], 10, "guidance.negative_prompt", ErrorReason.INVALID_ARGUMENT),
@@ -112,7 +112,7 @@ def test_the_negative_ids_are_checked_as_the_engine_checks_a_prompt() -> None:
             check_negative_prompt_ids(ids, max_new, bounds)
         assert (info.value.field, info.value.reason) == (field, reason)
     with pytest.raises(RequestError, match="whole KV cache of 40"):
-        check_negative_prompt_ids([1] * 30, 20, ModelBounds(100, 50, 40))
+        check_negative_prompt_ids([1] * 30, 20, ModelBounds(100, 50, 40, 8))
 
 
 # -- the client's Request, the codec, the flags ----------------------------------------------------

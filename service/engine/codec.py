@@ -20,6 +20,8 @@ from engine.jobs import (
     TokensGenerated,
 )
 from engine.loop_detector import LoopStop
+from engine.prompt_embeddings import place_embeddings
+from service.embeddings import embedding_placements
 
 STOP_REASONS = {
     StopReason.EOS: pb.STOP_REASON_EOS,
@@ -88,11 +90,13 @@ def _guidance(req: pb.GenerateRequest) -> Guidance | None:
 
 
 def job_spec(req: pb.GenerateRequest) -> JobSpec:
-    """The job a tokenized request asks for; InvalidRequestError where it cannot be one."""
+    """The job a tokenized request asks for; InvalidRequestError where it cannot be one. Prompt
+    embeddings placed at placeholder tokens expand those tokens here (the job's prompt grows)."""
     if req.WhichOneof("prompt") != "token_ids":
         raise InvalidRequestError("the engine takes prompts as token ids (the front end tokenizes)")
+    prompt_ids, embeddings = place_embeddings(req.token_ids.ids, embedding_placements(req))
     return JobSpec(
-        prompt_ids=tuple(req.token_ids.ids),
+        prompt_ids=prompt_ids,
         max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else _JOB.max_new_tokens,
         min_new_tokens=req.min_new_tokens,
         stop_token_ids=frozenset(req.stop_token_ids),
@@ -113,6 +117,7 @@ def job_spec(req: pb.GenerateRequest) -> JobSpec:
         else None,
         priority=req.priority,
         guidance=_guidance(req),
+        embeddings=embeddings,
     )
 
 

@@ -93,6 +93,7 @@ class EngineLoop:
             self.generator.cache.describe(),
             loaded.model.config.vocab_size,
             self.generator.pool.num_pages * self.generator.pool.page_size,
+            loaded.model.config.hidden_size,
         )
         self._send(Tag.READY, 0, ready.to_bytes())
 
@@ -234,4 +235,5 @@ class EngineLoop:
             cpu=cpu_features().summary(),
             kv_cache=g.cache.describe(),
             max_adapters=g.adapters.max_adapters,
+            hidden_size=self.loaded.model.config.hidden_size,
         )

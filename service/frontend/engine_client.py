@@ -121,7 +121,7 @@ class EngineClient:
         # Named in every JobFinished and ModelInfo; the server sets "<hostname>:<port>" once bound.
         self.replica = config.replica_id
         self.model_name = ""
-        # The model's vocabulary, context and cache sizes, from the engine's READY (None before).
+        # The model's vocabulary, context, cache and embedding sizes, from the engine's READY (None before).
         self.bounds: ModelBounds | None = None
         self.prompts: PromptTokenizer | None = None
         self.ready = False
@@ -335,7 +335,9 @@ class EngineClient:
             return
         proc.ready_at = time.monotonic()
         self.model_name = ready.model
-        self.bounds = ModelBounds(ready.vocab_size, ready.context_length, ready.cache_tokens)
+        self.bounds = ModelBounds(
+            ready.vocab_size, ready.context_length, ready.cache_tokens, ready.hidden_size
+        )
         log.info(
             "engine_ready",
             model=self.model_name,

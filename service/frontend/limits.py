@@ -15,10 +15,19 @@ from dataclasses import dataclass
 
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.errors import InvalidRequestError
 from engine.guidance import MAX_GUIDANCE_SCALE
 from engine.jobs import MAX_PRIORITY
 from engine.loop_detector import LoopStop
+from engine.prompt_embeddings import (
+    FLOAT32_BYTES,
+    MAX_EMBEDDING_ROWS,
+    MAX_PROMPT_EMBEDDINGS,
+    check_embeddings,
+    place_embeddings,
+)
 from engine.response_format import MAX_GRAMMAR_CHARS
+from service.embeddings import embedding_field, embedding_placements
 
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -96,6 +105,8 @@ def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
         )
     if req.HasField("guidance"):
         check_guidance(req.guidance, limits)
+    if req.embeddings:
+        check_embedding_spans(req)
     _limit(len(req.cache_salt), limits.max_cache_salt_chars, "cache_salt", "length")
     if req.HasField("response_format"):
         which = req.response_format.WhichOneof("format")
@@ -162,6 +173,7 @@ class ModelBounds:
     vocab_size: int  # token ids are below this
     context_length: int  # prompt + max_new_tokens of one sequence, in tokens
     cache_tokens: int  # the whole KV cache, in tokens
+    hidden_size: int  # a prompt embedding row holds this many float32 values
 
 
 def check_negative_prompt_ids(ids: Sequence[int], max_new_tokens: int, bounds: ModelBounds) -> None:
@@ -183,6 +195,65 @@ def check_negative_prompt_ids(ids: Sequence[int], max_new_tokens: int, bounds: M
             f"{NEGATIVE_PROMPT} of {len(ids)} tokens + max_new_tokens {max_new_tokens} = {total} tokens "
             f"exceeds {within} of {most} tokens",
             NEGATIVE_PROMPT,
+            ErrorReason.PROMPT_TOO_LONG,
+        )
+
+
+def check_embedding_spans(req: pb.GenerateRequest) -> None:
+    """The prompt embeddings' limits before tokenizing: how many spans and rows, each span's rows
+    and placement, one way of placing them all, and no token healing with them."""
+    _limit(len(req.embeddings), MAX_PROMPT_EMBEDDINGS, "embeddings", "count")
+    ways: set[str] = set()
+    for i, e in enumerate(req.embeddings):
+        if e.rows < 1:
+            raise RequestError(f"embeddings[{i}].rows must be >= 1, got {e.rows}", f"embeddings[{i}].rows")
+        which = e.WhichOneof("placement")
+        if which is None:
+            raise RequestError(
+                f"embeddings[{i}]: set one of position and placeholder_token_id", f"embeddings[{i}].placement"
+            )
+        ways.add(which)
+    _limit(sum(e.rows for e in req.embeddings), MAX_EMBEDDING_ROWS, "embeddings", "rows in all")
+    if len(ways) > 1:
+        raise RequestError(
+            "embeddings: place every span by position or every span by placeholder_token_id, not both",
+            "embeddings",
+        )
+    if req.token_healing:
+        raise RequestError(
+            "token_healing cannot be combined with embeddings (it takes back the prompt's last tokens)",
+            "token_healing",
+        )
+
+
+def check_prompt_embeddings(
+    req: pb.GenerateRequest, ids: Sequence[int], max_new_tokens: int, bounds: ModelBounds
+) -> None:
+    """The prompt embeddings against the tokenized prompt, as the engine places them: each span's
+    data exactly rows x hidden_size float32 values, inside the prompt, no overlaps, a placeholder
+    occurrence for every span, and the prompt they expand within the context and the cache with
+    max_new_tokens (PROMPT_TOO_LONG; a prompt too long before expanding is left to the engine)."""
+    for i, e in enumerate(req.embeddings):
+        want = e.rows * bounds.hidden_size * FLOAT32_BYTES
+        if len(e.data) != want:
+            raise RequestError(
+                f"embeddings[{i}].data: {len(e.data)} bytes, but rows {e.rows} x the model's hidden size "
+                f"{bounds.hidden_size} x 4 bytes (float32) = {want} bytes",
+                f"embeddings[{i}].data",
+            )
+    try:
+        expanded, spans = place_embeddings(ids, embedding_placements(req))
+        check_embeddings(spans, len(expanded), bounds.hidden_size)
+    except InvalidRequestError as exc:
+        raise RequestError(str(exc), embedding_field(str(exc)) or "embeddings") from exc
+    most = min(bounds.context_length, bounds.cache_tokens)
+    if len(ids) + max_new_tokens <= most < len(expanded) + max_new_tokens:
+        within = "the context" if most == bounds.context_length else "the whole KV cache"
+        raise RequestError(
+            f"embeddings: the prompt of {len(ids)} tokens expands to {len(expanded)} at its placeholders; "
+            f"+ max_new_tokens {max_new_tokens} = {len(expanded) + max_new_tokens} tokens exceeds {within} "
+            f"of {most} tokens",
+            "embeddings",
             ErrorReason.PROMPT_TOO_LONG,
         )
 

@@ -28,6 +28,7 @@ from dyngen_client.errors import ErrorReason, Failure
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.request import Chat
 from engine.jobs import JobSpec
+from service.embeddings import embedding_field
 from service.frontend.auth import Authenticator, cache_salt
 from service.frontend.engine_client import (
     EngineBusyError,
@@ -43,6 +44,7 @@ from service.frontend.limits import (
     check_adapter_name,
     check_job_id,
     check_negative_prompt_ids,
+    check_prompt_embeddings,
     check_request,
     check_tokenize_request,
 )
@@ -149,7 +151,11 @@ class GeneratorService:
         """A call the engine refused, could not take (too many waiting) or could not answer."""
         if isinstance(exc, EngineRejectedError):
             code, reason = _CODES[exc.rejection.code]
-            await self._fail(context, code, exc.rejection.message, reason)
+            # The engine's refusals name no field; one about a prompt embedding says which in its text.
+            field = (
+                embedding_field(exc.rejection.message) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+            )
+            await self._fail(context, code, exc.rejection.message, reason, field)
         if isinstance(exc, EngineBusyError):
             await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
         await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
@@ -213,6 +219,26 @@ class GeneratorService:
         except RequestError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
 
+    async def _check_embeddings(
+        self, request: pb.GenerateRequest, ids: list[int], context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> None:
+        """The prompt embeddings placed on the tokenized prompt as the engine will place them: rows of
+        the model's width, inside the prompt, no overlaps, every placeholder found, and the expanded
+        prompt within the context and the cache with max_new_tokens."""
+        bounds = self.engine.bounds
+        if bounds is None:
+            await self._fail(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine is not running",
+                ErrorReason.ENGINE_UNAVAILABLE,
+            )
+        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else JobSpec.max_new_tokens
+        try:
+            check_prompt_embeddings(request, ids, max_new, bounds)
+        except RequestError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
+
     async def _check_priority_jobs(
         self, request: pb.GenerateRequest, tenant: str, context: grpc.aio.ServicerContext[Req, Resp]
     ) -> None:
@@ -248,6 +274,8 @@ class GeneratorService:
                 ErrorReason.ENGINE_UNAVAILABLE,
             )
         ids = await self._token_ids(request, context)
+        if request.embeddings:
+            await self._check_embeddings(request, ids, context)
         engine_request = pb.GenerateRequest()
         engine_request.CopyFrom(request)
         engine_request.token_ids.ids[:] = ids  # sets the oneof: the engine never tokenizes
