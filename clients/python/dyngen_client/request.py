@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -114,6 +116,57 @@ class Guidance:
 
 
 @dataclass(frozen=True)
+class PromptEmbedding:
+    """Vectors the model reads instead of the token embeddings of a span of the prompt (an image
+    encoder's outputs, say). Each row holds the model's hidden size (ModelInfo.hidden_size) of
+    float32 values. `vectors` is a sequence of rows of floats, or the rows already packed as float32,
+    little-endian, row-major bytes (`array.astype("<f4").tobytes()`), with `rows` saying how many.
+
+    Exactly one placement: `position`, the first prompt token (0-based, in the prompt as tokenized)
+    whose embeddings the rows replace; or `placeholder_token_id`, a token of the prompt that is
+    expanded to the rows (each span takes that token's next occurrence no earlier span took). All
+    spans of one request are placed the same way.
+    """
+
+    vectors: Sequence[Sequence[float]] | bytes = field(repr=False)
+    position: int | None = None
+    placeholder_token_id: int | None = None
+    rows: int | None = None  # how many rows `vectors` holds: required with bytes, checked with floats
+
+    def __post_init__(self) -> None:
+        if (self.position is None) == (self.placeholder_token_id is None):
+            raise ValueError("PromptEmbedding: give exactly one of position and placeholder_token_id")
+        if isinstance(self.vectors, bytes):
+            if self.rows is None:
+                raise ValueError(
+                    "PromptEmbedding: packed float32 vectors need rows (how many rows they hold)"
+                )
+        elif self.rows is not None and self.rows != len(self.vectors):
+            raise ValueError(f"PromptEmbedding: rows={self.rows}, but vectors has {len(self.vectors)} rows")
+
+    def data(self) -> bytes:
+        """The rows as the wire carries them: float32, little-endian, row-major."""
+        if isinstance(self.vectors, bytes):
+            return self.vectors
+        widths = {len(row) for row in self.vectors}
+        if len(widths) > 1:
+            raise ValueError(f"PromptEmbedding: rows of different widths {sorted(widths)}")
+        packed = array("f", (float(x) for row in self.vectors for x in row))
+        if sys.byteorder == "big":
+            packed.byteswap()
+        return packed.tobytes()
+
+    def to_proto(self) -> pb.PromptEmbedding:
+        rows = self.rows if self.rows is not None else len(self.vectors)
+        e = pb.PromptEmbedding(data=self.data(), rows=rows)
+        if self.position is not None:
+            e.position = self.position
+        if self.placeholder_token_id is not None:
+            e.placeholder_token_id = self.placeholder_token_id
+        return e
+
+
+@dataclass(frozen=True)
 class Request:
     prompt: Prompt
     max_new_tokens: int | None = None  # None: the server's default (256)
@@ -139,6 +192,8 @@ class Request:
     # jobs above 0 (--max-priority-jobs).
     priority: int = 0
     guidance: Guidance | None = None  # classifier-free guidance against a negative prompt; None = off
+    # Vectors fed instead of the token embeddings of spans of the prompt; () = none.
+    embeddings: tuple[PromptEmbedding, ...] = ()
 
     def to_proto(self) -> pb.GenerateRequest:
         req = pb.GenerateRequest(
@@ -156,6 +211,7 @@ class Request:
             token_healing=self.token_healing,
             adapter=self.adapter,
             priority=self.priority,
+            embeddings=[e.to_proto() for e in self.embeddings],
         )
         if self.guidance is not None:
             req.guidance.CopyFrom(self.guidance.to_proto())
