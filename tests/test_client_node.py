@@ -1,7 +1,7 @@
 """The Node.js client (clients/node) against a real `dyngen serve`: its e2e test (clients/node/test/)
-streams a chat completion, cancels a job, sends priority and guidance, and reads INVALID_ARGUMENT's
-field violation and RESOURCE_EXHAUSTED's RetryInfo from the status details. The server is the tiny model with
---max-streams 1, so a second open stream is refused. Its scale-out test checks the affinity key's
+streams a chat completion, cancels a job, sends priority, guidance and prompt embeddings (float32
+bytes), and reads INVALID_ARGUMENT's field violation and RESOURCE_EXHAUSTED's RetryInfo from the
+status details. The server is the tiny model with --max-streams 1, so a second open stream is refused. Its scale-out test checks the affinity key's
 test vectors and meets a stream cut without a status (tests/stream_cut_server.py)."""
 
 from __future__ import annotations
@@ -52,6 +52,6 @@ def test_node_client_against_the_real_server(tmp_path: Path) -> None:
                 timeout=240,
             )
             assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-            assert "# fail 0" in done.stdout and "# pass 8" in done.stdout, done.stdout[-3000:]
+            assert "# fail 0" in done.stdout and "# pass 9" in done.stdout, done.stdout[-3000:]
     finally:
         assert server.stop() == 0

@@ -106,6 +106,38 @@ test("carries priority and guidance; a bad guidance scale is INVALID_ARGUMENT na
   });
 });
 
+test("carries prompt embeddings as float32 bytes; rows of the wrong width are INVALID_ARGUMENT naming data", async () => {
+  const { hidden_size } = await client.modelInfo();
+  assert.ok(hidden_size > 0);
+  const vectors = (rows: number, width: number): Buffer => {
+    const data = Buffer.alloc(rows * width * 4);
+    for (let i = 0; i < rows * width; i++) {
+      data.writeFloatLE(Math.sin(i) / 4, i * 4);
+    }
+    return data;
+  };
+  const request = (width: number) => ({
+    token_ids: { ids: [1, 300, 40, 41] },
+    max_new_tokens: 4000,
+    ignore_eos: true,
+    embeddings: [{ data: vectors(3, width), rows: 3, placeholder_token_id: 300 }],
+  });
+  const { job_id, prompt_tokens } = await client.enqueue(request(hidden_size));
+  assert.equal(prompt_tokens, 6); // the placeholder expanded to the 3 rows
+  await client.cancel(job_id);
+  assert.equal((await collect(client.stream(job_id))).finished?.stop_reason, "STOP_REASON_CANCELLED");
+  await assert.rejects(client.enqueue(request(hidden_size + 1)), (error: unknown) => {
+    assert.ok(isServiceError(error));
+    const details = errorDetails(error);
+    assert.equal(details.codeName, "INVALID_ARGUMENT");
+    assert.deepEqual(
+      details.fieldViolations.map((v) => v.field),
+      ["embeddings[0].data"],
+    );
+    return true;
+  });
+});
+
 test("a stream past the server's limit is RESOURCE_EXHAUSTED with a RetryInfo", async () => {
   const open = client.generate(LONG);
   const first = await new Promise<GenerateEvent>((resolve, reject) => {
