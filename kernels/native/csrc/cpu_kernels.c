@@ -701,6 +701,12 @@ DG_Q8X16_TILE(6)
 DG_Q8X16_TILE(7)
 DG_Q8X16_TILE(8)
 
+/* Rows per band: at most DG_BAND, all bands the same size (a multiple of 8, the last one the rest). */
+static inline int64_t dg_band_rows(int64_t m) {
+    const int64_t bands = (m + DG_BAND - 1) / DG_BAND;
+    return ((m + bands - 1) / bands + 7) / 8 * 8;
+}
+
 /* Rows r0..end of one band against one group pair, in tiles of 8 and one of the rest. */
 #define DG_X16_BAND(tile, X, ...)                                                                      \
     do {                                                                                               \
@@ -719,22 +725,31 @@ DG_Q8X16_TILE(8)
         }                                                                                              \
     } while (0)
 
-/* The (band, pair) task: wa/wb the pair's groups, keep its lanes, rows r0..end. */
+/* The task's (pair, band): wa/wb the pair's groups, keep its lanes, rows r0..end. Bands are of equal
+ * size (dg_band_rows), so no thread's share ends on a short last band. Up to two bands the tasks are
+ * pair-major: a thread's static share is whole pairs with all their bands, so it streams half the
+ * weights once, each pair staying in L1 across its bands (band-major, 72 rows gave one thread the
+ * 64-row band and the other 8 rows, both streaming every weight: W1 at 72 rows ran 46% slower).
+ * More bands (prefill chunks) stay band-major: there the activations outweigh the weights, and a
+ * band's activations stay in L2 while the thread runs the pairs. */
 #define DG_X16_TASK(type, w)                                                                           \
-    const int64_t band = task / pairs, g = 2 * (task % pairs);                                         \
+    const int pair_major = bands <= 2;                                                                 \
+    const int64_t band = pair_major ? task % bands : task / pairs;                                     \
+    const int64_t g = 2 * (pair_major ? task / bands : task % pairs);                                  \
     const type *wa = (w) + g * nb, *wb = g + 1 < groups ? wa + nb : wa;                                \
     const __mmask16 keep = g + 1 < groups ? 0xFFFF : 0x00FF;                                           \
-    const int64_t r0 = band * DG_BAND, end = r0 + DG_BAND < m ? r0 + DG_BAND : m;                      \
-    /* The next pair's weights (the next task of this thread under the static schedule), fetched \
-     * while the first tile of this one runs: without it every task waited on memory for its first \
-     * pass (the 49152-row head at 64 rows: 5.5 ms before, 3.9 ms with it, 3.7 ms from cache). */  \
+    const int64_t r0 = band * rows_per_band, end = r0 + rows_per_band < m ? r0 + rows_per_band : m;    \
+    /* The next pair's weights (this thread's next pair under the static schedule), fetched while \
+     * the first tile of the pair's first band runs: without it every pair waited on memory for its \
+     * first pass (the 49152-row head at 64 rows: 5.5 ms before, 3.9 ms with it, 3.7 ms from cache). */ \
     const int64_t pfb = 2 * (int64_t)sizeof(type);                                                     \
-    const char *pf = g + 2 < groups ? (const char *)((w) + (g + 2) * nb) : NULL;                       \
+    const char *pf = (!pair_major || band == 0) && g + 2 < groups ? (const char *)((w) + (g + 2) * nb) : NULL; \
     float *yg = y + 8 * g
 
 static void dg_matmul_q4x16(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
                             const float *ssum, int64_t m, float *y) {
-    const int64_t nb = k / QK, groups = n / 8, pairs = (groups + 1) / 2, bands = (m + DG_BAND - 1) / DG_BAND;
+    const int64_t nb = k / QK, groups = n / 8, pairs = (groups + 1) / 2;
+    const int64_t rows_per_band = dg_band_rows(m), bands = (m + rows_per_band - 1) / rows_per_band;
 #pragma omp parallel for schedule(static)
     for (int64_t task = 0; task < bands * pairs; task++) {
         DG_X16_TASK(block_q4x8, w);
@@ -761,7 +776,8 @@ static int dg_matmul_q8x16(const block_q8x8 *w, int64_t n, int64_t k, const int8
     }
     uint8_t *ux = dg_u8_tls.buf;
     for (size_t i = 0; i < need; i++) ux[i] = (uint8_t)qx[i] ^ 0x80; /* q + 128 */
-    const int64_t nb = k / QK, groups = n / 8, pairs = (groups + 1) / 2, bands = (m + DG_BAND - 1) / DG_BAND;
+    const int64_t nb = k / QK, groups = n / 8, pairs = (groups + 1) / 2;
+    const int64_t rows_per_band = dg_band_rows(m), bands = (m + rows_per_band - 1) / rows_per_band;
 #pragma omp parallel for schedule(static)
     for (int64_t task = 0; task < bands * pairs; task++) {
         DG_X16_TASK(block_q8x8, w);
