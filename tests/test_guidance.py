@@ -249,3 +249,32 @@ def test_bad_guidance_is_refused_at_enqueue(tiny: LoadedModel) -> None:
     with pytest.raises(PromptTooLongError, match="negative prompt"):
         gen.enqueue(JobSpec((3, 4), 20, guidance=Guidance(2.0, tuple(range(3, 43)))))
     assert not gen.has_work()
+
+
+@pytest.mark.slow
+def test_banned_and_stop_strings_hold_on_a_guided_job(smollm: LoadedModel) -> None:
+    """A banned word of the guided output never appears (the rewind takes the negative sequence back
+    too, with its K/V); a stop string cuts the guided text where it starts."""
+    prompt, negative, scale = CASES[0]
+    guidance = Guidance(scale, chat(smollm, negative))
+    gen = DynamicGenerator(smollm.model, smollm.tokenizer, GeneratorConfig(page_size=16, num_pages=256))
+    (free,) = gen.generate([JobSpec(chat(smollm, prompt), NEW_TOKENS, ignore_eos=True, guidance=guidance)])
+    words = [w.strip(".,;:!?\"'") for w in free.text.split()]
+    banned = next(w for w in words[3:] if len(w) >= 4)
+    stop = " ".join(free.text.split()[5:7])
+    (no_word, stopped) = gen.generate(
+        [
+            JobSpec(
+                chat(smollm, prompt), NEW_TOKENS, ignore_eos=True, guidance=guidance, banned_strings=(banned,)
+            ),
+            JobSpec(
+                chat(smollm, prompt), NEW_TOKENS, ignore_eos=True, guidance=guidance, stop_strings=(stop,)
+            ),
+        ]
+    )
+    assert banned in free.text and banned not in no_word.text
+    assert no_word.finished.error is None and no_word.finished.new_tokens == NEW_TOKENS
+    assert stopped.finished.stop_reason is StopReason.STOP_STRING
+    assert stopped.text == free.text[: free.text.index(stop)]
+    gen.check_invariants()
+    gen.close()
