@@ -109,7 +109,10 @@ def matmul_table(rounds: int = 5) -> str:
     source = GGUFSource(default_model_path())
     tensors = dict(source.tensors())
     stored = {n: g for n, t in tensors.items() if t.dim() == 2 and (g := source.stored_int4(n)) is not None}
-    kinds = {kind: _step_linears(kind, tensors, stored) for kind in LinearKind}
+    # The CPU kinds (TRITON_Q4 is a GPU kernel).
+    kinds = {
+        kind: _step_linears(kind, tensors, stored) for kind in LinearKind if kind is not LinearKind.TRITON_Q4
+    }
     labels = {k: f"{k.value} ({lins[0].describe()}; head {lins[-1].describe()})" for k, lins in kinds.items()}
     widths = {lin.in_features for lin in kinds[LinearKind.FLOAT]}
     best: dict[tuple[str, int], float] = {}
@@ -202,6 +205,8 @@ def _kind_peak(kind: LinearKind, peaks: PeakRates | None) -> float:
             return peaks.bf16_flops or peaks.float32_flops
         case LinearKind.INT8_DYNAMIC | LinearKind.INT4_Q8 | LinearKind.INT8_Q8:
             return peaks.int8_ops
+        case LinearKind.TRITON_Q4:  # a GPU kernel: no CPU peak applies
+            return 0.0
         case _:
             assert_never(kind)
 

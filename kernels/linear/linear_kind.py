@@ -17,6 +17,8 @@ class LinearKind(enum.Enum):
     # Native kernels (kernels/linear/block_linear.py): weight blocks x int8 activation blocks of 32.
     INT4_Q8 = "int4_q8"  # the INT4 groups, integer dot products
     INT8_Q8 = "int8_q8"  # int8 weight blocks of 32 (GGUF Q8_0's scheme)
+    # GPU (kernels/linear/triton_q4_linear.py): the INT4 groups dequantized inside a Triton matmul.
+    TRITON_Q4 = "triton_q4"
 
 
 class Linear(Protocol):

@@ -23,6 +23,7 @@ from kernels.linear.int4_linear import Int4Linear
 from kernels.linear.int8_dynamic_linear import Int8DynamicLinear
 from kernels.linear.int8_weight_linear import Int8WeightLinear
 from kernels.linear.linear_kind import Linear, LinearKind
+from kernels.linear.triton_q4_linear import TritonQ4Linear
 from kernels.native.native_library import native_library, native_unavailable_reason
 
 __all__ = ["Linear", "LinearKind", "make_linear"]
@@ -34,12 +35,14 @@ def make_linear(
     bias: torch.Tensor | None = None,
     stored: Int4Groups | None = None,
     cpu: CpuFeatures | None = None,
+    device: torch.device | None = None,
 ) -> Linear:
     """A linear of `kind` for `weight` [out, in].
 
     FLOAT keeps `weight` as given (its dtype is the compute dtype); the quantized kinds
     quantize it from float32, except the INT4 kinds with `stored` groups (a file's 4-bit
     blocks), which are used exactly as they are and need no `weight` (None).
+    `device` (default the CPU) is where TRITON_Q4 holds its weights; the other kinds ignore it.
     """
 
     def float_weight() -> torch.Tensor:
@@ -67,5 +70,8 @@ def make_linear(
             if kind is LinearKind.INT8_Q8:
                 return Int8BlockLinear(lib, float_weight(), bias)
             return Int4BlockLinear(lib, groups(), bias, from_file=stored is not None)
+        case LinearKind.TRITON_Q4:
+            on = device if device is not None else torch.device("cpu")
+            return TritonQ4Linear(groups(), on, bias, from_file=stored is not None)
         case _:
             assert_never(kind)
