@@ -28,3 +28,10 @@ KV_CACHE = "auto"
 # LoRA adapters an engine holds at once (`--max-adapters`): each is rank x (in + out) float32 per
 # adapted projection, ~2.4 MB for rank 8 on every projection of the shipped model.
 MAX_ADAPTERS = 8
+# Where the model runs (`--device`): auto = the first CUDA device torch sees, else the CPU.
+DEVICE = "auto"
+# Attention kernels (kernels.attention.backend.AttentionKind's values): auto = Triton on CUDA, the native
+# kernels on the CPU (torch where they do not build); torch; triton (on the CPU only under
+# TRITON_INTERPRET=1, the interpreter the tests use); native (CPU).
+ATTENTION_KINDS = ("auto", "torch", "triton", "native")
+ATTENTION = "auto"

@@ -37,6 +37,10 @@ class ModelRunner:
         batch = ForwardBatch.build(seqs, self.cache.page_size, self.model.device)
         # Looked up on each call (not bound once): tests and benchmarks wrap the model's forward.
         logits = self.model.forward(batch, self.cache)
+        if logits.device.type != "cpu":
+            # The sampler, the grammar masks and the text work on the host: one copy of this step's
+            # logits rows (the only synchronisation in the step).
+            logits = logits.to("cpu")
         self.forwarded_tokens += batch.num_tokens
         first_rows = []
         row = 0

@@ -26,7 +26,7 @@ GENERATE_QUANT = "none"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from service.config import WEIGHT_DTYPES, add_serve_arguments
+    from service.config import ATTENTION_HELP, DEVICE_HELP, WEIGHT_DTYPES, add_serve_arguments, device_flag
     from service.engine_config import EngineSettings
     from service.speculation_flags import add_speculation_arguments
 
@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=defaults.SAMPLER_MODES,
         default=defaults.SAMPLER_MODE,
         help="sampled rows: batched (one set of tensor ops for the batch) or threaded (one pool task per job)",
+    )
+    gen.add_argument("--device", type=device_flag, default=defaults.DEVICE, help=DEVICE_HELP)
+    gen.add_argument(
+        "--attention", choices=defaults.ATTENTION_KINDS, default=defaults.ATTENTION, help=ATTENTION_HELP
     )
     gen.add_argument("--quiet", action="store_true", help="no progress bar while loading")
     add_speculation_arguments(gen)
@@ -178,9 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             from service.config import config_from_args
+            from service.device_check import check_device
             from service.frontend.server import main as serve_main
 
-            return serve_main(config_from_args(args))
+            config = config_from_args(args)
+            check_device(config.device)  # before anything starts: one line and exit 2 if it is not there
+            return serve_main(config)
         if args.command == "cluster":
             from service.cluster import run_cluster
 

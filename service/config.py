@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine import defaults
+from engine.device import check_device_flag
+from engine.errors import DyngenError
 from service.engine_config import (
     EngineConfig,
     EngineSettings,
@@ -41,6 +43,8 @@ class ServiceConfig:
     sampler_mode: str = defaults.SAMPLER_MODE
     lora: tuple[str, ...] = ()  # NAME=PATH, loaded at start and shared by every tenant
     max_adapters: int = defaults.MAX_ADAPTERS
+    device: str = defaults.DEVICE
+    attention: str = defaults.ATTENTION
     torch_threads: int = EngineConfig.torch_threads
     omp_wait_policy: str = EngineConfig.omp_wait_policy
     omp_spin_count: int = EngineConfig.omp_spin_count
@@ -131,6 +135,23 @@ def _choice(*allowed: str) -> Callable[[str], str]:
     return parse
 
 
+DEVICE_HELP = (
+    "where the model runs: auto (the first CUDA device torch sees, else the CPU), cpu, cuda or cuda:N "
+    "(refused at start where torch sees no such device)"
+)
+ATTENTION_HELP = (
+    "attention kernels: auto (Triton on CUDA, native on the CPU), torch, triton (on the CPU only under "
+    "TRITON_INTERPRET=1, the Triton interpreter: slow, for checks) or native (CPU)"
+)
+
+
+def device_flag(text: str) -> str:
+    try:
+        return check_device_flag(text)
+    except DyngenError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"DYNGEN_{name.upper()}", default)
 
@@ -185,6 +206,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "[DYNGEN_LORA: comma-separated]",
     )
     opt("max_adapters", int, d.max_adapters, "LoRA adapters loaded at once (--lora and LoadAdapter)")
+    opt("device", device_flag, d.device, DEVICE_HELP)
+    opt("attention", _choice(*defaults.ATTENTION_KINDS), d.attention, ATTENTION_HELP)
     opt("torch_threads", int, d.torch_threads, "torch threads in the engine process (0 = one per core)")
     opt(
         "omp_wait_policy",

@@ -31,6 +31,8 @@ class EngineSettings:
     sampler_mode: str = defaults.SAMPLER_MODE
     lora: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters loaded at start (--lora, repeatable)
     max_adapters: int = defaults.MAX_ADAPTERS
+    device: str = defaults.DEVICE  # auto, cpu, cuda or cuda:N (engine/device.py)
+    attention: str = defaults.ATTENTION  # auto, torch, triton or native (kernels/attention/backend.py)
 
     def __post_init__(self) -> None:
         # Flags and JSON give a list; the settings are frozen and hashable.

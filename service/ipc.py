@@ -151,6 +151,7 @@ class Ready:
     vocab_size: int  # token ids are below this (the front end checks a negative prompt's ids)
     cache_tokens: int  # the whole KV cache in tokens (pages x page size)
     hidden_size: int  # the model's embedding width (the front end checks prompt embeddings' rows)
+    device: str  # where the model runs (engine/device.py describe_device)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -168,6 +169,7 @@ class Ready:
             int(obj["vocab_size"]),
             int(obj["cache_tokens"]),
             int(obj["hidden_size"]),
+            str(obj["device"]),
         )
 
 

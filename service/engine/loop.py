@@ -9,6 +9,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.device import describe_device
 from engine.errors import (
     AdapterExistsError,
     AdapterInUseError,
@@ -94,6 +95,7 @@ class EngineLoop:
             loaded.model.config.vocab_size,
             self.generator.pool.num_pages * self.generator.pool.page_size,
             loaded.model.config.hidden_size,
+            describe_device(loaded.model.device),
         )
         self._send(Tag.READY, 0, ready.to_bytes())
 
@@ -236,4 +238,5 @@ class EngineLoop:
             kv_cache=g.cache.describe(),
             max_adapters=g.adapters.max_adapters,
             hidden_size=self.loaded.model.config.hidden_size,
+            device=describe_device(self.loaded.model.device),
         )

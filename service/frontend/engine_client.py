@@ -342,6 +342,7 @@ class EngineClient:
             "engine_ready",
             model=self.model_name,
             pid=self.pid,
+            device=ready.device,
             linears=ready.linears,
             kv_cache=ready.kv_cache,
             cpu=ready.cpu,
