@@ -170,3 +170,32 @@ def test_gguf_blocks(qtype: gguf.GGMLQuantizationType) -> None:
     assert lin.describe() == "triton_q4[file]"
     x = torch.randn(5, 160, generator=torch.Generator().manual_seed(14))
     assert_matches(lin(x), x @ groups.dequantize().T)
+
+
+@pytest.mark.slow
+def test_the_model_with_triton_q4_linears_gives_the_float_models_greedy_tokens() -> None:
+    """The shipped model's first layers with every projection on the Triton Q4 kernel over the
+    file's own Q4_1 blocks, against the same blocks dequantized into float32 linears: the same
+    greedy tokens for prompts run together (prefill rows and decode rows)."""
+    from engine.model.llama import LlamaModel
+    from engine.model.loader import default_model_path, open_weight_source
+    from engine.model.quantization import LinearPlan
+    from tests.reference_generate import GenerationSettings, generate_batch
+
+    source = open_weight_source(default_model_path())
+    f, q4 = LinearKind.FLOAT, LinearKind.TRITON_Q4
+    models = [
+        LlamaModel.from_source(source, torch.float32, progress=False, num_layers=2, plan=plan)
+        for plan in (LinearPlan(q4, q4, q4, q4, f), LinearPlan.uniform(f))
+    ]
+    assert models[0].describe().count("triton_q4[file]") == 4
+    prompts = [[1, 504, 3575, 282, 4649, 314], [1, 19161, 253, 33638, 563, 260, 3426, 30]]
+    settings = GenerationSettings(max_new_tokens=4, ignore_eos=True)
+    tokens = [
+        [
+            list(c.token_ids)
+            for c in generate_batch(m, m.new_cache(num_pages=8, page_size=16), prompts, settings)
+        ]
+        for m in models
+    ]
+    assert tokens[0] == tokens[1]

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from engine.device import describe_device
 from engine.errors import InvalidRequestError, ModelFormatError
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCacheKind, PagedKVCache
@@ -54,6 +55,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+# Kinds that run a file's own 4-bit blocks as they are stored (not re-quantized).
+_FILE_BLOCK_KINDS = (LinearKind.INT4, LinearKind.INT4_Q8, LinearKind.TRITON_Q4)
+
+
 class LlamaModel:
     def __init__(
         self,
@@ -75,8 +80,11 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device or torch.device("cpu")
         self.plan = plan if plan is not None else LinearPlan.uniform(LinearKind.FLOAT)
-        if self.plan.quantized and self.device.type != "cpu":
-            raise InvalidRequestError(f"quantized linears run on the CPU only, not on {self.device}")
+        gpu_kinds = (LinearKind.FLOAT, LinearKind.TRITON_Q4)
+        if self.device.type != "cpu" and any(
+            k not in gpu_kinds for r in LinearRole for k in self.plan.candidates(r)
+        ):
+            raise InvalidRequestError(f"only float and triton_q4 linears run on {self.device}")
         stored = stored_int4 or {}
         where = config.name
 
@@ -95,8 +103,9 @@ class LlamaModel:
         self.tuner: LinearTuner | None = None
         if self.plan.autotuned:
             kinds = tuple(dict.fromkeys(k for r in LinearRole for k in self.plan.candidates(r)))
-            key = TuneKey.make(cpu_features(), f"{config.name}|{dtype}", kinds)
-            self.tuner = LinearTuner(TuneCache(key, tune_dir))
+            gpu = describe_device(self.device) if self.device.type != "cpu" else None
+            key = TuneKey.make(cpu_features(), f"{config.name}|{dtype}", kinds, gpu)
+            self.tuner = LinearTuner(TuneCache(key, tune_dir), self.device)
 
         def linear(
             role: LinearRole, parts: list[tuple[str, tuple[int, ...]]], bias: torch.Tensor | None = None
@@ -120,15 +129,15 @@ class LlamaModel:
                 return weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
 
             def build(kind: LinearKind) -> Linear:
-                groups = exact() if kind in (LinearKind.INT4, LinearKind.INT4_Q8) else None
+                groups = exact() if kind in _FILE_BLOCK_KINDS else None
                 if groups is not None:
                     if groups.shape != shape:
                         raise ModelFormatError(
                             f"{where}: {parts[0][0]} has shape {groups.shape}, expected {shape}"
                         )
-                    return make_linear(kind, None, bias, stored=groups)
+                    return make_linear(kind, None, bias, stored=groups, device=self.device)
                 w = weight().to(dtype) if kind is LinearKind.FLOAT else weight()
-                return make_linear(kind, w, bias)
+                return make_linear(kind, w, bias, device=self.device)
 
             def make(kind: LinearKind) -> Linear:
                 if packed is None or kind not in (LinearKind.INT4_Q8, LinearKind.INT8_Q8):
@@ -257,7 +266,7 @@ class LlamaModel:
             list(lazy), functools.lru_cache(maxsize=2)(lazy.__getitem__), lambda _: bar.update()
         )
         stored: Mapping[str, Int4Groups] = {}
-        if plan is not None and (plan.uses(LinearKind.INT4) or plan.uses(LinearKind.INT4_Q8)):
+        if plan is not None and any(plan.uses(k) for k in _FILE_BLOCK_KINDS):
             stored = LazyInt4(list(tensors), source.stored_int4)
         try:
             return LlamaModel(config, tensors, dtype, device, attention, plan, stored, tune_dir, packed)

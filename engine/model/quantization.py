@@ -22,6 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
+import torch
+
+from engine.errors import InvalidRequestError
 from kernels.cpu_features import CpuFeatures
 from kernels.linear.make_linear import Linear, LinearKind
 
@@ -96,8 +99,13 @@ NATIVE_BODY_KINDS = (LinearKind.INT4_Q8, LinearKind.INT8_Q8)  # where the native
 NATIVE_HEAD_KINDS = (LinearKind.INT8_WEIGHT, LinearKind.INT8_Q8)
 
 
-def plan_for(mode: QuantMode, cpu: CpuFeatures, native: bool | None = None) -> LinearPlan:
-    """The plan of `mode`; `native` says whether the native kernels are available (None: try to build them)."""
+def plan_for(
+    mode: QuantMode, cpu: CpuFeatures, native: bool | None = None, device: torch.device | None = None
+) -> LinearPlan:
+    """The plan of `mode` on `device` (default: the CPU); `native` says whether the native kernels
+    are available (None: try to build them)."""
+    if device is not None and device.type != "cpu":
+        return _gpu_plan(mode, device)
     if native is None:
         from kernels.native.native_library import native_library
 
@@ -120,6 +128,31 @@ def plan_for(mode: QuantMode, cpu: CpuFeatures, native: bool | None = None) -> L
                 # block kinds, 390 (Zen 5, 2 cores).
                 return LinearPlan.tuned(NATIVE_BODY_KINDS, NATIVE_HEAD_KINDS)
             return LinearPlan.tuned(AUTO_BODY_KINDS, AUTO_HEAD_KINDS)
+        case _:
+            assert_never(mode)
+
+
+# On a GPU: float linears in the model's dtype (torch's matmuls), or the file's 4-bit blocks kept
+# 4-bit in GPU memory and dequantized inside a Triton matmul (kernels/linear/triton_q4_linear.py).
+# Auto times both per shape and step size, as on the CPU (the choices keyed on the GPU); the head
+# stays float (no 4-bit head in the quality gate).
+GPU_BODY_KINDS = (LinearKind.TRITON_Q4, LinearKind.FLOAT)
+
+
+def _gpu_plan(mode: QuantMode, device: torch.device) -> LinearPlan:
+    """The plan of `mode` on a GPU."""
+    f, q4 = LinearKind.FLOAT, LinearKind.TRITON_Q4
+    match mode:
+        case QuantMode.NONE:
+            return LinearPlan.uniform(f)
+        case QuantMode.INT4:
+            return LinearPlan(q4, q4, q4, q4, f)
+        case QuantMode.AUTO:
+            return LinearPlan.tuned(GPU_BODY_KINDS, (f,))
+        case QuantMode.INT8:
+            raise InvalidRequestError(
+                f"--quant int8 runs on the CPU only; on {device} use --quant none, int4 or auto"
+            )
         case _:
             assert_never(mode)
 

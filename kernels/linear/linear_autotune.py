@@ -54,11 +54,15 @@ class TuneKey:
     native_source: str = ""  # digest of the native kernels' source when native kinds compete
 
     @staticmethod
-    def make(cpu: CpuFeatures, model: str, kinds: Sequence[LinearKind]) -> TuneKey:
+    def make(cpu: CpuFeatures, model: str, kinds: Sequence[LinearKind], gpu: str | None = None) -> TuneKey:
+        """`gpu`: the GPU the linears run on (its name and capability), which then keys the timings
+        instead of the CPU."""
         flags = " ".join(sorted(cpu.flags))
         native = bool({LinearKind.INT4_Q8, LinearKind.INT8_Q8} & set(kinds))
         return TuneKey(
-            f"{cpu.model_name}|{cpu.torch_capability}|{cpu.threads}|{flags}",
+            f"gpu|{gpu}"
+            if gpu is not None
+            else f"{cpu.model_name}|{cpu.torch_capability}|{cpu.threads}|{flags}",
             torch.__version__,
             model,
             tuple(k.value for k in kinds),
@@ -144,9 +148,21 @@ def evict_bytes(cache_root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -
     return total + total // 4 if total > 0 else _EVICT_FALLBACK
 
 
+_CPU = torch.device("cpu")
+
+
 @functools.cache
-def _evictor() -> torch.Tensor:
-    return torch.empty(evict_bytes() // 4, dtype=torch.float32)
+def _evictor(device: torch.device = _CPU) -> torch.Tensor:
+    """What a timed call's predecessor writes to leave no weight in any cache: more than the CPU's
+    caches, or on a GPU more than its L2 (50 MiB on an H100; 256 MiB covers every GPU we know)."""
+    size = evict_bytes() if device.type == "cpu" else 256 << 20
+    return torch.empty(size // 4, dtype=torch.float32, device=device)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU runs calls asynchronously; the CPU needs nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # Timings this close count as a tie, broken by weight bytes. Wider at one row, where a linear in
@@ -159,8 +175,8 @@ BYTES_MARGIN_ONE_ROW = 0.5
 BYTES_SAVING = 0.2
 
 
-def measure(candidates: Mapping[LinearKind, Linear]) -> Choice:
-    """Time every candidate (same weight) at each bucket's row count; the fastest per bucket.
+def measure(candidates: Mapping[LinearKind, Linear], device: torch.device = _CPU) -> Choice:
+    """Time every candidate (same weight, on `device`) at each bucket's row count; the fastest per bucket.
 
     Each timed call starts with cold caches: in a forward the model's weights stream from
     memory (30 layers do not fit in cache), and a weight left in cache by the previous
@@ -169,15 +185,17 @@ def measure(candidates: Mapping[LinearKind, Linear]) -> Choice:
     first = next(iter(candidates.values()))
     choice: Choice = {}
     for rows in BUCKETS:
-        x = torch.randn(rows, first.in_features)
+        x = torch.randn(rows, first.in_features, device=device)
         best: dict[LinearKind, float] = {}
         for lin in candidates.values():
-            lin(x)  # warm-up: first calls allocate and pack
+            lin(x)  # warm-up: first calls allocate, pack and compile
         for _ in range(_CALLS):
             for kind, lin in candidates.items():  # kinds take turns, so load spikes hit all alike
-                _evictor().fill_(0.0)
+                _evictor(device).fill_(0.0)
+                _sync(device)
                 t0 = time.perf_counter()
                 lin(x)
+                _sync(device)
                 best[kind] = min(best.get(kind, float("inf")), time.perf_counter() - t0)
         choice[rows] = choose(best, {k: lin.weight_bytes() for k, lin in candidates.items()}, rows)
     return choice
@@ -279,8 +297,9 @@ class LinearTuner:
     such choices serve this load only and are not written; the next start measures again.
     """
 
-    def __init__(self, cache: TuneCache) -> None:
+    def __init__(self, cache: TuneCache, device: torch.device = _CPU) -> None:
         self.cache = cache
+        self.device = device  # where the candidates run and are timed
         self.measured = 0  # shapes timed in this load (0 on a cache hit)
         self.busy_share = 0.0  # other processes' share of the CPU while this load measured
         self._meter: BusyMeter | None = None
@@ -312,7 +331,7 @@ class LinearTuner:
         if len(candidates) == 1:
             return next(iter(candidates.values()))
         self._meter = self._meter or BusyMeter()
-        choice = measure(candidates)
+        choice = measure(candidates, self.device)
         self.cache.put(name, choice)
         self.measured += 1
         return TunedLinear({b: candidates[choice[b]] for b in BUCKETS})
