@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.errors import AdapterExistsError, AdapterLimitError, AdapterNotFoundError, InvalidRequestError
 from engine.model.config import ModelConfig
 from engine.model.lora_adapter import LoraAdapter
@@ -31,10 +33,11 @@ class AdapterInfo:
 
 
 class AdapterRegistry:
-    def __init__(self, config: ModelConfig, max_adapters: int) -> None:
+    def __init__(self, config: ModelConfig, max_adapters: int, device: torch.device | None = None) -> None:
         if max_adapters < 0:
             raise ValueError(f"max_adapters must be >= 0, got {max_adapters}")
         self._config = config
+        self._device = device  # the model's: adapters' deltas live beside its activations
         self.max_adapters = max_adapters
         self._by_name: dict[str, LoraAdapter] = {}
 
@@ -48,7 +51,7 @@ class AdapterRegistry:
                 f"{len(self._by_name)} adapters are loaded, the most this server holds (--max-adapters); "
                 "unload one first"
             )
-        adapter = LoraAdapter.load(name, path, self._config)
+        adapter = LoraAdapter.load(name, path, self._config, self._device)
         self._by_name[name] = adapter
         return adapter
 

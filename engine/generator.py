@@ -192,7 +192,7 @@ class DynamicGenerator:
         self.runner = ModelRunner(model, self.cache)
         self.pool = PagePool(c.num_pages, c.page_size)
         self.scheduler = Scheduler(c.scheduler, self.pool)
-        self.adapters = AdapterRegistry(model.config, c.max_adapters)
+        self.adapters = AdapterRegistry(model.config, c.max_adapters, model.device)
         self.sampler = Sampler(model.config.vocab_size, c.sampling_threads, c.sampler_mode)
         self.jobs: dict[JobId, JobState] = {}
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)

@@ -88,9 +88,10 @@ class LoraAdapter:
         return f"{self.name}: rank {ranks} on {', '.join(sorted(self.targets))}"
 
     @staticmethod
-    def load(name: str, path: Path, config: ModelConfig) -> LoraAdapter:
-        """Read a PEFT adapter folder for `config`'s model; AdapterError (or ModelNotFoundError for a
-        missing folder) with the reason if it cannot be applied exactly."""
+    def load(name: str, path: Path, config: ModelConfig, device: torch.device | None = None) -> LoraAdapter:
+        """Read a PEFT adapter folder for `config`'s model, its deltas on `device` (the model's;
+        default the CPU); AdapterError (or ModelNotFoundError for a missing folder) with the reason
+        if it cannot be applied exactly."""
         if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
             raise ModelNotFoundError(f"adapter {name!r}: {path} holds no {CONFIG_FILE} and {WEIGHTS_FILE}")
         try:
@@ -111,6 +112,10 @@ class LoraAdapter:
             _fuse_layer(name, i, {m: p for (li, m), p in pairs.items() if li == i}, settings, config)
             for i in range(config.num_layers)
         )
+        if device is not None and device.type != "cpu":
+            layers = tuple(
+                {p: LoraDelta(d.a.to(device), d.b.to(device)) for p, d in layer.items()} for layer in layers
+            )
         return LoraAdapter(
             name=name,
             path=path,
