@@ -120,20 +120,36 @@ class ForwardBatch(AttentionBatch):
             embeds = (torch.cat(embed_rows).to(device), torch.cat(embed_values).to(device))
         pages = table_t.view(-1)[first_of_row + torch.div(pos_t, page_size, rounding_mode="floor")]
         slots = pages * page_size + pos_t % page_size
+        logits_t = _tensor(array.array("q", logits_rows))
+        if device.type != "cpu":  # one copy to the device for all of the step's index tensors
+            slots, table_flat, ids_t, pos_t, logits_t = one_copy(
+                [slots, table_t.view(-1), ids_t, pos_t, logits_t], device
+            )
+            table_t = table_flat.view(n, max_pages)
         return ForwardBatch(
-            slot_mapping=slots.to(device),
-            page_tables=table_t.to(device),
+            slot_mapping=slots,
+            page_tables=table_t,
             query_lens=tuple(query_lens),
             seq_lens=tuple(seq_lens),
             page_size=page_size,
-            input_ids=ids_t.to(device),
-            positions=pos_t.to(device),
-            logits_indices=_tensor(array.array("q", logits_rows)).to(device),
+            input_ids=ids_t,
+            positions=pos_t,
+            logits_indices=logits_t,
             lora=LoraBatch.build([(s.adapter, len(s.token_ids)) for s in seqs])
             if any(s.adapter is not None for s in seqs)
             else None,
             embeds=embeds,
         )
+
+
+def one_copy(parts: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`parts` (int64, 1-D, on the host) on `device` through one host-to-device copy: packed into
+    one buffer (pinned where CUDA is, so the copy runs asynchronously), copied, split into views."""
+    host = torch.cat([p.reshape(-1) for p in parts])
+    if device.type == "cuda":
+        host = host.pin_memory()
+    moved = host.to(device, non_blocking=device.type == "cuda")
+    return list(torch.split(moved, [p.numel() for p in parts]))
 
 
 def _tensor(values: array.array[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.forward_batch import ForwardBatch, SequenceInput, one_copy
 from engine.ids import PageId
 from engine.model.loader import load_model
 from engine.runner import ModelRunner
@@ -117,3 +117,10 @@ def test_kernels_never_import_the_engine() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module is not None:
                 names = [node.module]
             assert not any(n == "engine" or n.startswith("engine.") for n in names), path.name
+
+
+def test_one_copy_packs_and_splits_the_index_tensors() -> None:
+    """The device path's single host-to-device copy gives back each tensor as it was (on the CPU here)."""
+    parts = [torch.arange(5), torch.tensor([7, 8]), torch.empty(0, dtype=torch.int64), torch.arange(3) * -1]
+    moved = one_copy(parts, torch.device("cpu"))
+    assert [m.tolist() for m in moved] == [p.tolist() for p in parts]
