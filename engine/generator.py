@@ -383,7 +383,7 @@ class DynamicGenerator:
         p = self.pool.stats()
         return GeneratorStats(
             queued=len(self.scheduler.queue),
-            running=len(self.scheduler.running),
+            running=sum(1 for j in self.scheduler.running if j.positive is None),  # jobs, not rows
             pages_free=p.free,
             pages_cached=p.cached,
             pages_used=p.referenced,
