@@ -288,8 +288,12 @@ class DynamicGenerator:
         (from the vectors' bytes), which the prefix cache hashes like tokens."""
         hidden = self.model.config.hidden_size
         spans = []
-        for e in job.spec.embeddings:
+        for i, e in enumerate(job.spec.embeddings):
             values = torch.frombuffer(bytearray(e.data), dtype=torch.float32).view(e.rows, hidden)
+            if not bool(torch.isfinite(values).all()):
+                raise InvalidRequestError(
+                    f"embeddings[{i}].data: holds values that are not finite (NaN or inf)"
+                )
             job.tokens[e.position : e.end] = span_token_ids(e)
             spans.append((e.position, values))
         return tuple(spans)

@@ -9,6 +9,9 @@ no token, and bad spans are refused naming the field.
 
 from __future__ import annotations
 
+import math
+import struct
+
 import pytest
 import torch
 
@@ -174,6 +177,9 @@ def test_bad_spans_are_refused_naming_the_field(tiny: LoadedModel) -> None:
     wide = random_vectors(tiny, 1, 0) + b"\x00" * 4 * 1
     with pytest.raises(InvalidRequestError, match="hidden size"):
         gen.enqueue(JobSpec(tuple(range(3, 13)), 4, embeddings=(PromptEmbedding(0, 1, wide),)))
+    nan = struct.pack("<f", math.nan) * hidden + good[4 * hidden :]
+    with pytest.raises(InvalidRequestError, match=r"embeddings\[0\]\.data: holds values that are not finite"):
+        gen.enqueue(JobSpec(tuple(range(3, 13)), 4, embeddings=(PromptEmbedding(0, 2, nan),)))
     with pytest.raises(InvalidRequestError, match="token_healing"):
         gen.enqueue(
             JobSpec(tuple(range(3, 13)), 4, token_healing=True, embeddings=(PromptEmbedding(0, 2, good),))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -325,6 +326,40 @@ REQUEST_HANDLED = {
 }
 
 
+HIDDEN = SERVICE_SPEC.hidden_size
+u32 = st.sampled_from(U32_EDGES)
+
+
+def add_guidance(draw: st.DrawFn, req: pb.GenerateRequest) -> None:
+    """A negative prompt (text or token ids, or none) and a scale: in range, unset or hostile."""
+    scale = draw(field_value(st.floats(0.0, 100.0, width=32), st.floats(width=32)))
+    if draw(st.integers(0, 7)):
+        req.guidance.scale = scale
+    match draw(st.sampled_from(("text", "token_ids", "none"))):
+        case "text":
+            req.guidance.text = draw(field_value(valid_text, string))
+        case "token_ids":
+            req.guidance.token_ids.SetInParent()
+            req.guidance.token_ids.ids.extend(
+                draw(field_value(st.lists(valid_token, min_size=1, max_size=12), tokens))
+            )
+        case _:
+            req.guidance.SetInParent()
+
+
+def add_embeddings(draw: st.DrawFn, req: pb.GenerateRequest) -> None:
+    """Spans of float32 rows, mostly of the model's width and placed inside the prompt, sometimes not."""
+    for _ in range(draw(st.integers(1, 3))):
+        rows = draw(field_value(st.integers(1, 3), st.sampled_from((0, 1, 9000, *U32_EDGES))))
+        width = draw(field_value(st.just(HIDDEN), st.sampled_from((0, 1, HIDDEN - 1, HIDDEN + 1))))
+        values = draw(st.floats(-2.0, 2.0, width=32) | st.sampled_from((math.nan, math.inf)))
+        span = req.embeddings.add(rows=rows, data=struct.pack("<f", values) * (min(rows, 4) * width))
+        if draw(st.booleans()):
+            span.position = draw(field_value(st.integers(0, 4), u32))
+        elif draw(st.integers(0, 5)):
+            span.placeholder_token_id = draw(field_value(valid_token, u32))
+
+
 @st.composite
 def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     req = pb.GenerateRequest()
@@ -354,6 +389,13 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     req.stop_token_ids.extend(draw(field_value(st.lists(valid_token, max_size=3), tokens)))
     valid_stops = st.lists(st.text(min_size=1, max_size=8), max_size=3)
     req.stop_strings.extend(draw(field_value(valid_stops, stop_strings)))
+    if draw(st.integers(0, 3)) == 0:
+        add_guidance(draw, req)
+    if draw(st.integers(0, 3)) == 0:
+        add_embeddings(draw, req)
+    if draw(st.integers(0, 5)) == 0:
+        req.stop_on_loop.window = draw(field_value(st.integers(1, 16), u32))
+        req.stop_on_loop.min_repetitions = draw(field_value(st.integers(2, 4), u32))
     for f in pb.GenerateRequest.DESCRIPTOR.fields:  # every other field, present or future
         if f.name in REQUEST_HANDLED or f.type == FieldDescriptor.TYPE_MESSAGE:
             continue
