@@ -177,18 +177,18 @@ class GeneratorService:
             )
         self.open_streams += 1
 
+    async def _engine_down(self, context: grpc.aio.ServicerContext[Req, Resp]) -> NoReturn:
+        await self._fail(
+            context, grpc.StatusCode.UNAVAILABLE, "the engine is not running", ErrorReason.ENGINE_UNAVAILABLE
+        )
+
     async def _token_ids(
         self, request: pb.GenerateRequest | pb.TokenizeRequest, context: grpc.aio.ServicerContext[Req, Resp]
     ) -> list[int]:
         """The prompt's ids, after its limits: INVALID_ARGUMENT for a broken limit or a refused chat."""
         prompts = self.engine.prompts
         if prompts is None:
-            await self._fail(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                "the engine is not running",
-                ErrorReason.ENGINE_UNAVAILABLE,
-            )
+            await self._engine_down(context)
         try:
             if isinstance(request, pb.GenerateRequest):
                 check_request(request, self.limits)
@@ -205,16 +205,10 @@ class GeneratorService:
         checks a prompt (ids in the vocabulary, within the context and the cache with max_new_tokens)."""
         prompts, bounds = self.engine.prompts, self.engine.bounds
         if prompts is None or bounds is None:
-            await self._fail(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                "the engine is not running",
-                ErrorReason.ENGINE_UNAVAILABLE,
-            )
-        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else JobSpec.max_new_tokens
+            await self._engine_down(context)
         try:
             ids = await prompts.negative_ids_async(request.guidance)
-            check_negative_prompt_ids(ids, max_new, bounds)
+            check_negative_prompt_ids(ids, _max_new_tokens(request), bounds)
             return ids
         except RequestError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
@@ -227,15 +221,9 @@ class GeneratorService:
         prompt within the context and the cache with max_new_tokens."""
         bounds = self.engine.bounds
         if bounds is None:
-            await self._fail(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                "the engine is not running",
-                ErrorReason.ENGINE_UNAVAILABLE,
-            )
-        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else JobSpec.max_new_tokens
+            await self._engine_down(context)
         try:
-            check_prompt_embeddings(request, ids, max_new, bounds)
+            check_prompt_embeddings(request, ids, _max_new_tokens(request), bounds)
         except RequestError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
 
@@ -267,12 +255,7 @@ class GeneratorService:
                 context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down", ErrorReason.DRAINING
             )
         if not self.engine.ready:
-            await self._fail(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                "the engine is not running",
-                ErrorReason.ENGINE_UNAVAILABLE,
-            )
+            await self._engine_down(context)
         ids = await self._token_ids(request, context)
         if request.embeddings:
             await self._check_embeddings(request, ids, context)
@@ -564,3 +547,8 @@ def _affinity(request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Req
             return affinity_key(Chat(tuple((m.role, m.content) for m in request.chat.messages)))
         case _:
             return affinity_key(list(request.token_ids.ids))
+
+
+def _max_new_tokens(request: pb.GenerateRequest) -> int:
+    """The request's max_new_tokens, JobSpec's default when unset."""
+    return request.max_new_tokens if request.HasField("max_new_tokens") else JobSpec.max_new_tokens
