@@ -92,11 +92,6 @@ logger = logging.getLogger(__name__)
 _MAX_ERROR_CHARS = 200
 
 
-def _scale(job: JobState) -> float:
-    assert job.spec.guidance is not None
-    return job.spec.guidance.scale
-
-
 # Ids appear in logs and metrics: printable, bounded, no separators to forge.
 _JOB_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 
@@ -301,32 +296,30 @@ class DynamicGenerator:
     def _check_fits(self, spec: JobSpec) -> None:
         """PromptTooLongError unless the job (with its negative prompt, if guided) fits the context
         and the whole cache at its longest."""
-        ps = self.pool.page_size
+        ps, new = self.pool.page_size, spec.max_new_tokens
         prompts = [("prompt", len(spec.prompt_ids))]
         if spec.guidance is not None:
             prompts.append(("negative prompt", len(spec.guidance.negative_prompt_ids)))
         for what, n in prompts:
-            total = n + spec.max_new_tokens
-            if total > self.max_seq_len:
+            if n + new > self.max_seq_len:
                 raise PromptTooLongError(
-                    f"{what} of {n} tokens + max_new_tokens {spec.max_new_tokens} = {total} "
-                    f"tokens exceeds max_seq_len {self.max_seq_len}"
+                    f"{what} of {n} tokens + max_new_tokens {new} = {n + new} tokens exceeds max_seq_len "
+                    f"{self.max_seq_len}"
                 )
-        capacity = self.pool.num_pages * ps
-        total = len(spec.prompt_ids) + spec.max_new_tokens
-        if total > capacity:
+        pages = sum(-(-(n + new) // ps) for _, n in prompts)
+        if pages <= self.pool.num_pages:
+            return
+        if spec.guidance is None:
+            n = len(spec.prompt_ids)
             raise PromptTooLongError(
-                f"prompt of {len(spec.prompt_ids)} tokens + max_new_tokens {spec.max_new_tokens} = {total} "
-                f"tokens exceeds the whole KV cache of {capacity} tokens "
-                f"({self.pool.num_pages} pages of {ps})"
+                f"prompt of {n} tokens + max_new_tokens {new} = {n + new} tokens exceeds the whole KV cache "
+                f"of {self.pool.num_pages * ps} tokens ({self.pool.num_pages} pages of {ps})"
             )
-        pages = sum(-(-(n + spec.max_new_tokens) // ps) for _, n in prompts)
-        if pages > self.pool.num_pages:  # a guided job: its two sequences together
-            what = " and ".join(f"{w} of {n} tokens" for w, n in prompts)
-            raise PromptTooLongError(
-                f"{what} + max_new_tokens {spec.max_new_tokens} need {pages} pages, more than the whole "
-                f"KV cache's {self.pool.num_pages} pages of {ps} tokens"
-            )
+        what = " and ".join(f"{w} of {n} tokens" for w, n in prompts)  # the two sequences together
+        raise PromptTooLongError(
+            f"{what} + max_new_tokens {new} need {pages} pages, more than the whole KV cache's "
+            f"{self.pool.num_pages} pages of {ps} tokens"
+        )
 
     def _negative_sequence(self, job: JobState) -> JobState:
         """A guided job's second sequence: its negative prompt, then (as they come) its output tokens;
@@ -471,10 +464,11 @@ class DynamicGenerator:
         """Replace each guided job's logits row by its mix with its negative sequence's row, in place
         (so every later step, masks and kept rows for rewinds, sees the guided distribution)."""
         guided: list[tuple[_StepOutput, _StepOutput]] = []
+        scales: list[float] = []
         kept: list[_StepOutput] = []
         for out in sampled:
             job = out.chunk.job
-            if job.negative is None:
+            if job.negative is None or job.spec.guidance is None:
                 kept.append(out)
             elif job.stage is JobStage.FINISHED:  # failed with its negative sequence's share
                 continue
@@ -483,16 +477,15 @@ class DynamicGenerator:
                 self._contain(job, "guiding its sampling", error, events)
             else:
                 guided.append((out, negative))
+                scales.append(job.spec.guidance.scale)
         if not guided:
             return kept
         try:
             cond = torch.stack([o.logits[o.row] for o, _ in guided])
             uncond = torch.stack([n.logits[n.row] for _, n in guided])
-            scales = torch.tensor([_scale(o.chunk.job) for o, _ in guided])
-            mixed = mix_guided(cond, uncond, scales)
-            with torch.inference_mode(
-                guided[0][0].logits.is_inference()
-            ):  # the forward's logits are inference tensors
+            mixed = mix_guided(cond, uncond, torch.tensor(scales))
+            inference = guided[0][0].logits.is_inference()  # the forward's logits are inference tensors
+            with torch.inference_mode(inference):
                 for i, (o, _) in enumerate(guided):
                     o.logits[o.row].copy_(mixed[i])
         except Exception as exc:

@@ -103,15 +103,16 @@ class Scheduler:
         """Queue `job` in priority order: after the jobs of its priority (a new one) or before them
         (`resume`: a preempted one goes on first)."""
         p = job.spec.priority
+
+        def goes_before(other: JobState) -> bool:
+            return other.spec.priority < p or (resume and other.spec.priority == p)
+
+        # The queue is in priority order, so the jobs `job` goes before are a tail of it.
         q = self.queue
-        if not q or (q[-1].spec.priority >= p if not resume else q[-1].spec.priority > p):
+        if not q or not goes_before(q[-1]):
             q.append(job)  # the usual case: one priority, or the lowest
-            return
-        for i, other in enumerate(q):
-            if other.spec.priority < p or (resume and other.spec.priority == p):
-                q.insert(i, job)
-                return
-        q.append(job)
+        else:
+            q.insert(next(i for i, other in enumerate(q) if goes_before(other)), job)
 
     def remove(self, job: JobState) -> None:
         """Take a job out (finish or cancel) and give its pages back (its negative sequence's too);
