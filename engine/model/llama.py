@@ -86,8 +86,6 @@ class LlamaModel:
         ):
             raise InvalidRequestError(f"only float and triton_q4 linears run on {self.device}")
         stored = stored_int4 or {}
-        if self.device.type != "cpu":
-            packed = None  # the store keeps CPU tables and the native kernels' packing: nothing a GPU runs
         where = config.name
 
         def get(name: str, shape: tuple[int, ...], as_dtype: torch.dtype = dtype) -> torch.Tensor:

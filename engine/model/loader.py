@@ -126,7 +126,8 @@ def load_model(
         pool.submit(native_library)
         source = open_weight_source(model_path, derived)
         tokenizer = pool.submit(load_tokenizer, model_path, source.config.eos_token_ids, derived)
-        packed = PackedStore.open(derived, source_digest())
+        # The store keeps CPU tables and the native kernels' packing: nothing a GPU runs.
+        packed = PackedStore.open(derived, source_digest()) if device.type == "cpu" else None
         model = LlamaModel.from_source(
             source,
             dtype.resolve(quant, cpu_features(), device).torch,
