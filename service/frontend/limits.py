@@ -127,15 +127,23 @@ def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
     _limit(
         len(req.sampling.banned_token_ids), limits.max_banned_token_ids, "sampling.banned_token_ids", "count"
     )
-    match req.WhichOneof("prompt"):
+    _check_prompt_size(req, req.WhichOneof("prompt"), "prompt", limits)
+
+
+def _check_prompt_size(
+    source: pb.GenerateRequest | pb.Guidance, which: str | None, field: str, limits: Limits, prefix: str = ""
+) -> None:
+    """A prompt oneof's size limits (text, chat or token_ids, `which` being the set one); `field`
+    names the oneof, `prefix` where `source` sits in the request."""
+    match which:
         case "text":
-            _limit(len(req.text), limits.max_prompt_chars, "text", "length")
+            _limit(len(source.text), limits.max_prompt_chars, prefix + "text", "length")
         case "chat":
-            check_chat(req.chat, limits)
+            check_chat(source.chat, limits, prefix)
         case "token_ids":
-            _limit(len(req.token_ids.ids), limits.max_prompt_tokens, "token_ids.ids", "count")
+            _limit(len(source.token_ids.ids), limits.max_prompt_tokens, prefix + "token_ids.ids", "count")
         case _:
-            raise RequestError("prompt: set one of text, chat or token_ids", "prompt")
+            raise RequestError(f"{field}: set one of text, chat or token_ids", field)
 
 
 NEGATIVE_PROMPT = "guidance.negative_prompt"  # the field to blame for a missing or empty negative prompt
@@ -151,19 +159,12 @@ def check_guidance(guidance: pb.Guidance, limits: Limits) -> None:
             f"guidance.scale must be finite and in [0, {MAX_GUIDANCE_SCALE:g}], got {guidance.scale:g}",
             "guidance.scale",
         )
-    match guidance.WhichOneof("negative_prompt"):
-        case "text":
-            if not guidance.text:
-                raise RequestError(f"{NEGATIVE_PROMPT} must not be empty", NEGATIVE_PROMPT)
-            _limit(len(guidance.text), limits.max_prompt_chars, "guidance.text", "length")
-        case "chat":
-            check_chat(guidance.chat, limits, "guidance.")
-        case "token_ids":
-            if not guidance.token_ids.ids:
-                raise RequestError(f"{NEGATIVE_PROMPT} must hold at least one token", NEGATIVE_PROMPT)
-            _limit(len(guidance.token_ids.ids), limits.max_prompt_tokens, "guidance.token_ids.ids", "count")
-        case _:
-            raise RequestError(f"{NEGATIVE_PROMPT}: set one of text, chat or token_ids", NEGATIVE_PROMPT)
+    which = guidance.WhichOneof("negative_prompt")
+    if which == "text" and not guidance.text:
+        raise RequestError(f"{NEGATIVE_PROMPT} must not be empty", NEGATIVE_PROMPT)
+    if which == "token_ids" and not guidance.token_ids.ids:
+        raise RequestError(f"{NEGATIVE_PROMPT} must hold at least one token", NEGATIVE_PROMPT)
+    _check_prompt_size(guidance, which, NEGATIVE_PROMPT, limits, "guidance.")
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import DyngenError, ModelFormatError
 from engine.model.tokenizer import TRANSFORMERS_IMPORT, ChatMessage, HFTokenizer
 from service.frontend.limits import RequestError
+
+_PromptSource = pb.GenerateRequest | pb.TokenizeRequest | pb.Guidance  # messages with a prompt oneof
+_S = TypeVar("_S", pb.GenerateRequest | pb.TokenizeRequest, pb.Guidance)
 
 # Tokenizing is CPU work; a small pool keeps many large prompts from starving the event loop's
 # own thread, and bounds how many run at once.
@@ -91,38 +95,37 @@ class PromptTokenizer:
         except Exception as exc:  # the template's raise_exception(), or a template error
             raise RequestError(f"{field}: the model's chat template refused it: {exc}", field) from exc
 
+    def _ids(self, source: _PromptSource, which: str | None, field: str, prefix: str = "") -> list[int]:
+        """The ids of a prompt oneof (text, chat or token_ids) of `source`, `which` being the set one;
+        `field` names the oneof in errors, `prefix` where `source` sits in the request."""
+        match which:
+            case "text":
+                return self.tokenizer.encode(source.text)
+            case "chat":
+                return self._chat_ids(source.chat, prefix + "chat")
+            case "token_ids" if not isinstance(source, pb.TokenizeRequest):
+                return list(source.token_ids.ids)
+            case _:
+                raise RequestError(f"{field}: set one of text, chat or token_ids", field)
+
     def token_ids(self, prompt: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
         """The prompt's ids; RequestError for an empty prompt or a chat the template refuses."""
-        match prompt.WhichOneof("prompt"):
-            case "text":
-                return self.tokenizer.encode(prompt.text)
-            case "chat":
-                return self._chat_ids(prompt.chat, "chat")
-            case "token_ids" if isinstance(prompt, pb.GenerateRequest):
-                return list(prompt.token_ids.ids)
-            case _:
-                raise RequestError("prompt: set one of text, chat or token_ids", "prompt")
+        return self._ids(prompt, prompt.WhichOneof("prompt"), "prompt")
 
     def negative_ids(self, guidance: pb.Guidance) -> list[int]:
         """The guidance's negative prompt's ids, made exactly as a prompt's (BOS, chat template)."""
-        match guidance.WhichOneof("negative_prompt"):
-            case "text":
-                return self.tokenizer.encode(guidance.text)
-            case "chat":
-                return self._chat_ids(guidance.chat, "guidance.chat")
-            case "token_ids":
-                return list(guidance.token_ids.ids)
-            case _:
-                raise RequestError(
-                    "guidance.negative_prompt: set one of text, chat or token_ids", "guidance.negative_prompt"
-                )
+        return self._ids(
+            guidance, guidance.WhichOneof("negative_prompt"), "guidance.negative_prompt", "guidance."
+        )
 
     async def token_ids_async(self, prompt: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
-        if prompt.WhichOneof("prompt") == "token_ids":
-            return self.token_ids(prompt)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.token_ids, prompt)
+        return await self._off_loop(self.token_ids, prompt, prompt.WhichOneof("prompt"))
 
     async def negative_ids_async(self, guidance: pb.Guidance) -> list[int]:
-        if guidance.WhichOneof("negative_prompt") == "token_ids":
-            return self.negative_ids(guidance)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.negative_ids, guidance)
+        return await self._off_loop(self.negative_ids, guidance, guidance.WhichOneof("negative_prompt"))
+
+    async def _off_loop(self, ids: Callable[[_S], list[int]], source: _S, which: str | None) -> list[int]:
+        """`ids(source)` on the tokenizing pool; at once for token ids (nothing to tokenize)."""
+        if which == "token_ids":
+            return ids(source)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, ids, source)

@@ -164,7 +164,7 @@ class GeneratorService:
         try:
             check_job_id(job_id)
         except RequestError as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
+            await self._invalid(context, exc)
         return job_id
 
     async def _open_stream(self, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
@@ -176,6 +176,10 @@ class GeneratorService:
                 ErrorReason.TOO_MANY_STREAMS,
             )
         self.open_streams += 1
+
+    async def _invalid(self, context: grpc.aio.ServicerContext[Req, Resp], exc: RequestError) -> NoReturn:
+        """INVALID_ARGUMENT for a limit the request broke, naming its field."""
+        await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
 
     async def _engine_down(self, context: grpc.aio.ServicerContext[Req, Resp]) -> NoReturn:
         await self._fail(
@@ -196,7 +200,7 @@ class GeneratorService:
                 check_tokenize_request(request, self.limits)
             return await prompts.token_ids_async(request)
         except RequestError as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
+            await self._invalid(context, exc)
 
     async def _negative_ids(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Req, Resp]
@@ -211,7 +215,7 @@ class GeneratorService:
             check_negative_prompt_ids(ids, _max_new_tokens(request), bounds)
             return ids
         except RequestError as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
+            await self._invalid(context, exc)
 
     async def _check_embeddings(
         self, request: pb.GenerateRequest, ids: list[int], context: grpc.aio.ServicerContext[Req, Resp]
@@ -225,7 +229,7 @@ class GeneratorService:
         try:
             check_prompt_embeddings(request, ids, _max_new_tokens(request), bounds)
         except RequestError as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
+            await self._invalid(context, exc)
 
     async def _check_priority_jobs(
         self, request: pb.GenerateRequest, tenant: str, context: grpc.aio.ServicerContext[Req, Resp]
@@ -421,7 +425,7 @@ class GeneratorService:
         try:
             check_adapter_name(name, field)
         except RequestError as exc:
-            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
+            await self._invalid(context, exc)
         return name
 
     async def LoadAdapter(
