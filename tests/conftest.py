@@ -12,6 +12,7 @@ import torch
 from hypothesis import settings
 
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from tests.tiny_generator import tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -59,3 +60,10 @@ def reference(shipped_path: Path) -> Iterator[Reference]:
     )
     model.eval()
     yield Reference(model, tok)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny random-weight model the generator tests share (tests/tiny_generator.py); modules with a
+    tiny model of their own define their own `tiny`."""
+    return tiny_model(tmp_path_factory.mktemp("tiny"))

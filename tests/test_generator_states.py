@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -14,25 +13,10 @@ from engine.errors import JobNotFoundError, PromptTooLongError, QueueFullError
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.guidance import Guidance
 from engine.jobs import JobFinished, JobId, JobSpec, PrefillProgress, SamplingSettings, StopReason
-from engine.model.loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel
 from engine.scheduler import SchedulerConfig
 from engine.speculative import DrafterKind, SpeculationConfig
-from tests.tiny_llama import save_tiny_llama
-
-_TINY: LoadedModel | None = None
-
-
-def tiny_model(folder: Path) -> LoadedModel:
-    global _TINY  # noqa: PLW0603 - one tiny model for the whole module, hypothesis included
-    if _TINY is None:
-        save_tiny_llama(folder, with_tokenizer=True, max_position_embeddings=1024)
-        _TINY = load_model(folder, progress=False)
-    return _TINY
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
+from tests.tiny_generator import all_pages_idle, loaded_tiny_model
 
 
 def generator(
@@ -49,11 +33,6 @@ def generator(
         page_size, num_pages, scheduler=sched, speculation=SpeculationConfig(speculation, num_draft_tokens=3)
     )
     return DynamicGenerator(tiny.model, tiny.tokenizer, config)
-
-
-def all_pages_idle(gen: DynamicGenerator) -> bool:
-    s = gen.stats()
-    return s.pages_used == 0 and s.pages_free + s.pages_cached == gen.pool.num_pages
 
 
 def test_cancel_mid_prefill_frees_every_page(tiny: LoadedModel) -> None:
@@ -128,10 +107,9 @@ class GeneratorLifecycle(RuleBasedStateMachine):
         speculate=st.booleans(),
     )
     def setup(self, pages: int, page_size: int, chunk: int, speculate: bool) -> None:
-        assert _TINY is not None
         kind = DrafterKind.NGRAM if speculate else DrafterKind.NONE
         self.gen = generator(
-            _TINY, num_pages=pages, page_size=page_size, chunk=chunk, batch=6, speculation=kind
+            loaded_tiny_model(), num_pages=pages, page_size=page_size, chunk=chunk, batch=6, speculation=kind
         )
 
     @rule(

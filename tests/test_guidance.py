@@ -26,7 +26,7 @@ from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
 from engine.speculative import DrafterKind, SpeculationConfig
 from tests.conftest import Reference
-from tests.test_generator_states import all_pages_idle, tiny_model
+from tests.tiny_generator import all_pages_idle
 
 NEW_TOKENS = 40
 
@@ -120,11 +120,6 @@ def test_guided_json_at_temperature_0_8_is_valid_8_of_8(smollm: LoadedModel) -> 
         assert r.finished.stop_reason is StopReason.GRAMMAR, r.text
         jsonschema.validate(json.loads(r.text), schema)
     gen.close()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def tiny_gen(

@@ -16,7 +16,7 @@ from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
 from tests.conftest import PARITY_PROMPTS
-from tests.test_generator_states import all_pages_idle, tiny_model
+from tests.tiny_generator import all_pages_idle
 
 
 def run(gen: DynamicGenerator, ids: list[JobId], tokens: dict[JobId, list[int]], steps: int) -> None:
@@ -52,11 +52,6 @@ def test_a_high_priority_job_starts_in_the_next_step_and_no_text_changes(smollm:
     assert [tuple(tokens[i]) for i in (*ids, urgent)] == alone
     assert all_pages_idle(gen)
     gen.close()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def tiny_gen(tiny: LoadedModel, batch: int = 16, num_pages: int = 64) -> DynamicGenerator:

@@ -23,7 +23,7 @@ from engine.model.tokenizer import ChatMessage
 from engine.prompt_embeddings import EmbeddingPlacement, PromptEmbedding, place_embeddings
 from engine.scheduler import SchedulerConfig
 from tests.conftest import PARITY_PROMPTS
-from tests.test_generator_states import all_pages_idle, tiny_model
+from tests.tiny_generator import all_pages_idle
 
 NEW_TOKENS = 32
 
@@ -109,11 +109,6 @@ def test_other_vectors_change_the_output_and_share_no_page_over_the_span(smollm:
     assert tokens_changed == plain_other.token_ids  # the other text's own embeddings: its tokens
     assert first.cached_tokens == 0
     gen.close()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def tiny_gen(tiny: LoadedModel, num_pages: int = 64, chunk: int = 64) -> DynamicGenerator:

@@ -1,0 +1,32 @@
+"""The tiny random-weight model the generator tests share, loaded once per process (hypothesis's
+state machine included), and their check that every page went back to the pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.generator import DynamicGenerator
+from engine.model.loader import LoadedModel, load_model
+from tests.tiny_llama import save_tiny_llama
+
+_TINY: LoadedModel | None = None
+
+
+def tiny_model(folder: Path) -> LoadedModel:
+    """The shared tiny model, written to `folder` and loaded on the first call."""
+    global _TINY  # noqa: PLW0603 - one tiny model for the whole process
+    if _TINY is None:
+        save_tiny_llama(folder, with_tokenizer=True, max_position_embeddings=1024)
+        _TINY = load_model(folder, progress=False)
+    return _TINY
+
+
+def loaded_tiny_model() -> LoadedModel:
+    """The shared tiny model, once a test's fixture has loaded it."""
+    assert _TINY is not None, "load it first (the `tiny` fixture)"
+    return _TINY
+
+
+def all_pages_idle(gen: DynamicGenerator) -> bool:
+    s = gen.stats()
+    return s.pages_used == 0 and s.pages_free + s.pages_cached == gen.pool.num_pages
