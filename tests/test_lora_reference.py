@@ -25,13 +25,19 @@ pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 40
 PROMPTS = PARITY_PROMPTS[:3]
-# Quantized base (--quant auto): the adapter's effect on the last position's logits (with it minus
-# without) against the float path's. The base's quantization error reaches every logit (its norm
-# was ~170 here, the adapter's effect ~160), so the bound is on the effect: it must point the same
-# way (cosine) and have at least half the float path's size. Measured: cosine 0.98, size 1.7x.
-# Dropping one projection's delta in the quantized path breaks the cosine bound.
-MIN_EFFECT_COSINE = 0.9
-MIN_EFFECT_SIZE = 0.5
+# Quantized base (--quant auto): the adapter's effect on the last position's log-probabilities (with
+# it minus without) against the float path's, bounded on both sides: it must point the same way
+# (cosine) and be within a factor MAX_EFFECT_SIZE of the float path's size either way.
+# On raw logits the quantized effect measured 1.0-1.75x the float one at cosine 0.93-0.99, and a
+# doubled delta measured only 1.67x in one case: of the float effect's norm of 160 on the first
+# prompt, 155 was every logit moving by the same 0.7 (1.2 quantized), which no probability sees.
+# On log-probabilities the size is 0.93-1.32x at cosine 0.85-0.98; what is left is the base's
+# quantization noise, redrawn by any change to the forward: moving the input embeddings by 1e-6 of
+# their size moves the quantized log-probabilities by 38-50 (norm; the float logits by 0.005). A
+# delta applied twice measured 2.1-3.0x, half of it 0.47-0.79x; dropping the QKV delta of the
+# attention adapter or the gate/up or down delta of the MLP one breaks the cosine bound.
+MIN_EFFECT_COSINE = 0.75
+MAX_EFFECT_SIZE = 1.6
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +124,11 @@ def test_quantized_base_keeps_the_adapters_effect(
             effects = []
             for loaded in (smollm, quantized):
                 adapter = LoraAdapter.load(name, path, loaded.model.config)
-                effects.append(_last_logits(loaded, prompt, adapter) - _last_logits(loaded, prompt, None))
+                with_it, without = (_last_logits(loaded, prompt, a) for a in (adapter, None))
+                effects.append(torch.log_softmax(with_it, 0) - torch.log_softmax(without, 0))
             float_effect, quant_effect = effects
-            assert float(float_effect.norm()) > 1.0, (name, text)  # the adapter moves the logits
+            assert float(float_effect.norm()) > 1.0, (name, text)  # the adapter moves the output
             cosine = float(torch.nn.functional.cosine_similarity(quant_effect, float_effect, dim=0))
             size = float(quant_effect.norm() / float_effect.norm())
-            assert cosine > MIN_EFFECT_COSINE and size > MIN_EFFECT_SIZE, (name, text, cosine, size)
+            assert cosine > MIN_EFFECT_COSINE, (name, text, cosine, size)
+            assert 1 / MAX_EFFECT_SIZE < size < MAX_EFFECT_SIZE, (name, text, cosine, size)
