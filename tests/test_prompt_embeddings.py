@@ -1,8 +1,8 @@
 """Prompt embeddings per job (engine/prompt_embeddings.py, JobSpec.embeddings).
 
 The mechanism proved on the text model: a span of the prompt given as the model's own token
-embeddings, by position or at a placeholder token, gives exactly the plain prompt's greedy tokens
-(float32), alone and inside a batch; other vectors at the same positions change the output and
+embeddings, by position (over other token ids) or at a placeholder token, gives exactly the plain
+prompt's greedy tokens (float32), alone and inside a batch, where those ids alone give others; other vectors at the same positions change the output and
 share no page over the span. On a tiny random model: chunking, preemption and prefix hits change
 no token, and bad spans are refused naming the field.
 """
@@ -60,11 +60,12 @@ def test_the_models_own_embeddings_give_the_plain_prompts_tokens(smollm: LoadedM
     prompts = [chat(p) for p in PARITY_PROMPTS[:3]]
     plain = gen.generate([JobSpec(p, NEW_TOKENS, ignore_eos=True) for p in prompts])
     placeholder = 0  # <|endoftext|>: a token chat prompts do not hold
+    filler = smollm.tokenizer.encode(" x")[0]  # by position: other ids under the vectors
     embedded = []
     for p in prompts:
         a, b = 4, len(p) - 6  # the user's text, roughly: a span inside the chat template
         by_position = JobSpec(
-            p,
+            (*p[:a], *[filler] * (b - a), *p[b:]),
             NEW_TOKENS,
             ignore_eos=True,
             embeddings=(PromptEmbedding(a, b - a, own_vectors(smollm, p[a:b])),),
@@ -80,6 +81,9 @@ def test_the_models_own_embeddings_give_the_plain_prompts_tokens(smollm: LoadedM
     want = [c.token_ids for c in plain for _ in range(2)]
     assert alone == want
     assert together == want
+    # The ids under the vectors alone give other tokens: the vectors made the answer.
+    ignored = gen.generate([JobSpec(s.prompt_ids, NEW_TOKENS, ignore_eos=True) for s in embedded])
+    assert all(c.token_ids != w for c, w in zip(ignored, want, strict=True))
     gen.close()
 
 
