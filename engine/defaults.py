@@ -28,6 +28,14 @@ KV_CACHE = "auto"
 # LoRA adapters an engine holds at once (`--max-adapters`): each is rank x (in + out) float32 per
 # adapted projection, ~2.4 MB for rank 8 on every projection of the shipped model.
 MAX_ADAPTERS = 8
+# Caps on one adapter, checked against its safetensors header before a tensor is read
+# (`--max-adapter-rank`, `--max-adapter-bytes`): rank 64 on every projection of the shipped model is
+# ~78 MB in float32, so 128 MiB admits it and refuses a file meant to stall the loader.
+MAX_ADAPTER_RANK = 64
+MAX_ADAPTER_BYTES = 128 << 20
+# With authentication on, run-time adapters one tenant holds at once (`--max-adapters-per-tenant`);
+# the server's own (--lora) are shared and count for no tenant.
+MAX_ADAPTERS_PER_TENANT = 2
 # Where the model runs (`--device`): auto = the first CUDA device torch sees, else the CPU.
 DEVICE = "auto"
 # Attention kernels (kernels.attention.backend.AttentionKind's values): auto = Triton on CUDA, the native

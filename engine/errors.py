@@ -88,6 +88,12 @@ class AdapterLimitError(DyngenError):
     kind = ErrorKind.RESOURCE_EXHAUSTED
 
 
+class FailedPreconditionError(DyngenError):
+    """The request is fine, but the server is not set up for it (the message says which flag)."""
+
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
 class AdapterExistsError(DyngenError):
     """An adapter of that name is loaded already."""
 

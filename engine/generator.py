@@ -61,7 +61,7 @@ from engine.jobs import (
 from engine.kv_cache import KVCacheKind, PagedKVCache
 from engine.logit_processors import mix_guided
 from engine.model.llama import LlamaModel
-from engine.model.lora_adapter import LoraAdapter
+from engine.model.lora_adapter import AdapterLimits, LoraAdapter
 from engine.model.tokenizer import Tokenizer
 from engine.pages import PagePool, common_prefix_len
 from engine.prompt_embeddings import check_embeddings, span_token_ids
@@ -110,6 +110,8 @@ class GeneratorConfig:
     # Constrained jobs' masks: beside the forward with a core to spare, else just before it.
     mask_overlap: MaskOverlap = MaskOverlap.AUTO
     max_adapters: int = defaults.MAX_ADAPTERS  # LoRA adapters loaded at once
+    adapter_limits: AdapterLimits = field(default_factory=AdapterLimits)  # rank and bytes of one adapter
+    adapter_dir: Path | None = None  # where run-time loads may read; None: none may
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.num_pages < 1:
@@ -187,7 +189,9 @@ class DynamicGenerator:
         self.runner = ModelRunner(model, self.cache)
         self.pool = PagePool(c.num_pages, c.page_size)
         self.scheduler = Scheduler(c.scheduler, self.pool)
-        self.adapters = AdapterRegistry(model.config, c.max_adapters, model.device)
+        self.adapters = AdapterRegistry(
+            model.config, c.max_adapters, model.device, c.adapter_limits, c.adapter_dir
+        )
         self.sampler = Sampler(model.config.vocab_size, c.sampling_threads, c.sampler_mode)
         self.jobs: dict[JobId, JobState] = {}
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
@@ -364,7 +368,7 @@ class DynamicGenerator:
 
     def adapter_infos(self) -> list[AdapterInfo]:
         uses = Counter(j.adapter.name for j in self.jobs.values() if j.adapter is not None)
-        return [AdapterInfo(a.name, a.path, a.describe(), uses[a.name]) for a in self.adapters.adapters()]
+        return [AdapterInfo(a.name, a.label, a.describe(), uses[a.name]) for a in self.adapters.adapters()]
 
     def cancel(self, job_id: JobId) -> None:
         """Stop a job now (queued, mid-prefill or mid-decode); its pages are freed at once."""

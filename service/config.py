@@ -43,6 +43,10 @@ class ServiceConfig:
     sampler_mode: str = defaults.SAMPLER_MODE
     lora: tuple[str, ...] = ()  # NAME=PATH, loaded at start and shared by every tenant
     max_adapters: int = defaults.MAX_ADAPTERS
+    adapter_dir: str | None = None  # run-time LoadAdapter reads only inside it; None: refused
+    max_adapter_rank: int = defaults.MAX_ADAPTER_RANK
+    max_adapter_bytes: int = defaults.MAX_ADAPTER_BYTES
+    max_adapters_per_tenant: int = defaults.MAX_ADAPTERS_PER_TENANT
     device: str = defaults.DEVICE
     attention: str = defaults.ATTENTION
     torch_threads: int = EngineConfig.torch_threads
@@ -206,6 +210,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "[DYNGEN_LORA: comma-separated]",
     )
     opt("max_adapters", int, d.max_adapters, "LoRA adapters loaded at once (--lora and LoadAdapter)")
+    opt(
+        "adapter_dir",
+        _folder,
+        d.adapter_dir,
+        "the folder run-time LoadAdapter reads adapters from (a name or relative path inside it; "
+        "symlinks out are refused); without it LoadAdapter is refused (FAILED_PRECONDITION)",
+    )
+    opt("max_adapter_rank", _positive, d.max_adapter_rank, "largest LoRA rank a loaded adapter may have")
+    opt(
+        "max_adapter_bytes",
+        _positive,
+        d.max_adapter_bytes,
+        "largest adapter weights file, checked from its header before any tensor is read",
+    )
+    opt(
+        "max_adapters_per_tenant",
+        int,
+        d.max_adapters_per_tenant,
+        "with authentication on: run-time adapters one tenant holds at once (the --lora ones are shared)",
+    )
     opt("device", device_flag, d.device, DEVICE_HELP)
     opt("attention", _choice(*defaults.ATTENTION_KINDS), d.attention, ATTENTION_HELP)
     opt("torch_threads", int, d.torch_threads, "torch threads in the engine process (0 = one per core)")
@@ -263,6 +287,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("draft_model", str, d.draft_model, "draft model file (default: the target's own)")
     opt("draft_layers", int, d.draft_layers, "keep only the draft's first N layers (0 = all)")
     opt("draft_dtype", str, d.draft_dtype, "draft model dtype: float32 or bfloat16")
+
+
+def _folder(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a folder")
+    return text
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 def _lora_flag(text: str) -> str:

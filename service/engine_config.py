@@ -31,6 +31,9 @@ class EngineSettings:
     sampler_mode: str = defaults.SAMPLER_MODE
     lora: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters loaded at start (--lora, repeatable)
     max_adapters: int = defaults.MAX_ADAPTERS
+    adapter_dir: str | None = None  # the folder run-time LoadAdapter reads inside; None: refused
+    max_adapter_rank: int = defaults.MAX_ADAPTER_RANK
+    max_adapter_bytes: int = defaults.MAX_ADAPTER_BYTES
     device: str = defaults.DEVICE  # auto, cpu, cuda or cuda:N (engine/device.py)
     attention: str = defaults.ATTENTION  # auto, torch, triton or native (kernels/attention/backend.py)
 

@@ -46,6 +46,8 @@ class ErrorCode(enum.Enum):
     ADAPTER_EXISTS = "adapter_exists"
     ADAPTER_IN_USE = "adapter_in_use"
     ADAPTER_LIMIT = "adapter_limit"
+    ADAPTER_PATH = "adapter_path"  # a run-time load's path leaves the adapter folder
+    FAILED_PRECONDITION = "failed_precondition"  # the server is not set up for it (run-time adapter loads)
     INTERNAL = "internal"
 
 

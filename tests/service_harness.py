@@ -84,6 +84,17 @@ class ServerProcess:
     def client(self) -> Client:
         return Client(self.target)
 
+    def engine_pid(self, nth: int = -1) -> int:
+        """The pid of the nth engine process started (the latest by default), from the logs."""
+        starts = [r for r in list(self.logs) if r.get("event") == "engine_starting"]
+        pid = starts[nth]["pid"]
+        assert isinstance(pid, int)
+        return pid
+
+    def kill_engine(self) -> None:
+        """SIGKILL the running engine process (the server restarts it)."""
+        os.kill(self.engine_pid(), signal.SIGKILL)
+
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

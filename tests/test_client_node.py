@@ -33,7 +33,9 @@ def test_node_client_against_the_real_server(tmp_path: Path) -> None:
     config = GGUFSource(model).config
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     adapter = write_adapter(tmp_path / "adapter", config, 8, every, range(config.num_layers), 1, scale=0.3)
-    server = start_tiny_server(model, "--max-streams", "1", "--lora", f"shared={adapter}")
+    server = start_tiny_server(
+        model, "--max-streams", "1", "--lora", f"shared={adapter}", "--adapter-dir", str(tmp_path)
+    )
     try:
         with StreamCutServer() as cut:
             # `npm test` generates the types from protos/, type-checks and compiles, then runs node --test.
@@ -45,7 +47,7 @@ def test_node_client_against_the_real_server(tmp_path: Path) -> None:
                     os.environ,
                     DYNGEN_TARGET=server.target,
                     DYNGEN_CUT_TARGET=cut.target,
-                    DYNGEN_ADAPTER_PATH=str(adapter),
+                    DYNGEN_ADAPTER_PATH=adapter.name,  # inside --adapter-dir
                 ),
                 capture_output=True,
                 text=True,

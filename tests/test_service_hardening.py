@@ -218,10 +218,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_pid(server: ServerProcess, nth: int = -1) -> int:
-    starts = [r for r in list(server.logs) if r.get("event") == "engine_starting"]
-    pid = starts[nth]["pid"]
-    assert isinstance(pid, int)
-    return pid
+    return server.engine_pid(nth)
 
 
 def wait_health(server: ServerProcess, status: int, timeout: float) -> float:

@@ -26,14 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
-from engine.errors import InvalidRequestError, ModelNotFoundError
+from engine import defaults
+from engine.errors import InvalidRequestError
+from engine.model.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, AdapterFolder
 from engine.model.config import ModelConfig
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 # PEFT module name -> (the model's fused projection, the part's index in it)
 MODULES: Mapping[str, tuple[str, int]] = {
@@ -52,6 +50,22 @@ _ids = itertools.count(1)
 
 class AdapterError(InvalidRequestError):
     """An adapter this engine cannot load (the message says why)."""
+
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    """Caps checked against the safetensors header before any tensor is read
+    (`--max-adapter-rank`, `--max-adapter-bytes`)."""
+
+    max_rank: int = defaults.MAX_ADAPTER_RANK
+    max_bytes: int = defaults.MAX_ADAPTER_BYTES
+
+    def __post_init__(self) -> None:
+        if self.max_rank < 1 or self.max_bytes < 1:
+            raise ValueError(f"adapter limits must be >= 1, got rank {self.max_rank}, bytes {self.max_bytes}")
+
+
+DEFAULT_ADAPTER_LIMITS = AdapterLimits()
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,7 @@ class LoraAdapter:
     targets: frozenset[str]  # the PEFT module names it adapts
     ranks: frozenset[int]
     layers: tuple[Mapping[str, LoraDelta], ...]  # per decoder layer: fused projection -> delta
+    label: str = ""  # how it was named: the relative path of a run-time load (never a server path)
 
     def delta(self, layer: int, projection: str) -> LoraDelta | None:
         return self.layers[layer].get(projection)
@@ -88,24 +103,40 @@ class LoraAdapter:
         return f"{self.name}: rank {ranks} on {', '.join(sorted(self.targets))}"
 
     @staticmethod
-    def load(name: str, path: Path, config: ModelConfig, device: torch.device | None = None) -> LoraAdapter:
+    def load(
+        name: str,
+        source: Path | AdapterFolder,
+        config: ModelConfig,
+        device: torch.device | None = None,
+        limits: AdapterLimits = DEFAULT_ADAPTER_LIMITS,
+    ) -> LoraAdapter:
         """Read a PEFT adapter folder for `config`'s model, its deltas on `device` (the model's;
-        default the CPU); AdapterError (or ModelNotFoundError for a missing folder) with the reason
-        if it cannot be applied exactly."""
-        if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-            raise ModelNotFoundError(f"adapter {name!r}: {path} holds no {CONFIG_FILE} and {WEIGHTS_FILE}")
+        default the CPU). The safetensors header is checked (names, shapes, ranks, bytes against
+        `limits`) before any tensor is read. AdapterError (ModelNotFoundError for missing files,
+        AdapterPathError for a place outside a confined folder) with the reason if it cannot be
+        applied exactly."""
+        folder = source if isinstance(source, AdapterFolder) else AdapterFolder.trusted(source)
+        raw = folder.read_config()
         try:
-            settings = json.loads((path / CONFIG_FILE).read_text())
-        except (OSError, ValueError) as exc:
-            raise AdapterError(f"adapter {name!r}: unreadable {CONFIG_FILE}: {exc}") from exc
+            settings = json.loads(raw)
+        except ValueError as exc:
+            raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from exc
         if not isinstance(settings, dict):
             raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
         _check_settings(name, settings)
         try:
-            tensors = load_file(str(path / WEIGHTS_FILE))
-        except (OSError, SafetensorError) as exc:
-            raise AdapterError(f"adapter {name!r}: unreadable {WEIGHTS_FILE}: {exc}") from exc
-        pairs = _pairs(name, tensors, config)
+            with folder.weights(limits.max_bytes) as weights, safe_open(weights, framework="pt") as f:
+                header = {key: f.get_slice(key) for key in f.keys()}  # noqa: SIM118 (not a dict)
+                _check_header(
+                    name,
+                    {k: (tuple(s.get_shape()), s.get_dtype()) for k, s in header.items()},
+                    config,
+                    limits,
+                )
+                tensors = {key: f.get_tensor(key) for key in header}
+        except SafetensorError as exc:
+            raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} is not a safetensors file: {exc}") from exc
+        pairs = _pairs(tensors)
         if not pairs:
             raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
         layers = tuple(
@@ -118,11 +149,12 @@ class LoraAdapter:
             )
         return LoraAdapter(
             name=name,
-            path=path,
+            path=folder.path,
             uid=next(_ids),
             targets=frozenset(m for _, m in pairs),
             ranks=frozenset(int(a.shape[0]) for a, _ in pairs.values()),
             layers=layers,
+            label=folder.label,
         )
 
 
@@ -148,24 +180,16 @@ def _check_settings(name: str, s: dict[str, object]) -> None:
             refuse(f"{key} must be a positive number, got {value!r}")
 
 
-def _pairs(
-    name: str, tensors: Mapping[str, torch.Tensor], config: ModelConfig
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """(layer, module) -> (A, B), each checked against the model's shapes."""
-    halves: dict[tuple[int, str, str], torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        m = _KEY.fullmatch(key)
-        if m is None or m.group(3) not in MODULES:
-            raise AdapterError(
-                f"adapter {name!r}: {key} is not a LoRA weight of a decoder layer's q/k/v/o/gate/up/down "
-                "projection (embedding, head and other modules are not supported)"
-            )
-        layer = int(m.group(1))
-        if layer >= config.num_layers:
-            raise AdapterError(
-                f"adapter {name!r}: {key} names layer {layer}; the model has {config.num_layers}"
-            )
-        halves[(layer, m.group(3), m.group(4))] = tensor
+# Floating-point dtypes in a safetensors header, with their sizes in bytes.
+_FLOAT_BYTES: Mapping[str, int] = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+Header = Mapping[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, safetensors dtype)
+
+
+def _check_header(name: str, header: Header, config: ModelConfig, limits: AdapterLimits) -> None:
+    """Every tensor the file declares, checked before one is read: a LoRA weight of a decoder
+    layer's projection, A and B in pairs, floating point, shapes that fit the model, ranks and
+    bytes within `limits`."""
     sizes = {
         "q_proj": (config.hidden_size, config.q_size),
         "k_proj": (config.hidden_size, config.kv_size),
@@ -175,23 +199,57 @@ def _pairs(
         "up_proj": (config.hidden_size, config.intermediate_size),
         "down_proj": (config.intermediate_size, config.hidden_size),
     }
-    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    halves: dict[tuple[int, str, str], tuple[tuple[int, ...], str]] = {}
+    total = 0
+    for key, (shape, dtype) in header.items():
+        m = _KEY.fullmatch(key)
+        if m is None or m.group(3) not in MODULES:
+            raise AdapterError(
+                f"adapter {name!r}: {key[:120]} is not a LoRA weight of a decoder layer's q/k/v/o/gate/up/down "
+                "projection (embedding, head and other modules are not supported)"
+            )
+        layer = int(m.group(1))
+        if layer >= config.num_layers:
+            raise AdapterError(
+                f"adapter {name!r}: {key} names layer {layer}; the model has {config.num_layers}"
+            )
+        if dtype not in _FLOAT_BYTES:
+            raise AdapterError(f"adapter {name!r}: {key} is {dtype}; weights must be floating point")
+        total += math.prod(shape) * _FLOAT_BYTES[dtype]
+        halves[(layer, m.group(3), m.group(4))] = (shape, dtype)
+    if total > limits.max_bytes:
+        raise AdapterError(
+            f"adapter {name!r}: its weights are {total} bytes, over the server's limit of {limits.max_bytes} "
+            "(--max-adapter-bytes)"
+        )
     for layer, module in sorted({(li, mo) for li, mo, _ in halves}):
         a, b = halves.get((layer, module, "A")), halves.get((layer, module, "B"))
         where = f"adapter {name!r}: layer {layer} {module}"
         if a is None or b is None:
             raise AdapterError(f"{where} has lora_{'A' if a is None else 'B'} missing")
         fan_in, fan_out = sizes[module]
-        r = int(a.shape[0]) if a.dim() == 2 else -1
-        if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
+        r = a[0][0] if len(a[0]) == 2 else -1
+        if len(b[0]) != 2 or a[0] != (r, fan_in) or b[0] != (fan_out, r):
             raise AdapterError(
-                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit this model "
+                f"{where}: lora_A {a[0]} and lora_B {b[0]} do not fit this model "
                 f"(expected [r, {fan_in}] and [{fan_out}, r])"
             )
-        if not (a.is_floating_point() and b.is_floating_point()):
-            raise AdapterError(f"{where}: weights must be floating point")
-        out[(layer, module)] = (a.to(torch.float32), b.to(torch.float32))
-    return out
+        if r < 1 or r > limits.max_rank:
+            raise AdapterError(
+                f"{where}: rank {r} is outside 1..{limits.max_rank}, the server's limit (--max-adapter-rank)"
+            )
+
+
+def _pairs(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, module) -> (A, B) as float32, from tensors whose header _check_header passed."""
+    halves: dict[tuple[int, str, str], torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.fullmatch(key)
+        assert m is not None  # checked with the header
+        halves[(int(m.group(1)), m.group(3), m.group(4))] = tensor.to(torch.float32)
+    return {
+        (li, mo): (t, halves[(li, mo, "B")]) for (li, mo, half), t in sorted(halves.items()) if half == "A"
+    }
 
 
 def _scale(settings: Mapping[str, object], module_name: str, rank: int) -> float:

@@ -3,10 +3,13 @@ engine process (`dyngen serve`) and for `dyngen generate` alike."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine.device import resolve_device
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.kv_cache import choose_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, load_model
+from engine.model.lora_adapter import AdapterLimits
 from engine.model.quantization import QuantMode
 from engine.sampler import SamplerMode
 from engine.scheduler import SchedulerConfig
@@ -41,6 +44,8 @@ def build_engine(
         speculation=speculation.config,
         kv_cache=choose_kv_cache(settings.kv_cache, loaded.model.dtype, loaded.model.plan.quantized),
         max_adapters=settings.max_adapters,
+        adapter_limits=AdapterLimits(settings.max_adapter_rank, settings.max_adapter_bytes),
+        adapter_dir=Path(settings.adapter_dir) if settings.adapter_dir else None,
     )
     draft = speculation.load_draft(settings.model, progress=progress, device=device)
     generator = DynamicGenerator(loaded.model, loaded.tokenizer, config, draft_model=draft)

@@ -9,6 +9,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.adapter_registry import AdapterInfo
 from engine.device import describe_device
 from engine.errors import (
     AdapterExistsError,
@@ -16,13 +17,16 @@ from engine.errors import (
     AdapterLimitError,
     AdapterNotFoundError,
     DyngenError,
+    FailedPreconditionError,
     JobNotFoundError,
     ModelNotFoundError,
     PromptTooLongError,
     QueueFullError,
 )
 from engine.jobs import JobId
+from engine.model.adapter_folder import AdapterPathError
 from kernels.cpu_features import cpu_features
+from service.engine.adapter_loads import AdapterLoads
 from service.engine.build import build_engine
 from service.engine.codec import event_to_proto, job_spec
 from service.engine_config import EngineConfig
@@ -48,6 +52,8 @@ log = logging.getLogger("dyngen.engine")
 # DyngenError is INVALID_ARGUMENT). A missing adapter folder is ModelNotFoundError.
 _REFUSALS: tuple[tuple[type[DyngenError], ErrorCode], ...] = (
     (QueueFullError, ErrorCode.QUEUE_FULL),
+    (AdapterPathError, ErrorCode.ADAPTER_PATH),
+    (FailedPreconditionError, ErrorCode.FAILED_PRECONDITION),
     (PromptTooLongError, ErrorCode.PROMPT_TOO_LONG),
     (AdapterNotFoundError, ErrorCode.ADAPTER_NOT_FOUND),
     (ModelNotFoundError, ErrorCode.ADAPTER_NOT_FOUND),
@@ -58,6 +64,7 @@ _REFUSALS: tuple[tuple[type[DyngenError], ErrorCode], ...] = (
 
 STATS_INTERVAL = 0.5
 IDLE_POLL = 0.25
+LOAD_POLL = 0.005  # idle, with an adapter being read: how soon its install is seen
 
 
 class EngineLoop:
@@ -78,6 +85,7 @@ class EngineLoop:
         self.loaded = loaded
         # The server's own adapters (--lora), loaded at every start: every tenant sees them.
         self.shared_adapters = frozenset(name for name, _ in config.settings.lora_pairs())
+        self.loads = AdapterLoads(self.generator.adapters)
         if config.warmup:
             self.generator.warmup()
         # The front end tokenizes (so a huge prompt never stalls decoding here): it loads the
@@ -100,6 +108,7 @@ class EngineLoop:
         self._send(Tag.READY, 0, ready.to_bytes())
 
     def close(self) -> None:
+        self.loads.close()
         self.generator.close()
 
     def _send(self, tag: Tag, request: int, payload: bytes) -> None:
@@ -110,12 +119,15 @@ class EngineLoop:
         while True:
             self.out.loop_pass = time.monotonic()
             # Never wait for commands while jobs are running; sleep on the pipe only when idle.
-            if commands.poll(0 if gen.has_work() else IDLE_POLL):
+            idle_wait = LOAD_POLL if self.loads.busy else IDLE_POLL
+            if commands.poll(0 if gen.has_work() else idle_wait):
                 while True:
                     if not self._handle(Message.decode(commands.recv_bytes())):
                         return
                     if not commands.poll(0):
                         break
+            if self.loads.busy:
+                self._install_loaded()
             if gen.has_work():
                 # A fault of one job is contained by the generator (that job finishes with
                 # StopReason.ERROR); anything escaping it is a bug in the engine itself, and the
@@ -183,14 +195,15 @@ class EngineLoop:
             self._send(Tag.ACCEPTED, msg.request, Accepted(job_id, len(spec.prompt_ids)).to_bytes())
 
     def _adapter(self, msg: Message) -> None:
-        """Load, unload or list LoRA adapters (between iterations: no forward sees a half change)."""
+        """Load, unload or list LoRA adapters. A load's files are read in a worker thread while jobs
+        keep stepping (answered once installed, between iterations); the rest answer at once."""
         gen = self.generator
         try:
             cmd = AdapterCommand.from_bytes(msg.payload)
             match cmd.op:
                 case AdapterOp.LOAD:
-                    gen.load_adapter(cmd.name, Path(cmd.path))
-                    infos = [i for i in gen.adapter_infos() if i.name == cmd.name]
+                    self.loads.start(msg.request, cmd.name, cmd.path)
+                    return
                 case AdapterOp.UNLOAD:
                     gen.unload_adapter(cmd.name)
                     infos = []
@@ -199,19 +212,31 @@ class EngineLoop:
         except Exception as exc:
             self._refuse(msg.request, exc, "adapter command failed")
         else:
-            reply = pb.ListAdaptersResponse(
-                adapters=[
-                    pb.AdapterInfo(
-                        name=i.name,
-                        path=str(i.path),
-                        description=i.description,
-                        jobs=i.jobs,
-                        shared=i.name in self.shared_adapters,
-                    )
-                    for i in infos
-                ]
-            )
-            self._send(Tag.ADAPTERS, msg.request, reply.SerializeToString())
+            self._send_adapters(msg.request, infos)
+
+    def _install_loaded(self) -> None:
+        for load in self.loads.finished():
+            if load.error is not None:
+                self._refuse(load.request, _exception(load.error), "adapter load failed")
+            else:
+                infos = [i for i in self.generator.adapter_infos() if i.name == load.name]
+                self._send_adapters(load.request, infos)
+
+    def _send_adapters(self, request: int, infos: list[AdapterInfo]) -> None:
+        # The server's own adapters show no path: tenants never see the server's folders.
+        reply = pb.ListAdaptersResponse(
+            adapters=[
+                pb.AdapterInfo(
+                    name=i.name,
+                    path="" if i.name in self.shared_adapters else i.label,
+                    description=i.description,
+                    jobs=i.jobs,
+                    shared=i.name in self.shared_adapters,
+                )
+                for i in infos
+            ]
+        )
+        self._send(Tag.ADAPTERS, request, reply.SerializeToString())
 
     def _info(self) -> pb.ModelInfo:
         g = self.generator
@@ -240,3 +265,9 @@ class EngineLoop:
             hidden_size=self.loaded.model.config.hidden_size,
             device=describe_device(self.loaded.model.device),
         )
+
+
+def _exception(error: BaseException) -> Exception:
+    """A worker's failure as an exception to refuse with (a BaseException that is not one, such as
+    a cancelled read at shutdown, becomes a plain refusal)."""
+    return error if isinstance(error, Exception) else RuntimeError(type(error).__name__)

@@ -152,6 +152,11 @@ class EngineClient:
         # Engine name -> folder of each adapter loaded through LoadAdapter (not --lora): loaded again
         # on a restarted engine; written here alone, as the engine answers.
         self.adapter_loads: dict[str, str] = {}
+        self.adapter_loading: set[str] = set()  # engine names of LoadAdapter calls awaiting the engine
+        # Engine name -> why it could not be loaded again after a restart: requests naming it are
+        # NOT_FOUND with that reason until it is loaded again or unloaded.
+        self.adapter_lost: dict[str, str] = {}
+        self.on_adapter_gone: list[Callable[[str], None]] = []  # an adapter's engine name left the engine
 
     # -- process lifetime ----------------------------------------------------------------------
 
@@ -347,11 +352,13 @@ class EngineClient:
             kv_cache=ready.kv_cache,
             cpu=ready.cpu,
         )
+        if self._first_ready.done() and self.adapter_loads:
+            await self._reload_adapters()
+            if proc is not self._proc:
+                return  # it died while reloading
         self._set_ready(not self._stalled)
         if not self._first_ready.done():
             self._first_ready.set_result(None)
-        elif self.adapter_loads and self.ready:
-            await self._reload_adapters()
 
     def _job_event(self, event: pb.GenerateEvent) -> None:
         job = self.jobs.get(event.job_id)
@@ -374,9 +381,10 @@ class EngineClient:
             raise EngineDownError("the engine is not running")
         self._proc.outbox.put(Message(tag, request, payload).encode())
 
-    async def _call(self, tag: Tag, payload: bytes) -> Message:
-        """Send a request and wait for its answer (at most engine_call_timeout_seconds)."""
-        if not self.ready or self._proc is None:
+    async def _call(self, tag: Tag, payload: bytes, before_ready: bool = False) -> Message:
+        """Send a request and wait for its answer (at most engine_call_timeout_seconds). Refused
+        while the engine is not ready, unless `before_ready` (the restart's own calls)."""
+        if not (self.ready or before_ready) or self._proc is None:
             raise EngineDownError("the engine is not running")
         # Bounds what waits in the outbox: every pending call is one message there at most.
         if len(self._pending) >= self.config.max_pending_calls:
@@ -493,21 +501,45 @@ class EngineClient:
         """Load, unload or list the engine's LoRA adapters. Loads made here are made again on a
         restarted engine (the server's own, --lora, are in its configuration); raises
         EngineRejectedError, EngineBusyError or EngineDownError."""
-        reply = await self._call(Tag.ADAPTER, command.to_bytes())
-        if command.op is AdapterOp.LOAD:
+        if command.op is AdapterOp.UNLOAD and command.name in self.adapter_lost:
+            # Not in the engine since its restart: forgetting it is all an unload has to do.
+            del self.adapter_lost[command.name]
+            self._adapter_gone(command.name)
+            return pb.ListAdaptersResponse()
+        loading = command.op is AdapterOp.LOAD
+        if loading:
+            self.adapter_loading.add(command.name)  # before any await: the tenant cap counts it
+        try:
+            reply = await self._call(Tag.ADAPTER, command.to_bytes())
+        finally:
+            if loading:
+                self.adapter_loading.discard(command.name)
+        if loading:
             self.adapter_loads[command.name] = command.path
+            self.adapter_lost.pop(command.name, None)
         elif command.op is AdapterOp.UNLOAD:
             self.adapter_loads.pop(command.name, None)
+            self._adapter_gone(command.name)
         return pb.ListAdaptersResponse.FromString(reply.payload)
 
+    def _adapter_gone(self, name: str) -> None:
+        for listener in self.on_adapter_gone:
+            listener(name)
+
     async def _reload_adapters(self) -> None:
-        """A restarted engine has only its --lora adapters: load the callers' ones again."""
+        """A restarted engine has only its --lora adapters: load the callers' ones again (before it
+        is READY, so no request meets it without them). One that fails is lost: requests naming it
+        are NOT_FOUND with the reason, and the log says so."""
         for name, path in list(self.adapter_loads.items()):
             try:
-                await self._call(Tag.ADAPTER, AdapterCommand(AdapterOp.LOAD, name, path).to_bytes())
+                await self._call(
+                    Tag.ADAPTER, AdapterCommand(AdapterOp.LOAD, name, path).to_bytes(), before_ready=True
+                )
             except Exception as exc:
                 self.adapter_loads.pop(name, None)
-                log.warning("adapter_not_reloaded", adapter=name, error=str(exc))
+                self.adapter_lost[name] = str(exc) or type(exc).__name__
+                self._adapter_gone(name)
+                log.error("adapter_not_reloaded", adapter=name, path=path, error=self.adapter_lost[name])
 
     async def info(self) -> pb.ModelInfo:
         info = pb.ModelInfo.FromString((await self._call(Tag.INFO, b"")).payload)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -29,8 +30,8 @@ class Metrics:
         )
         self.generated = Counter("dyngen_generated_tokens", "tokens streamed to callers", registry=r)
         self.jobs = Counter("dyngen_jobs_finished", "finished jobs by stop reason", ["reason"], registry=r)
-        # The engine's adapter name (a tenant's adapters are scoped apart); bounded by --max-adapters
-        # loaded at once, and by what was ever loaded over the server's life.
+        # The engine's adapter name (a tenant's adapters are scoped apart): a label is removed when
+        # its adapter leaves the engine, so there are at most --max-adapters at once.
         self.adapter_jobs = Counter(
             "dyngen_adapter_jobs_finished",
             "finished jobs by the LoRA adapter they ran with",
@@ -70,6 +71,11 @@ class Metrics:
         if self._last is not None and now > self._last[0]:
             self.tokens_per_second.set(max(0, s.forwarded_tokens - self._last[1]) / (now - self._last[0]))
         self._last = (now, s.forwarded_tokens)
+
+    def adapter_gone(self, name: str) -> None:
+        """An adapter was unloaded (or lost in a restart): its label goes, so labels stay bounded."""
+        with contextlib.suppress(KeyError):  # no job of it finished
+            self.adapter_jobs.remove(name)
 
     def forget(self, job_id: str) -> None:
         self._last_token.pop(job_id, None)

@@ -91,6 +91,8 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
         Limits(max_prompt_chars=config.max_prompt_chars),
         config.max_streams,
         config.max_priority_jobs,
+        config.adapter_dir,
+        config.max_adapters_per_tenant,
     )
 
     leaving = asyncio.Event()  # SIGTERM seen: health stays NOT_SERVING whatever the engine does
@@ -112,6 +114,7 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
     engine.on_event.append(metrics.on_event)
     engine.on_stats.append(metrics.on_stats)
     engine.on_forget.append(metrics.forget)
+    engine.on_adapter_gone.append(metrics.adapter_gone)
     engine.on_restart.append(metrics.engine_restarts.inc)
     engine.on_failed.append(stop.set)
 

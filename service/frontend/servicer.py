@@ -27,9 +27,12 @@ from dyngen_client.affinity import AFFINITY_HEADER, affinity_key
 from dyngen_client.errors import ErrorReason, Failure
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.request import Chat
+from engine import defaults
 from engine.jobs import JobSpec
+from engine.model.adapter_folder import AdapterPathError, check_relative_path
 from service.embeddings import embedding_field
 from service.frontend.auth import Authenticator, cache_salt
+from service.frontend.drain_rate import DrainRate
 from service.frontend.engine_client import (
     EngineBusyError,
     EngineClient,
@@ -68,6 +71,8 @@ _CODES = {
     ErrorCode.ADAPTER_EXISTS: (grpc.StatusCode.ALREADY_EXISTS, ErrorReason.ADAPTER_EXISTS),
     ErrorCode.ADAPTER_IN_USE: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.ADAPTER_IN_USE),
     ErrorCode.ADAPTER_LIMIT: (grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorReason.ADAPTER_LIMIT),
+    ErrorCode.ADAPTER_PATH: (grpc.StatusCode.INVALID_ARGUMENT, ErrorReason.ADAPTER_PATH_REFUSED),
+    ErrorCode.FAILED_PRECONDITION: (grpc.StatusCode.FAILED_PRECONDITION, ErrorReason.ADAPTER_LOADING_OFF),
 }
 _BY_NUMBER = {int(code.value[0]): code for code in grpc.StatusCode}
 
@@ -100,9 +105,18 @@ class GeneratorService:
         limits: Limits,
         max_streams: int,
         max_priority_jobs: int,
+        adapter_dir: str | None = None,
+        max_adapters_per_tenant: int = defaults.MAX_ADAPTERS_PER_TENANT,
     ) -> None:
         self.engine = engine
-        self.adapters = TenantAdapters(auth.enabled, engine.adapter_loads)
+        self.adapters = TenantAdapters(auth.enabled, engine.adapter_loads, engine.adapter_loading)
+        # Run-time LoadAdapter reads only inside this folder (the engine resolves and checks the
+        # path again, links followed); None: refused.
+        self.adapter_dir = adapter_dir
+        self.max_adapters_per_tenant = max_adapters_per_tenant
+        # How fast jobs finish: the retry delay of a refusal that clears as jobs finish.
+        self.drain = DrainRate()
+        engine.on_event.append(self._observe)
         self.auth = auth
         self.limits = limits
         self.max_streams = max_streams
@@ -113,6 +127,10 @@ class GeneratorService:
 
     # -- shared steps --------------------------------------------------------------------------
 
+    def _observe(self, job: JobChannel, event: pb.GenerateEvent) -> None:
+        if event.HasField("finished"):
+            self.drain.finished()
+
     @staticmethod
     async def _fail(
         context: grpc.aio.ServicerContext[Req, Resp],
@@ -120,8 +138,9 @@ class GeneratorService:
         text: str,
         reason: ErrorReason,
         field: str | None = None,
+        retry_after: float | None = None,
     ) -> NoReturn:
-        failure = Failure(code, text, reason, field)
+        failure = Failure(code, text, reason, field, retry_after)
         await context.abort(code, text, failure.trailing_metadata())
         raise AssertionError("abort returned")  # abort always raises
 
@@ -153,9 +172,15 @@ class GeneratorService:
             code, reason = _CODES[exc.rejection.code]
             # The engine's refusals name no field; one about a prompt embedding says which in its text.
             field = (
-                embedding_field(exc.rejection.message) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+                "path"
+                if reason is ErrorReason.ADAPTER_PATH_REFUSED
+                else embedding_field(exc.rejection.message)
+                if code == grpc.StatusCode.INVALID_ARGUMENT
+                else None
             )
-            await self._fail(context, code, exc.rejection.message, reason, field)
+            # A full queue clears as jobs finish: come back when one more has.
+            retry = self.drain.retry_after() if reason is ErrorReason.QUEUE_FULL else None
+            await self._fail(context, code, exc.rejection.message, reason, field, retry)
         if isinstance(exc, EngineBusyError):
             await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
         await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
@@ -174,6 +199,7 @@ class GeneratorService:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.open_streams} streams are open, the server's limit; try again later",
                 ErrorReason.TOO_MANY_STREAMS,
+                retry_after=self.drain.retry_after(),
             )
         self.open_streams += 1
 
@@ -245,6 +271,7 @@ class GeneratorService:
                 f"priority > 0: this tenant has {self.max_priority_jobs} such jobs queued or running, "
                 f"the server's limit (--max-priority-jobs); retry when one ends, or send priority <= 0",
                 ErrorReason.PRIORITY_LIMIT,
+                retry_after=self.drain.retry_after(),
             )
 
     async def _submit(
@@ -270,6 +297,16 @@ class GeneratorService:
             engine_request.guidance.token_ids.ids[:] = await self._negative_ids(request, context)
         engine_request.cache_salt = cache_salt(tenant, request.cache_salt)
         if request.adapter:
+            lost = self.engine.adapter_lost.get(self.adapters.own_name(tenant, request.adapter))
+            if lost is not None:
+                await self._fail(
+                    context,
+                    grpc.StatusCode.NOT_FOUND,
+                    f"adapter {request.adapter!r} could not be loaded again after the engine restarted "
+                    f"({lost}); load it again",
+                    ErrorReason.ADAPTER_NOT_FOUND,
+                    "adapter",
+                )
             engine_request.adapter = self.adapters.engine_name(tenant, request.adapter)
         # No await between this count and the job's entry in the engine client's table (submit
         # registers it before its first await), so concurrent calls cannot both pass the cap.
@@ -436,20 +473,51 @@ class GeneratorService:
         req = await self._parsed(request, context)
         tenant = await self._tenant(context)
         name = await self._adapter_name(req.name, "name", context)
+        if self.adapter_dir is None:
+            await self._fail(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "run-time adapter loading is off: the server was started without --adapter-dir",
+                ErrorReason.ADAPTER_LOADING_OFF,
+            )
         if not req.path:
             await self._fail(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "path: the adapter's folder is required",
+                "path: the adapter's folder is required (a name inside the server's adapter folder)",
                 ErrorReason.INVALID_ARGUMENT,
                 "path",
             )
+        try:
+            check_relative_path(req.path)
+        except AdapterPathError as exc:
+            await self._fail(
+                context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.ADAPTER_PATH_REFUSED, "path"
+            )
         engine_name = self.adapters.own_name(tenant, name)
+        await self._check_tenant_adapters(tenant, engine_name, context)
         reply = await self._adapter_call(AdapterCommand(AdapterOp.LOAD, engine_name, req.path), context)
         log.info("adapter_loaded", adapter=name, tenant=tenant or None, path=req.path)
         info = reply.adapters[0] if reply.adapters else pb.AdapterInfo(name=engine_name, path=req.path)
         info.name = name
         return info
+
+    async def _check_tenant_adapters(
+        self, tenant: str, engine_name: str, context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> None:
+        """With authentication on, a tenant holds at most --max-adapters-per-tenant adapters of its
+        own (loaded or loading), so one tenant cannot take every slot; the server's are shared."""
+        if not self.adapters.scoped or engine_name in self.engine.adapter_loads:
+            return  # a second load of a held name is ALREADY_EXISTS, from the engine
+        held = self.adapters.held(tenant)
+        if held >= self.max_adapters_per_tenant:
+            await self._fail(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this tenant holds {held} adapters, the server's limit per tenant "
+                "(--max-adapters-per-tenant); unload one first",
+                ErrorReason.TENANT_ADAPTER_LIMIT,
+            )
 
     async def UnloadAdapter(
         self,

@@ -6,7 +6,7 @@ tenant's adapter by naming it. Without authentication every adapter is everyone'
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 
@@ -20,11 +20,18 @@ def caller_name(engine_name: str) -> str:
 
 class TenantAdapters:
     """The names; which adapters a tenant loaded is read from `loads` (the engine client's record of
-    LoadAdapter calls, engine name -> folder), the one place that knows it."""
+    LoadAdapter calls, engine name -> folder) and `loading` (its loads in flight), the one place
+    that knows it."""
 
-    def __init__(self, scoped: bool, loads: Mapping[str, str]) -> None:
+    def __init__(self, scoped: bool, loads: Mapping[str, str], loading: Collection[str] = ()) -> None:
         self.scoped = scoped
         self._loads = loads
+        self._loading = loading
+
+    def held(self, tenant: str) -> int:
+        """How many adapters `tenant` holds of its own, loaded or loading."""
+        suffix = self._suffix(tenant)
+        return sum(1 for name in (*self._loads, *self._loading) if name.endswith(suffix))
 
     def _suffix(self, tenant: str) -> str:
         return SCOPE + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:12]

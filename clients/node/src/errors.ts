@@ -28,6 +28,9 @@ export const ERROR_REASONS = [
   "ADAPTER_IN_USE",
   "ADAPTER_LIMIT",
   "PRIORITY_LIMIT",
+  "ADAPTER_PATH_REFUSED",
+  "ADAPTER_LOADING_OFF",
+  "TENANT_ADAPTER_LIMIT",
 ] as const;
 export type ErrorReason = (typeof ERROR_REASONS)[number];
 

@@ -30,7 +30,7 @@ test("streams a chat completion", async () => {
 });
 
 test("runs, loads, lists and unloads LoRA adapters", async () => {
-  const folder = process.env.DYNGEN_ADAPTER_PATH;
+  const folder = process.env.DYNGEN_ADAPTER_PATH; // a folder's name inside the server's --adapter-dir
   assert.ok(folder, "DYNGEN_ADAPTER_PATH is not set");
   const prompt = { token_ids: { ids: [11, 12, 13, 14, 15] }, max_new_tokens: 8, ignore_eos: true };
   const tokens = async (adapter: string): Promise<readonly number[]> => (await collect(client.generate({ ...prompt, adapter }))).tokenIds;

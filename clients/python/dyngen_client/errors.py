@@ -50,6 +50,11 @@ class ErrorReason(enum.StrEnum):
     ADAPTER_IN_USE = "ADAPTER_IN_USE"  # jobs run with the adapter: unload when they end (retry later)
     ADAPTER_LIMIT = "ADAPTER_LIMIT"  # --max-adapters are loaded: unload one first
     PRIORITY_LIMIT = "PRIORITY_LIMIT"  # the tenant has --max-priority-jobs jobs of priority > 0 (retry later)
+    ADAPTER_PATH_REFUSED = "ADAPTER_PATH_REFUSED"  # LoadAdapter's path is not inside the adapter folder
+    ADAPTER_LOADING_OFF = (
+        "ADAPTER_LOADING_OFF"  # the server takes no run-time adapter loads (no --adapter-dir)
+    )
+    TENANT_ADAPTER_LIMIT = "TENANT_ADAPTER_LIMIT"  # the tenant holds --max-adapters-per-tenant adapters
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class ErrorDetails:
 # whose replica died can run again at once, elsewhere.
 RETRY_BUSY_SECONDS = 1.0
 RETRY_UNAVAILABLE_SECONDS = 5.0
+RETRY_ADAPTER_SECONDS = 5.0  # an adapter slot frees when its holder unloads: no rate predicts it
 
 _RETRY_SECONDS = {
     ErrorReason.QUEUE_FULL: RETRY_BUSY_SECONDS,
@@ -86,6 +92,8 @@ _RETRY_SECONDS = {
     ErrorReason.REPLICA_LOST: 0.0,
     ErrorReason.ADAPTER_IN_USE: RETRY_BUSY_SECONDS,
     ErrorReason.PRIORITY_LIMIT: RETRY_BUSY_SECONDS,
+    ErrorReason.ADAPTER_LIMIT: RETRY_ADAPTER_SECONDS,
+    ErrorReason.TENANT_ADAPTER_LIMIT: RETRY_ADAPTER_SECONDS,
 }
 
 
@@ -98,10 +106,11 @@ class Failure:
     message: str
     reason: ErrorReason
     field: str | None = None  # a path into the request, e.g. "stop_strings[3]"
+    retry_after: float | None = None  # the server's estimate (its drain rate); else the reason's default
 
     @property
     def retry_seconds(self) -> float | None:
-        return _RETRY_SECONDS.get(self.reason)
+        return self.retry_after if self.retry_after is not None else _RETRY_SECONDS.get(self.reason)
 
     def status(self) -> status_pb2.Status:
         details: list[any_pb2.Any] = []

@@ -1269,8 +1269,10 @@ class LoadAdapterRequest(_message.Message):
     name: _builtins.str
     """The name requests will use: 1 to 48 characters of [0-9A-Za-z_.-]."""
     path: _builtins.str
-    """A folder on the server holding adapter_config.json and adapter_model.safetensors as peft
-    saves them (rank, alpha, rsLoRA; q/k/v/o/gate/up/down projections). Nothing is fetched.
+    """The folder holding adapter_config.json and adapter_model.safetensors as peft saves them
+    (rank, alpha, rsLoRA; q/k/v/o/gate/up/down projections): a name or a relative path inside the
+    server's --adapter-dir, without "..", at most 512 characters; symlinks are followed and must
+    stay inside. Nothing is fetched.
     """
     def __init__(
         self,
@@ -1356,7 +1358,9 @@ class AdapterInfo(_message.Message):
     name: _builtins.str
     """The name requests give in GenerateRequest.adapter."""
     path: _builtins.str
-    """The folder it was loaded from."""
+    """The path it was loaded by, relative to the server's adapter folder; empty for the server's
+    own (--lora): no server path is ever shown.
+    """
     description: _builtins.str
     """Its ranks and adapted projections, e.g. "rank 8 on o_proj, q_proj, v_proj"."""
     jobs: _builtins.int

@@ -136,11 +136,14 @@ class GeneratorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadAdapter(self, request, context):
-        """Loads a LoRA adapter (a PEFT folder on the server's own disk) under a name that requests can
-        then give in GenerateRequest.adapter. With authentication on, the adapter is the calling
-        tenant's: only its requests see it. Errors: INVALID_ARGUMENT (a bad name, a folder the engine
-        cannot apply: the message says why), NOT_FOUND (no adapter files at the path),
-        RESOURCE_EXHAUSTED (--max-adapters loaded), ALREADY_EXISTS (the name is taken; unload first).
+        """Loads a LoRA adapter (a PEFT folder inside the server's --adapter-dir) under a name that
+        requests can then give in GenerateRequest.adapter; the files are read while jobs keep running.
+        With authentication on, the adapter is the calling tenant's: only its requests see it.
+        Errors: FAILED_PRECONDITION (the server has no --adapter-dir), INVALID_ARGUMENT (a bad name, a
+        path outside the adapter folder, the same whatever lies there; a folder the engine cannot
+        apply or past --max-adapter-rank / --max-adapter-bytes: the message says why), NOT_FOUND (no
+        adapter files at the path), RESOURCE_EXHAUSTED (--max-adapters loaded, or the tenant's
+        --max-adapters-per-tenant), ALREADY_EXISTS (the name is taken; unload first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

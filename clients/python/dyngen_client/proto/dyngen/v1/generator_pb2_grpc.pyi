@@ -70,11 +70,14 @@ class GeneratorStub:
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generator_pb2.TokenizeRequest, _generator_pb2.TokenizeResponse]
     """The token ids the server makes of a prompt (the chat template applied for a chat)."""
     LoadAdapter: _grpc.UnaryUnaryMultiCallable[_generator_pb2.LoadAdapterRequest, _generator_pb2.AdapterInfo]
-    """Loads a LoRA adapter (a PEFT folder on the server's own disk) under a name that requests can
-    then give in GenerateRequest.adapter. With authentication on, the adapter is the calling
-    tenant's: only its requests see it. Errors: INVALID_ARGUMENT (a bad name, a folder the engine
-    cannot apply: the message says why), NOT_FOUND (no adapter files at the path),
-    RESOURCE_EXHAUSTED (--max-adapters loaded), ALREADY_EXISTS (the name is taken; unload first).
+    """Loads a LoRA adapter (a PEFT folder inside the server's --adapter-dir) under a name that
+    requests can then give in GenerateRequest.adapter; the files are read while jobs keep running.
+    With authentication on, the adapter is the calling tenant's: only its requests see it.
+    Errors: FAILED_PRECONDITION (the server has no --adapter-dir), INVALID_ARGUMENT (a bad name, a
+    path outside the adapter folder, the same whatever lies there; a folder the engine cannot
+    apply or past --max-adapter-rank / --max-adapter-bytes: the message says why), NOT_FOUND (no
+    adapter files at the path), RESOURCE_EXHAUSTED (--max-adapters loaded, or the tenant's
+    --max-adapters-per-tenant), ALREADY_EXISTS (the name is taken; unload first).
     """
     UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_generator_pb2.UnloadAdapterRequest, _generator_pb2.UnloadAdapterResponse]
     """Unloads an adapter. Refused with FAILED_PRECONDITION while a queued or running job uses it
@@ -114,11 +117,14 @@ class GeneratorAsyncStub(GeneratorStub):
     Tokenize: _aio.UnaryUnaryMultiCallable[_generator_pb2.TokenizeRequest, _generator_pb2.TokenizeResponse]  # type: ignore[assignment]
     """The token ids the server makes of a prompt (the chat template applied for a chat)."""
     LoadAdapter: _aio.UnaryUnaryMultiCallable[_generator_pb2.LoadAdapterRequest, _generator_pb2.AdapterInfo]  # type: ignore[assignment]
-    """Loads a LoRA adapter (a PEFT folder on the server's own disk) under a name that requests can
-    then give in GenerateRequest.adapter. With authentication on, the adapter is the calling
-    tenant's: only its requests see it. Errors: INVALID_ARGUMENT (a bad name, a folder the engine
-    cannot apply: the message says why), NOT_FOUND (no adapter files at the path),
-    RESOURCE_EXHAUSTED (--max-adapters loaded), ALREADY_EXISTS (the name is taken; unload first).
+    """Loads a LoRA adapter (a PEFT folder inside the server's --adapter-dir) under a name that
+    requests can then give in GenerateRequest.adapter; the files are read while jobs keep running.
+    With authentication on, the adapter is the calling tenant's: only its requests see it.
+    Errors: FAILED_PRECONDITION (the server has no --adapter-dir), INVALID_ARGUMENT (a bad name, a
+    path outside the adapter folder, the same whatever lies there; a folder the engine cannot
+    apply or past --max-adapter-rank / --max-adapter-bytes: the message says why), NOT_FOUND (no
+    adapter files at the path), RESOURCE_EXHAUSTED (--max-adapters loaded, or the tenant's
+    --max-adapters-per-tenant), ALREADY_EXISTS (the name is taken; unload first).
     """
     UnloadAdapter: _aio.UnaryUnaryMultiCallable[_generator_pb2.UnloadAdapterRequest, _generator_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
     """Unloads an adapter. Refused with FAILED_PRECONDITION while a queued or running job uses it
@@ -197,11 +203,14 @@ class GeneratorServicer(metaclass=_abc_1.ABCMeta):
         request: _generator_pb2.LoadAdapterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generator_pb2.AdapterInfo, _abc.Awaitable[_generator_pb2.AdapterInfo]]:
-        """Loads a LoRA adapter (a PEFT folder on the server's own disk) under a name that requests can
-        then give in GenerateRequest.adapter. With authentication on, the adapter is the calling
-        tenant's: only its requests see it. Errors: INVALID_ARGUMENT (a bad name, a folder the engine
-        cannot apply: the message says why), NOT_FOUND (no adapter files at the path),
-        RESOURCE_EXHAUSTED (--max-adapters loaded), ALREADY_EXISTS (the name is taken; unload first).
+        """Loads a LoRA adapter (a PEFT folder inside the server's --adapter-dir) under a name that
+        requests can then give in GenerateRequest.adapter; the files are read while jobs keep running.
+        With authentication on, the adapter is the calling tenant's: only its requests see it.
+        Errors: FAILED_PRECONDITION (the server has no --adapter-dir), INVALID_ARGUMENT (a bad name, a
+        path outside the adapter folder, the same whatever lies there; a folder the engine cannot
+        apply or past --max-adapter-rank / --max-adapter-bytes: the message says why), NOT_FOUND (no
+        adapter files at the path), RESOURCE_EXHAUSTED (--max-adapters loaded, or the tenant's
+        --max-adapters-per-tenant), ALREADY_EXISTS (the name is taken; unload first).
         """
 
     @_abc_1.abstractmethod
