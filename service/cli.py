@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.SAMPLER_MODE,
         help="sampled rows: batched (one set of tensor ops for the batch) or threaded (one pool task per job)",
     )
+    gen.add_argument(
+        "--sampling-threads",
+        type=positive_int,
+        default=defaults.SAMPLING_THREADS,
+        help="sampler thread pool size (threaded sampler mode)",
+    )
     gen.add_argument("--device", type=device_flag, default=defaults.DEVICE, help=DEVICE_HELP)
     gen.add_argument(
         "--attention", choices=defaults.ATTENTION_KINDS, default=defaults.ATTENTION, help=ATTENTION_HELP

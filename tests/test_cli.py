@@ -1,4 +1,5 @@
-"""`dyngen generate` on the shipped model, through the installed console script."""
+"""`dyngen generate` on the shipped model, through the installed console script; its flags into the
+engine settings."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from engine import defaults
+from service.cli import build_parser
+from service.engine_config import engine_settings_from
 
 pytestmark = pytest.mark.slow
 
@@ -47,3 +52,14 @@ def test_json_single_prompt_max_tokens() -> None:
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
     assert record["stop_reason"] == "max_new_tokens" and len(record["token_ids"]) == 7
+
+
+def test_generate_takes_the_sampler_pool_size_into_the_engine_settings() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["generate", "hi", "--sampler-mode", "threaded", "--sampling-threads", "3"])
+    settings = engine_settings_from(args)
+    assert (settings.sampler_mode, settings.sampling_threads) == ("threaded", 3)
+    assert (
+        engine_settings_from(parser.parse_args(["generate", "hi"])).sampling_threads
+        == defaults.SAMPLING_THREADS
+    )
