@@ -1,10 +1,10 @@
 """Classifier-free guidance per job (engine/guidance.py, JobSpec.guidance).
 
 The reference is transformers' own rule (`generate(guidance_scale=s, negative_prompt_ids=...)`)
-on the same GGUF in float32: greedy tokens equal, alone and inside a batch of other jobs. On a
-tiny random model: scale 1 is the job alone and scale 0 the negative prompt alone (exact
-identities of the mix), and the pair's scheduling (chunks held back until both rows end in one
-forward, preemption of both, cancel) changes no token and leaks no page.
+on the same GGUF in float32: greedy tokens equal, alone and inside a batch of other jobs (on a cold
+prefix cache). On a tiny random model: scale 1 is the job alone and scale 0 the negative prompt
+alone (exact identities of the mix), and the pair's scheduling (chunks held back until both rows
+end in one forward, preemption of both, cancel) changes no token and leaks no page.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ def chat(smollm: LoadedModel, text: str) -> tuple[int, ...]:
     return tuple(smollm.tokenizer.encode_chat([ChatMessage("user", text)]))
 
 
+def common_head(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens two sequences share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def reference_guided(
     ref: Reference, prompt: tuple[int, ...], negative: tuple[int, ...], scale: float
 ) -> list[int]:
@@ -81,13 +86,23 @@ def test_greedy_tokens_equal_transformers_guidance_alone_and_in_a_batch(
         assert list(alone.token_ids) == want
     plain = [JobSpec(chat(smollm, p), NEW_TOKENS, ignore_eos=True) for p in PLAIN]
     plain_alone = gen.generate(plain)
-    # Guided and plain jobs interleaved in one batch: each guided job as transformers, each plain
-    # job as without the guided ones.
-    batch = gen.generate([guided[0], plain[0], guided[1], guided[2], plain[1], guided[3]])
+    gen.close()
+    # Guided and plain jobs interleaved in one batch, on a cold prefix cache (each prompt's whole
+    # prefill in the batch): each guided job as transformers, each plain job as without the guided ones.
+    cold = DynamicGenerator(smollm.model, smollm.tokenizer, GeneratorConfig(page_size=16, num_pages=256))
+    jobs = [guided[0], plain[0], guided[1], guided[2], plain[1], guided[3]]
+    batch = cold.generate(jobs)
+    # A job may find in the cache what it shares with the batch's other sequences (the chat
+    # template's head, a first word), computed beside it; nothing more of its own prompt.
+    negatives = [s.guidance.negative_prompt_ids for s in guided if s.guidance is not None]
+    for c, spec in zip(batch, jobs, strict=True):
+        others = [q for q in (*(j.prompt_ids for j in jobs), *negatives) if q != spec.prompt_ids]
+        shared = max(common_head(spec.prompt_ids, q) for q in others)
+        assert c.finished.cached_tokens <= shared < len(spec.prompt_ids), (c.finished.cached_tokens, shared)
     assert [list(batch[i].token_ids) for i in (0, 2, 3, 5)] == expected
     assert [batch[i].token_ids for i in (1, 4)] == [c.token_ids for c in plain_alone]
-    gen.check_invariants()
-    gen.close()
+    cold.check_invariants()
+    cold.close()
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Priority with preemption (JobSpec.priority, engine/scheduler.py).
 
-With the batch full of priority-0 jobs, a priority-10 job's first token comes in the next step, and
-every job, the preempted ones included, ends with the text it has alone (greedy, the shipped model).
+With the batch full of priority-0 jobs, a priority-10 job's first token comes in the next step, its
+prompt cold (nothing of it in the prefix cache), and every job, the preempted ones included, ends
+with the text it has alone (greedy, the shipped model).
 On a tiny random model: the queue's order, preemption for pages as for batch rows, and equal
 priorities never preempting each other.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.jobs import JobId, JobSpec, JobStarted, TokensGenerated
+from engine.jobs import JobEvent, JobId, JobSpec, JobStarted, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
@@ -19,12 +20,21 @@ from tests.conftest import PARITY_PROMPTS
 from tests.tiny_generator import all_pages_idle
 
 
-def run(gen: DynamicGenerator, ids: list[JobId], tokens: dict[JobId, list[int]], steps: int) -> None:
+def run(gen: DynamicGenerator, tokens: dict[JobId, list[int]], steps: int) -> list[JobEvent]:
+    """`steps` iterations: the tokens of the jobs in `tokens` added there; the events returned."""
+    events: list[JobEvent] = []
     for _ in range(steps):
         for e in gen.iterate():
+            events.append(e)
             if isinstance(e, TokensGenerated) and e.job_id in tokens:
                 tokens[e.job_id].extend(e.token_ids)
         gen.check_invariants()
+    return events
+
+
+def cold_start(events: list[JobEvent], job: JobId) -> bool:
+    """The job started in these events with nothing of its prompt found in the prefix cache."""
+    return any(isinstance(e, JobStarted) and e.job_id == job and e.cached_tokens == 0 for e in events)
 
 
 @pytest.mark.slow
@@ -33,22 +43,26 @@ def test_a_high_priority_job_starts_in_the_next_step_and_no_text_changes(smollm:
         return tuple(smollm.tokenizer.encode_chat([ChatMessage("user", text)]))
 
     low = [JobSpec(chat(p), 48, ignore_eos=True) for p in PARITY_PROMPTS[:4]]
-    high = JobSpec(chat(PARITY_PROMPTS[4]), 24, ignore_eos=True, priority=10)
+    # Plain text, not chat: no page in common with the running jobs' prompts (their chat template).
+    high = JobSpec(tuple(smollm.tokenizer.encode(PARITY_PROMPTS[4])), 24, ignore_eos=True, priority=10)
     config = GeneratorConfig(page_size=16, num_pages=256, scheduler=SchedulerConfig(max_batch_size=4))
-    gen = DynamicGenerator(smollm.model, smollm.tokenizer, config)
-    alone = [gen.generate([s])[0].token_ids for s in (*low, high)]
+    solo = DynamicGenerator(smollm.model, smollm.tokenizer, config)
+    alone = [solo.generate([s])[0].token_ids for s in (*low, high)]
+    solo.close()
 
+    gen = DynamicGenerator(smollm.model, smollm.tokenizer, config)  # a cold prefix cache
     ids = [gen.enqueue(s) for s in low]
     tokens: dict[JobId, list[int]] = {i: [] for i in ids}
-    run(gen, ids, tokens, 4)
+    run(gen, tokens, 4)
     assert all(len(t) >= 2 for t in tokens.values())  # the batch is full and decoding
     urgent = gen.enqueue(high)
     tokens[urgent] = []
-    run(gen, [urgent], tokens, 1)
-    assert len(tokens[urgent]) == 1  # its prefill and first token took the very next step
+    step = run(gen, tokens, 1)
+    # Its whole prefill, none of it from the prefix cache, and its first token took the very next step.
+    assert cold_start(step, urgent) and len(tokens[urgent]) == 1
     assert sum(j.preemptions for j in gen.jobs.values()) == 1  # one row made room
     while gen.has_work():
-        run(gen, [], tokens, 1)
+        run(gen, tokens, 1)
     assert [tuple(tokens[i]) for i in (*ids, urgent)] == alone
     assert all_pages_idle(gen)
     gen.close()
@@ -98,17 +112,17 @@ def test_a_high_priority_job_preempts_for_pages_too(tiny: LoadedModel) -> None:
         JobSpec(tuple(range(3 + i, 23 + i)), 12, ignore_eos=True, priority=p) for i, p in enumerate((1, 0, 0))
     ]
     urgent_spec = JobSpec(tuple(range(30, 50)), 8, ignore_eos=True, priority=5)
-    gen = tiny_gen(tiny, num_pages=24)
-    alone = [gen.generate([s])[0].token_ids for s in (*specs, urgent_spec)]
+    alone = [tiny_gen(tiny, num_pages=24).generate([s])[0].token_ids for s in (*specs, urgent_spec)]
+    gen = tiny_gen(tiny, num_pages=24)  # a cold prefix cache
     ids = [gen.enqueue(s) for s in specs]
     tokens: dict[JobId, list[int]] = {i: [] for i in ids}
-    run(gen, ids, tokens, 2)
+    run(gen, tokens, 2)
     urgent = gen.enqueue(urgent_spec)
     tokens[urgent] = []
-    run(gen, [urgent], tokens, 1)
-    assert len(tokens[urgent]) == 1
+    step = run(gen, tokens, 1)
+    assert cold_start(step, urgent) and len(tokens[urgent]) == 1
     assert [gen.jobs[i].preemptions for i in ids] == [0, 0, 1]  # the newest of the lowest priority
     while gen.has_work():
-        run(gen, [], tokens, 1)
+        run(gen, tokens, 1)
     assert [tuple(tokens[i]) for i in (*ids, urgent)] == alone
     assert all_pages_idle(gen)
