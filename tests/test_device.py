@@ -3,7 +3,8 @@
 On this machine (no GPU): `--device cuda` is refused in one line with exit status 2 by both
 commands, `auto` is the CPU, GetModelInfo names the device; and the GPU's code path, the Triton
 kernels, runs on the CPU under the interpreter: `dyngen generate --attention triton` gives the
-same greedy tokens as `--attention torch` for several prompts in one batch (float32).
+same greedy tokens as `--attention torch` for several prompts in one batch, with prefill and decode
+rows in the same forwards (float32).
 """
 
 from __future__ import annotations
@@ -92,16 +93,24 @@ def test_model_info_and_the_start_log_name_the_device(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_triton_and_torch_attention_give_the_same_greedy_tokens(tmp_path: Path) -> None:
-    """The shipped model in float32, three prompts run together (a batch with prefill and decode
-    rows side by side), a few tokens: the interpreter is slow."""
+    """The shipped model in float32, three prompts run together, a few tokens (the interpreter is
+    slow). Forwards of CHUNK tokens: the first prompt's prefill ends in the first forward and the
+    second's does not, so the next forwards hold decode rows beside prefill rows (decode tokens are
+    scheduled first, then the prompts' remaining chunks: engine/scheduler.py)."""
     prompts = tmp_path / "prompts.jsonl"
     texts = ("The capital of France is", "Write a haiku about the sea.", "List three fruits that are red:")
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     common = [*("generate", "--prompts-file", str(prompts), "--device", "cpu", "--dtype", "float32")]
-    common += ["--max-new-tokens", "5", "--ignore-eos", "--quiet"]
+    common += ["--max-new-tokens", "5", "--ignore-eos", "--chunk-size", str(CHUNK), "--quiet"]
     triton = dyngen(*common, "--attention", "triton", interpret=True)
     plain = dyngen(*common, "--attention", "torch")
     assert triton.returncode == 0 and plain.returncode == 0, triton.stderr + plain.stderr
-    ids = [[json.loads(line)["token_ids"] for line in r.stdout.splitlines()] for r in (triton, plain)]
+    records = [[json.loads(line) for line in r.stdout.splitlines()] for r in (triton, plain)]
+    lengths = [r["prompt_tokens"] for r in records[0]]
+    assert lengths[0] < CHUNK < lengths[0] + lengths[1], lengths  # decode beside prefill, as above
+    ids = [[r["token_ids"] for r in rs] for rs in records]
     assert len(ids[0]) == 3 and all(len(t) == 5 for t in ids[0])
     assert ids[0] == ids[1]
+
+
+CHUNK = 8  # tokens per forward; the prompts are 5, 8 and 7 tokens
