@@ -45,6 +45,29 @@ export interface ClientOptions {
   // Generate and Enqueue carry the prompt's prefix-affinity key (null: no key).
   readonly affinityChars?: number | null; // default DEFAULT_AFFINITY_CHARS
   readonly protoPath?: string; // default: defaultProtoPath()
+  // Times a call refused with a retry delay (RESOURCE_EXHAUSTED, UNAVAILABLE) is tried again after
+  // that delay: 0 to MAX_RETRIES, default 0 (never). See retryServiceConfig.
+  readonly retries?: number;
+}
+
+export const MAX_RETRIES = 4; // gRPC's retry policy allows at most 5 attempts of a call
+
+// gRPC's service config for `retries` more attempts of every Generator call refused with
+// RESOURCE_EXHAUSTED or UNAVAILABLE, each after the delay the server gives (its RetryInfo, sent too as
+// gRPC's retry pushback). A stream is retried only before its first event, so no event comes twice;
+// a refusal without a delay (a client-side limit) backs off from 1 s.
+export function retryServiceConfig(retries: number): string {
+  if (!Number.isInteger(retries) || retries < 0 || retries > MAX_RETRIES) {
+    throw new RangeError(`retries must be an integer in [0, ${MAX_RETRIES}], got ${retries}`);
+  }
+  const retryPolicy = {
+    maxAttempts: retries + 1,
+    initialBackoff: "1s",
+    maxBackoff: "30s",
+    backoffMultiplier: 2,
+    retryableStatusCodes: ["RESOURCE_EXHAUSTED", "UNAVAILABLE"],
+  };
+  return JSON.stringify({ methodConfig: [{ name: [{ service: "dyngen.v1.Generator" }], retryPolicy }] });
 }
 
 export interface CallOptions {
@@ -93,7 +116,14 @@ export class DyngenClient {
   constructor(target: string, options: ClientOptions = {}) {
     const definition = protoLoader.loadSync(options.protoPath ?? defaultProtoPath(), LOADER_OPTIONS);
     const proto = grpc.loadPackageDefinition(definition) as unknown as ProtoGrpcType;
-    this.stub = new proto.dyngen.v1.Generator(target, options.credentials ?? grpc.credentials.createInsecure());
+    const retries = options.retries ?? 0;
+    const channelOptions: grpc.ChannelOptions =
+      retries > 0 ? { "grpc.enable_retries": 1, "grpc.service_config": retryServiceConfig(retries) } : {};
+    this.stub = new proto.dyngen.v1.Generator(
+      target,
+      options.credentials ?? grpc.credentials.createInsecure(),
+      channelOptions,
+    );
     this.metadata = new grpc.Metadata();
     if (options.token) {
       this.metadata.set("authorization", `Bearer ${options.token}`);

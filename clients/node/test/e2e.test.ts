@@ -138,6 +138,27 @@ test("carries prompt embeddings as float32 bytes; rows of the wrong width are IN
   });
 });
 
+test("a client with retries waits the server's delay and gets in once a stream closes", async () => {
+  const open = client.generate(LONG);
+  await new Promise<GenerateEvent>((resolve, reject) => {
+    open.once("data", resolve);
+    open.once("error", reject);
+  });
+  const patient = new DyngenClient(target, { retries: 4 });
+  setTimeout(() => {
+    open.on("error", () => {}); // the CANCELLED status of our own cancel
+    open.cancel();
+  }, 300);
+  try {
+    const started = Date.now();
+    const result = await collect(patient.generate({ token_ids: { ids: [11, 12, 13] }, max_new_tokens: 2, ignore_eos: true }));
+    assert.equal(result.finished?.new_tokens, 2);
+    assert.ok(Date.now() - started >= 100); // refused at first (the only stream was open), then let in
+  } finally {
+    patient.close();
+  }
+});
+
 test("a stream past the server's limit is RESOURCE_EXHAUSTED with a RetryInfo", async () => {
   const open = client.generate(LONG);
   const first = await new Promise<GenerateEvent>((resolve, reject) => {

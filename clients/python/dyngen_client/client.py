@@ -9,6 +9,7 @@ replica died behind a balancer) is raised as UNAVAILABLE with the reason REPLICA
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, AsyncIterable, Generator, Iterator
 from contextlib import aclosing
 
@@ -22,6 +23,7 @@ from dyngen_client.request import Chat, Request, tokenize_request
 from dyngen_client.result import Event
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # the server's default --max-message-bytes
+SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 
 
 def tls_credentials(
@@ -64,17 +66,42 @@ async def _aio_events(call: AsyncIterable[pb.GenerateEvent]) -> AsyncGenerator[p
         raise
 
 
-def _options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
+MAX_RETRIES = 4  # gRPC's retry policy allows at most 5 attempts of a call
+
+
+def retry_service_config(retries: int) -> str:
+    """gRPC's service config for `retries` more attempts of every Generator call refused with
+    RESOURCE_EXHAUSTED or UNAVAILABLE, each after the delay the server gives (its RetryInfo, sent too
+    as gRPC's retry pushback). A stream is retried only before its first event, so no event comes
+    twice; a refusal without a delay (a client-side limit) backs off from 1 s."""
+    if not 0 <= retries <= MAX_RETRIES:
+        raise ValueError(f"retries must be in [0, {MAX_RETRIES}], got {retries}")
+    policy = {
+        "maxAttempts": retries + 1,
+        "initialBackoff": "1s",
+        "maxBackoff": "30s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"],
+    }
+    return json.dumps({"methodConfig": [{"name": [{"service": SERVICE}], "retryPolicy": policy}]})
+
+
+def _options(max_message_bytes: int, retries: int = 0) -> list[tuple[str, int | str]]:
+    options: list[tuple[str, int | str]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+    if retries:
+        options += [("grpc.enable_retries", 1), ("grpc.service_config", retry_service_config(retries))]
+    return options
 
 
 class Client:
     """Blocking client. Use as a context manager, or call close().
 
-    `credentials`: TLS (see `tls_credentials`); `token`: a bearer token sent with every call.
+    `credentials`: TLS (see `tls_credentials`); `token`: a bearer token sent with every call;
+    `retries`: how many times a call refused with a retry delay (RESOURCE_EXHAUSTED, UNAVAILABLE) is
+    tried again after that delay (0, the default: never; see `retry_service_config`).
     """
 
     def __init__(
@@ -84,11 +111,12 @@ class Client:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
         affinity_chars: int | None = DEFAULT_AFFINITY_CHARS,
+        retries: int = 0,
     ) -> None:
         self.metadata = _auth_metadata(token)
         # Generate and Enqueue carry the prefix-affinity key of their prompt (None: no key).
         self.affinity_chars = affinity_chars
-        opts = _options(max_message_bytes)
+        opts = _options(max_message_bytes, retries)
         self.channel = (
             grpc.secure_channel(target, credentials, opts)
             if credentials is not None
@@ -156,7 +184,8 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client over grpc.aio. Use as an async context manager, or await close()."""
+    """asyncio client over grpc.aio. Use as an async context manager, or await close(). The
+    arguments are Client's."""
 
     def __init__(
         self,
@@ -165,11 +194,12 @@ class AsyncClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
         affinity_chars: int | None = DEFAULT_AFFINITY_CHARS,
+        retries: int = 0,
     ) -> None:
         self.metadata = _auth_metadata(token)
         # Generate and Enqueue carry the prefix-affinity key of their prompt (None: no key).
         self.affinity_chars = affinity_chars
-        opts = _options(max_message_bytes)
+        opts = _options(max_message_bytes, retries)
         self.channel = (
             grpc.aio.secure_channel(target, credentials, opts)
             if credentials is not None

@@ -26,6 +26,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 DETAILS_KEY = "grpc-status-details-bin"  # the trailer gRPC's rich error model uses
 DOMAIN = "dyngen.v1"  # ErrorInfo.domain of every reason below
+PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's retry pushback: the RetryInfo delay, for its retry policy
 
 
 class ErrorReason(enum.StrEnum):
@@ -127,8 +128,13 @@ class Failure:
             details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
         return status_pb2.Status(code=self.code.value[0], message=self.message, details=details)
 
-    def trailing_metadata(self) -> tuple[tuple[str, bytes]]:
-        return ((DETAILS_KEY, self.status().SerializeToString()),)
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The details trailer and, where a retry is worth it, gRPC's own pushback (the same delay), which
+        clients with retries on (`Client(retries=N)`, grpc's retry policy) wait before trying again."""
+        details: tuple[tuple[str, str | bytes], ...] = ((DETAILS_KEY, self.status().SerializeToString()),)
+        if self.retry_seconds is None:
+            return details
+        return (*details, (PUSHBACK_KEY, str(round(self.retry_seconds * 1000))))
 
 
 def _pack(
