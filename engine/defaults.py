@@ -11,6 +11,12 @@ CACHE_TOKENS = 32768  # the KV cache of `serve` and `generate`: pages = CACHE_TO
 MAX_BATCH_SIZE = 64  # running jobs at once
 MAX_CHUNK_SIZE = 2048  # tokens per forward: decode tokens plus prefill chunks
 MAX_QUEUE = 1024  # jobs waiting for admission
+# Waiting jobs one named tenant may hold (with authentication on): a quarter of the queue, so one
+# tenant's flood leaves room for others' requests (`--max-queue-per-tenant`).
+MAX_QUEUE_PER_TENANT = MAX_QUEUE // 4
+# Priority levels a waiting job gains per second of waiting (`--priority-aging`): priority p is a head
+# start of p seconds, so priority 0 always starts (engine/fair_queue.py); 0 = no aging.
+PRIORITY_AGING = 1.0
 SAMPLING_THREADS = 2  # the sampler's thread pool, used in the threaded sampler mode
 # engine.sampler.SamplerMode's values. Batched by measurement: `python -m benchmarks sampler` on the 2-core
 # Zen 5 (vocab 49152; temperature 0.8, top_k 50, top_p 0.9, repetition penalty 1.1) gave 251 / 823 / 4297 us

@@ -339,6 +339,7 @@ class DynamicGenerator:
                 cache_salt=spec.cache_salt,
                 adapter=spec.adapter,
                 priority=spec.priority,
+                tenant=spec.tenant,
             ),
             sampler=SamplerState(SamplingSettings(), (), self.model.config.vocab_size),
             text=TextStream(self.tokenizer, (), True, (), ""),

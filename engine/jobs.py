@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 MAX_CACHE_SALT_CHARS = 256
+MAX_TENANT_CHARS = 256  # a tenant's name, from the server's tokens file
 MAX_PRIORITY = 1000  # |priority| limit: enough levels for any policy, small enough to log
 
 
@@ -140,9 +141,11 @@ class JobSpec:
     adapter: str | None = None
     # Stop (StopReason.LOOP) once the output ends with a pattern repeated (engine/loop_detector.py).
     stop_on_loop: LoopStop | None = None
-    # Admission order (higher first, then arrival); a waiting job preempts running jobs of lower
-    # priority when the batch or the page pool is full (engine/scheduler.py).
+    # Admission order (higher first, with aging, then arrival); a waiting job preempts running jobs of
+    # lower priority when the batch or the page pool is full (engine/scheduler.py, engine/fair_queue.py).
     priority: int = 0
+    # Whose job it is, for fair shares between tenants ("": the one anonymous tenant, authentication off).
+    tenant: str = ""
     # Classifier-free guidance against a negative prompt (engine/guidance.py); None: off.
     guidance: Guidance | None = None
     # Vectors fed instead of the token embeddings of spans of the prompt (engine/prompt_embeddings.py);
@@ -186,6 +189,7 @@ class JobSpec:
             )
         for token in self.stop_token_ids:
             _check(0 <= token < vocab_size, f"stop token id {token} is outside [0, {vocab_size})")
+        _check(len(self.tenant) <= MAX_TENANT_CHARS, f"tenant must be at most {MAX_TENANT_CHARS} characters")
         _check(
             len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
             f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}",

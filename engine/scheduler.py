@@ -30,12 +30,18 @@ A queued job's page hashes are computed once and kept on the job, and a try that
 not fit takes nothing and counts no prefix lookup: a job waiting for room costs dict
 lookups per step, and the hit-rate stats count one lookup per admission.
 
-Priority (JobSpec.priority, higher first): the queue is kept in priority order, arrivals of
-equal priority in turn (a preempted job goes back before them), and only jobs of equal
-priority pass each other under max_skips. When the highest waiting job outranks a running one
-and the batch or the pool has no room for it, the lowest-priority running job (the newest
-among equals) is preempted, again until it fits, so it starts in the same step; the pool's
-own preemptions take the same victim. Equal priorities never preempt each other.
+Whose turn it is (engine/fair_queue.py): the waiting tenant that has been served the fewest
+weighted tokens, then within it priority with aging (priority p is a head start of p / rate
+seconds of waiting), then arrival; only jobs of one tenant and equal priority pass each other
+under max_skips. When the next job outranks a running one (a higher priority and a better rank)
+or its tenant holds fewer batch rows than its share while another tenant holds more, and the
+batch or the pool has no room for it, a running job is preempted, again until it fits, so it
+starts in the same step: the lowest-priority one (the newest among equals), of the tenant most
+over its share where that is the reason. The pool's own preemptions take the same kind of
+victim. Equal priorities never preempt each other for priority's sake, and ranks never flip, so
+a job preempted for another is never re-admitted ahead of it. With authentication on, one
+tenant holds at most `max_q_per_tenant` waiting jobs (QueueFullError past it), so one tenant's
+flood cannot fill the queue.
 
 Guided jobs (classifier-free guidance) run with their negative sequence: a second row with
 its own pages, admitted, preempted and removed together with the job, which counts two rows
@@ -45,12 +51,14 @@ from the two rows' logits: until both can, each keeps its last token back.
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import defaults
 from engine.errors import InvalidRequestError, QueueFullError
+from engine.fair_queue import FairQueue
 from engine.ids import PageId
 from engine.job_state import JobState, PrefixCopy
 from engine.jobs import JobStage
@@ -64,13 +72,22 @@ class SchedulerConfig:
     max_q_size: int = defaults.MAX_QUEUE
     max_skips: int = 4
     prefix_cache: bool = True  # reuse full pages across jobs (off: every job computes its whole prompt)
+    # Waiting jobs of one named tenant at once (tenant "", authentication off, has only max_q_size).
+    max_q_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
+    priority_aging: float = defaults.PRIORITY_AGING  # priority levels a waiting job gains per second
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, weight) of its fair share; default 1
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_chunk_size", "max_q_size"):
+        for name in ("max_batch_size", "max_chunk_size", "max_q_size", "max_q_per_tenant"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_skips < 0:
             raise InvalidRequestError(f"max_skips must be >= 0, got {self.max_skips}")
+        if self.priority_aging < 0 or not math.isfinite(self.priority_aging):
+            raise InvalidRequestError(f"priority_aging must be >= 0, got {self.priority_aging}")
+        for tenant, weight in self.tenant_weights:
+            if not (weight > 0 and math.isfinite(weight)):
+                raise InvalidRequestError(f"tenant {tenant!r}: weight must be > 0, got {weight}")
 
 
 @dataclass(frozen=True)
@@ -84,7 +101,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
         self.config = config
         self.pool = pool
-        self.queue: deque[JobState] = deque()
+        self.queue = FairQueue(config.priority_aging, dict(config.tenant_weights))
         self.running: list[JobState] = []
         self._admitted = 0
         # Chain hash of a full prompt page -> the running job computing it. An entry leaves when its
@@ -97,26 +114,20 @@ class Scheduler:
             raise QueueFullError(
                 f"the queue is full ({self.config.max_q_size} jobs waiting); try again later"
             )
-        self._enqueue(job, resume=False)
-
-    def _enqueue(self, job: JobState, resume: bool) -> None:
-        """Queue `job` in priority order: after the jobs of its priority (a new one) or before them
-        (`resume`: a preempted one goes on first)."""
-        p = job.spec.priority
-
-        def goes_before(other: JobState) -> bool:
-            return other.spec.priority < p or (resume and other.spec.priority == p)
-
-        # The queue is in priority order, so the jobs `job` goes before are a tail of it.
-        q = self.queue
-        if not q or not goes_before(q[-1]):
-            q.append(job)  # the usual case: one priority, or the lowest
-        else:
-            q.insert(next(i for i, other in enumerate(q) if goes_before(other)), job)
+        tenant = job.spec.tenant
+        if tenant and self.queue.waiting(tenant) >= self.config.max_q_per_tenant:
+            raise QueueFullError(
+                f"this tenant has {self.config.max_q_per_tenant} jobs waiting, the most one tenant may "
+                "queue (--max-queue-per-tenant); try again later"
+            )
+        self.queue.joined(tenant)
+        self.queue.push(job)
 
     def remove(self, job: JobState) -> None:
         """Take a job out (finish or cancel) and give its pages back (its negative sequence's too);
         it is FINISHED from here on, even if giving the pages back fails."""
+        if job.stage is not JobStage.FINISHED:
+            self.queue.left(job.spec.tenant)
         job.stage = JobStage.FINISHED
         if job.negative is not None:
             job.negative.stage = JobStage.FINISHED
@@ -219,8 +230,9 @@ class Scheduler:
         for job in self.running:
             if job.inflight and job.inflight[0][0] < job.registered:
                 self._forget_inflight(job, job.registered)
-        # 0. A waiting job that outranks a running one takes its place if there is no room for it.
-        self._admit_by_priority(on_preempt)
+        # 0. A waiting job that outranks a running one, or whose tenant is short of its share of the
+        #    batch, takes a running job's place if there is no room for it.
+        self._admit_by_preemption(on_preempt)
         # 1. Decode steps, highest priority and oldest first: each may need one more page; the pool
         #    running dry preempts the lowest-priority, newest job (never one already scheduled).
         #    A speculating job asks for room for its drafts too (verified in the same step).
@@ -234,6 +246,7 @@ class Scheduler:
                 if not self._ensure_pages(job, job.computed + take, ps, on_preempt):
                     continue
                 chunks.append(ScheduledChunk(job, take))
+                self.queue.charge(job.spec.tenant, take)
                 budget -= take
                 continue
             if budget < 2:  # both rows or neither
@@ -244,6 +257,7 @@ class Scheduler:
             ):
                 continue
             chunks += (ScheduledChunk(job, 1), ScheduledChunk(negative, 1))
+            self.queue.charge(job.spec.tenant, 2)
             budget -= 2
         # 2. Prefill chunks of running jobs (their prompt pages were taken at admission).
         for job in self.running:
@@ -252,30 +266,39 @@ class Scheduler:
             if job.positive is not None or self._decoding(job):  # scheduled above (budget allowing)
                 continue
             budget = self._add_chunks(job, budget, chunks)
-        # 3. Admit queued jobs while the budget, the batch and the pool allow.
+        # 3. Admit queued jobs, in turn (engine/fair_queue.py), while the budget, the batch and the
+        #    pool allow.
         waiting: list[JobState] = []
-        while self.queue and budget >= 1 and len(self.running) < self.config.max_batch_size:
-            job = self.queue[0]
+        while budget >= 1 and len(self.running) < self.config.max_batch_size:
+            head = self.queue.peek(self._rows())
+            if head is None:
+                break
+            job = head
             if self._awaits_inflight_prefix(job):
-                waiting.append(self.queue.popleft())
+                self.queue.remove(job)
+                waiting.append(job)
                 continue
             if not self._admit_unit(job):
-                if job.skips >= self.config.max_skips or len(self.queue) == 1:
+                if job.skips >= self.config.max_skips:
                     break
-                # Let a later job of the same priority try to pass this one (passed `skips` times).
+                # Let a later job of the same tenant and priority try to pass this one (passed `skips` times).
                 p = job.spec.priority
                 passer = next(
-                    (j for j in list(self.queue)[1:] if j.spec.priority == p and self._admit_unit(j)), None
+                    (
+                        j
+                        for j in self.queue.of_tenant(job.spec.tenant)[1:]
+                        if j.spec.priority == p and self._admit_unit(j)
+                    ),
+                    None,
                 )
                 if passer is None:
                     break
                 job.skips += 1
-                self.queue.remove(passer)
                 job = passer
-            else:
-                self.queue.popleft()
+            self.queue.remove(job)
             budget = self._add_chunks(job, budget, chunks)
-        self.queue.extendleft(reversed(waiting))
+        for job in waiting:
+            self.queue.push(job)
         return chunks
 
     @staticmethod
@@ -283,13 +306,14 @@ class Scheduler:
         """Whether the job (with its negative sequence, if guided) takes a plain decode step."""
         return job.decoding and (job.negative is None or job.negative.decoding)
 
-    @staticmethod
-    def _add_chunks(job: JobState, budget: int, chunks: list[ScheduledChunk]) -> int:
-        """Add the prefill chunk(s) of a running job within `budget`; returns the budget left."""
+    def _add_chunks(self, job: JobState, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Add the prefill chunk(s) of a running job within `budget` (charged to its tenant); returns
+        the budget left."""
         negative = job.negative
         if negative is None:
             take = min(job.pending, budget)
             chunks.append(ScheduledChunk(job, take))
+            self.queue.charge(job.spec.tenant, take)
             return budget - take
         own, neg = job.pending, negative.pending
         if own + neg > budget:
@@ -300,25 +324,75 @@ class Scheduler:
         for seq, take in ((job, own), (negative, neg)):
             if take > 0:
                 chunks.append(ScheduledChunk(seq, take))
+        self.queue.charge(job.spec.tenant, own + neg)
         return budget - own - neg
 
-    def _victim(self) -> JobState | None:
-        """The running job to preempt first: the lowest priority, the newest among equals."""
-        jobs = (j for j in self.running if j.positive is None)
-        return max(jobs, key=lambda j: (-j.spec.priority, j.order), default=None)
+    def _rows(self) -> Counter[str]:
+        """Batch rows each tenant's running jobs hold (a guided job holds two)."""
+        return Counter(j.spec.tenant for j in self.running)
 
-    def _admit_by_priority(self, on_preempt: Callable[[JobState], None]) -> None:
-        """Admit the waiting jobs that outrank a running one, preempting the lowest-priority running
-        jobs while there is no room for them (batch rows or pages)."""
+    def _over_share(self, rows: Counter[str]) -> dict[str, float]:
+        """Tenants holding more batch rows than the ceiling of their share, by how many."""
+        capacity = self.config.max_batch_size
+        out: dict[str, float] = {}
+        for tenant, n in rows.items():
+            share = self.queue.share(tenant, capacity)
+            if n > math.ceil(share):
+                out[tenant] = n - share
+        return out
+
+    def _victim(self) -> JobState | None:
+        """The running job to preempt first: the lowest priority, of the tenant most over its share of
+        the batch (with several tenants), the newest among equals."""
+        over = self._over_share(self._rows()) if len(self.queue.tenants()) > 1 else {}
+        jobs = (j for j in self.running if j.positive is None)
+        return max(
+            jobs, key=lambda j: (-j.spec.priority, over.get(j.spec.tenant, 0.0), j.order), default=None
+        )
+
+    def _displaces(self, head: JobState) -> JobState | None:
+        """The running job `head` may take the place of, if there is no room for it: the first victim
+        if `head` outranks it; else, with several tenants, when `head`'s tenant has no row running and
+        its share holds one, the lowest-priority newest job (of priority <= head's) of the tenant most
+        over its share. None: `head` waits for room like any job, and the shares come from the order
+        of admission alone (a preemption costs its victim a recompute, so it is kept for the tenant
+        that would otherwise wait for another's jobs to end)."""
+        victim = self._victim()
+        if victim is None:
+            return None
+        if self.queue.outranks(head, victim):
+            return victim
+        if len(self.queue.tenants()) < 2:
+            return None
+        rows = self._rows()
+        tenant = head.spec.tenant
+        need = 1 if head.negative is None else 2
+        if rows[tenant] or need > math.floor(self.queue.share(tenant, self.config.max_batch_size)):
+            return None
+        over = self._over_share(rows)
+        if not over:
+            return None
+        richest = max(over, key=lambda t: over[t])
+        candidates = [
+            j
+            for j in self.running
+            if j.positive is None and j.spec.tenant == richest and j.spec.priority <= head.spec.priority
+        ]
+        return max(candidates, key=lambda j: (-j.spec.priority, j.order), default=None)
+
+    def _admit_by_preemption(self, on_preempt: Callable[[JobState], None]) -> None:
+        """Admit the next waiting jobs while each may displace a running one (_displaces), preempting
+        while there is no room for them (batch rows or pages)."""
         while self.queue:
-            head = self.queue[0]
-            victim = self._victim()
-            if victim is None or victim.spec.priority >= head.spec.priority:
+            head = self.queue.peek(self._rows())
+            assert head is not None
+            victim = self._displaces(head)
+            if victim is None:
                 return
             if self._admit_unit(head):
-                self.queue.popleft()
+                self.queue.remove(head)
                 continue
-            self._preempt(victim)  # it requeues behind `head`, which outranks it
+            self._preempt(victim)  # it requeues, never ahead of `head` (see FairQueue.outranks)
             on_preempt(victim)
 
     def _admit_unit(self, job: JobState) -> bool:
@@ -482,7 +556,7 @@ class Scheduler:
             # Its budget was planned for a decode step it will not take: re-admitted, it prefills first.
             seq.draft_budget = 0
             seq.preemptions += 1
-        self._enqueue(job, resume=True)
+        self.queue.push(job)
 
     def _release(self, job: JobState) -> None:
         if job.prefix_copy is not None:  # admitted but never staged: drop the hold on the source

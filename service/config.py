@@ -19,6 +19,7 @@ from service.engine_config import (
     engine_settings_from,
     speculation_flags_from,
     split_lora_flag,
+    split_tenant_weight,
 )
 
 # --dtype and --draft-dtype: engine.model.loader.WeightDtype's values, named here so that parsing
@@ -38,6 +39,9 @@ class ServiceConfig:
     kv_cache: str = defaults.KV_CACHE
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     max_queue: int = defaults.MAX_QUEUE
+    max_queue_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
+    priority_aging: float = defaults.PRIORITY_AGING
+    tenant_weight: tuple[str, ...] = ()  # NAME=W, a tenant's weight in fair shares
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     sampling_threads: int = defaults.SAMPLING_THREADS
     sampler_mode: str = defaults.SAMPLER_MODE
@@ -93,6 +97,7 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora", tuple(self.lora))  # flags and JSON give a list
+        object.__setattr__(self, "tenant_weight", tuple(self.tenant_weight))
 
     @property
     def num_pages(self) -> int:
@@ -191,6 +196,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opt("max_batch_size", int, d.max_batch_size, "jobs running at once")
     opt("max_queue", int, d.max_queue, "jobs waiting for admission before RESOURCE_EXHAUSTED")
+    opt(
+        "max_queue_per_tenant",
+        _positive,
+        d.max_queue_per_tenant,
+        "with authentication on: jobs one tenant may have waiting (so one tenant's flood leaves room)",
+    )
+    opt(
+        "priority_aging",
+        _aging,
+        d.priority_aging,
+        "priority levels a waiting job gains per second (priority p = a head start of p/rate seconds; "
+        "0 = none)",
+    )
+    weight_env = _env("tenant_weight", None)
+    parser.add_argument(
+        "--tenant-weight",
+        type=_tenant_weight_flag,
+        action="append",
+        default=[f for f in weight_env.split(",") if f] if weight_env else [],
+        metavar="NAME=W",
+        help="a tenant's weight in fair shares (default 1: a tenant of weight 2 is served twice the "
+        "tokens when both wait); repeatable [DYNGEN_TENANT_WEIGHT: comma-separated]",
+    )
     opt("chunk_size", int, d.chunk_size, "tokens per forward")
     opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size (threaded sampler mode)")
     opt(
@@ -300,6 +328,21 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return value
+
+
+def _aging(text: str) -> float:
+    value = float(text)
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _tenant_weight_flag(text: str) -> str:
+    try:
+        split_tenant_weight(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
 
 
 def _lora_flag(text: str) -> str:

@@ -27,6 +27,9 @@ class EngineSettings:
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     max_queue: int = defaults.MAX_QUEUE
+    max_queue_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
+    priority_aging: float = defaults.PRIORITY_AGING
+    tenant_weight: tuple[str, ...] = ()  # NAME=W: a tenant's weight in fair shares (--tenant-weight)
     sampling_threads: int = defaults.SAMPLING_THREADS
     sampler_mode: str = defaults.SAMPLER_MODE
     lora: tuple[str, ...] = ()  # NAME=PATH: LoRA adapters loaded at start (--lora, repeatable)
@@ -40,10 +43,15 @@ class EngineSettings:
     def __post_init__(self) -> None:
         # Flags and JSON give a list; the settings are frozen and hashable.
         object.__setattr__(self, "lora", tuple(self.lora))
+        object.__setattr__(self, "tenant_weight", tuple(self.tenant_weight))
 
     @property
     def num_pages(self) -> int:
         return max(1, self.cache_tokens // self.page_size)
+
+    def tenant_weights(self) -> tuple[tuple[str, float], ...]:
+        """(tenant, weight) of each --tenant-weight NAME=W."""
+        return tuple(split_tenant_weight(flag) for flag in self.tenant_weight)
 
     def lora_pairs(self) -> list[tuple[str, Path]]:
         """(name, folder) of each --lora NAME=PATH."""
@@ -56,6 +64,18 @@ def split_lora_flag(flag: str) -> tuple[str, Path]:
     if not sep or not name or not path:
         raise ValueError(f"--lora takes NAME=PATH, got {flag!r}")
     return name, Path(path)
+
+
+def split_tenant_weight(flag: str) -> tuple[str, float]:
+    """NAME=W -> (NAME, W) with W a finite number > 0; ValueError for anything else."""
+    name, sep, value = flag.rpartition("=")
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = 0.0
+    if not sep or not name or not (0 < weight < float("inf")):
+        raise ValueError(f"--tenant-weight takes NAME=W with W a number > 0, got {flag!r}")
+    return name, weight
 
 
 @dataclass(frozen=True)

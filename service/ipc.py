@@ -122,22 +122,31 @@ class AdapterCommand:
         return AdapterCommand(AdapterOp(obj["op"]), str(obj["name"]), str(obj["path"]))
 
 
+_TENANT_LENGTH = struct.Struct(">H")
+
+
 @dataclass(frozen=True)
 class Submit:
-    """A job for the engine: the id the front end minted and the request, its prompt as token ids."""
+    """A job for the engine: the id the front end minted, the tenant it belongs to (fair shares;
+    "" without authentication) and the request, its prompt as token ids."""
 
     job_id: str
     request: bytes  # GenerateRequest bytes with the `token_ids` prompt (tokenized in the front end)
+    tenant: str = ""
 
     def to_bytes(self) -> bytes:
         job = self.job_id.encode("ascii")
         if len(job) != JOB_ID_LENGTH:
             raise ValueError(f"job id must be {JOB_ID_LENGTH} characters")
-        return job + self.request
+        tenant = self.tenant.encode("utf-8", "surrogatepass")
+        return job + _TENANT_LENGTH.pack(len(tenant)) + tenant + self.request
 
     @staticmethod
     def from_bytes(data: bytes) -> Submit:
-        return Submit(data[:JOB_ID_LENGTH].decode("ascii"), data[JOB_ID_LENGTH:])
+        (n,) = _TENANT_LENGTH.unpack_from(data, JOB_ID_LENGTH)
+        at = JOB_ID_LENGTH + _TENANT_LENGTH.size
+        tenant = data[at : at + n].decode("utf-8", "surrogatepass")
+        return Submit(data[:JOB_ID_LENGTH].decode("ascii"), data[at + n :], tenant)
 
 
 @dataclass(frozen=True)

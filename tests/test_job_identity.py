@@ -46,4 +46,4 @@ def test_scheduler_removes_the_job_itself() -> None:
     scheduler.submit(a)
     scheduler.submit(b)
     scheduler.remove(b)
-    assert list(scheduler.queue) == [a] and scheduler.queue[0] is a
+    assert list(scheduler.queue) == [a] and scheduler.queue.peek() is a

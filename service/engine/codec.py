@@ -89,9 +89,9 @@ def _guidance(req: pb.GenerateRequest) -> Guidance | None:
     return Guidance(req.guidance.scale, tuple(req.guidance.token_ids.ids))
 
 
-def job_spec(req: pb.GenerateRequest) -> JobSpec:
-    """The job a tokenized request asks for; InvalidRequestError where it cannot be one. Prompt
-    embeddings placed at placeholder tokens expand those tokens here (the job's prompt grows)."""
+def job_spec(req: pb.GenerateRequest, tenant: str = "") -> JobSpec:
+    """The job a tokenized request of `tenant` asks for; InvalidRequestError where it cannot be one.
+    Prompt embeddings placed at placeholder tokens expand those tokens here (the job's prompt grows)."""
     if req.WhichOneof("prompt") != "token_ids":
         raise InvalidRequestError("the engine takes prompts as token ids (the front end tokenizes)")
     prompt_ids, embeddings = place_embeddings(req.token_ids.ids, embedding_placements(req))
@@ -116,6 +116,7 @@ def job_spec(req: pb.GenerateRequest) -> JobSpec:
         if req.HasField("stop_on_loop")
         else None,
         priority=req.priority,
+        tenant=tenant,
         guidance=_guidance(req),
         embeddings=embeddings,
     )

@@ -187,7 +187,7 @@ class EngineLoop:
     def _submit(self, msg: Message) -> None:
         try:
             submit = Submit.from_bytes(msg.payload)
-            spec = job_spec(pb.GenerateRequest.FromString(submit.request))
+            spec = job_spec(pb.GenerateRequest.FromString(submit.request), submit.tenant)
             job_id = self.generator.enqueue(spec, JobId(submit.job_id))
         except Exception as exc:
             self._refuse(msg.request, exc, "bad request")
@@ -264,6 +264,7 @@ class EngineLoop:
             max_adapters=g.adapters.max_adapters,
             hidden_size=self.loaded.model.config.hidden_size,
             device=describe_device(self.loaded.model.device),
+            iterations=s.iterations,
         )
 
 

@@ -417,7 +417,8 @@ class EngineClient:
         )
         self.jobs[job.job_id] = job
         try:
-            reply = await self._call(Tag.SUBMIT, Submit(job.job_id, request.SerializeToString()).to_bytes())
+            submit = Submit(job.job_id, request.SerializeToString(), owner)
+            reply = await self._call(Tag.SUBMIT, submit.to_bytes())
         except EngineRejectedError:
             self._forget(job)  # refused: the engine holds nothing
             raise

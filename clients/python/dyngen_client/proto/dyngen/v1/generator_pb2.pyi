@@ -1126,6 +1126,7 @@ class ModelInfo(_message.Message):
     MAX_ADAPTERS_FIELD_NUMBER: _builtins.int
     HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    ITERATIONS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model's file or folder name."""
     vocab_size: _builtins.int
@@ -1170,6 +1171,10 @@ class ModelInfo(_message.Message):
     """Width of the model's embeddings: PromptEmbedding rows have this many float32 values."""
     device: _builtins.str
     """Where the model runs (--device): "cpu", or "cuda:N (<GPU name>, capability X.Y)"."""
+    iterations: _builtins.int
+    """Engine iterations (scheduled forward passes) since this engine process started: the unit the
+    scheduler's bounds are stated in (docs/ARCHITECTURE.md).
+    """
     def __init__(
         self,
         *,
@@ -1195,10 +1200,11 @@ class ModelInfo(_message.Message):
         max_adapters: _builtins.int = ...,
         hidden_size: _builtins.int = ...,
         device: _builtins.str = ...,
+        iterations: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "device", b"device", "dtype", b"dtype", "hidden_size", b"hidden_size", "kv_cache", b"kv_cache", "linears", b"linears", "max_adapters", b"max_adapters", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "replica", b"replica", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "cpu", b"cpu", "device", b"device", "dtype", b"dtype", "hidden_size", b"hidden_size", "iterations", b"iterations", "kv_cache", b"kv_cache", "linears", b"linears", "max_adapters", b"max_adapters", "max_batch_size", b"max_batch_size", "max_chunk_size", b"max_chunk_size", "max_queue_size", b"max_queue_size", "model", b"model", "num_pages", b"num_pages", "page_size", b"page_size", "pages_cached", b"pages_cached", "pages_free", b"pages_free", "pages_used", b"pages_used", "quant", b"quant", "queued_jobs", b"queued_jobs", "replica", b"replica", "running_jobs", b"running_jobs", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
