@@ -63,7 +63,7 @@ from engine.logit_processors import mix_guided
 from engine.model.llama import LlamaModel
 from engine.model.lora_adapter import AdapterLimits, LoraAdapter
 from engine.model.tokenizer import Tokenizer
-from engine.pages import PagePool, common_prefix_len
+from engine.pages import PagePool
 from engine.prompt_embeddings import check_embeddings, span_token_ids
 from engine.runner import ModelRunner
 from engine.sampler import (
@@ -255,6 +255,12 @@ class DynamicGenerator:
             spec = dataclasses.replace(spec, prompt_ids=heal.prompt_ids)
         if job_id is None:
             job_id = new_job_id()
+        embeds = self._embedding_spans(spec) if spec.embeddings else ()
+        tokens = list(spec.prompt_ids)
+        for (
+            e
+        ) in spec.embeddings:  # their positions take pseudo ids, which the prefix cache hashes like tokens
+            tokens[e.position : e.end] = span_token_ids(e)
         job = JobState(
             job_id=job_id,
             spec=spec,
@@ -268,32 +274,29 @@ class DynamicGenerator:
             ),
             enqueued_at=time.perf_counter(),
             order=0,
-            tokens=list(spec.prompt_ids),
+            tokens=tokens,
             constraint=constraint,
             heal=heal,
             healing=heal.removed if heal is not None else b"",
             adapter=adapter,
+            embeds=embeds,
         )
         if spec.guidance is not None:
             job.negative = self._negative_sequence(job)
-        if spec.embeddings:
-            job.embeds = self._embedding_spans(job)
         self.scheduler.submit(job)
         self.jobs[job_id] = job
         return job_id
 
-    def _embedding_spans(self, job: JobState) -> tuple[tuple[int, torch.Tensor], ...]:
-        """The job's prompt embeddings as tensors; their positions in its tokens take pseudo ids
-        (from the vectors' bytes), which the prefix cache hashes like tokens."""
+    def _embedding_spans(self, spec: JobSpec) -> tuple[tuple[int, torch.Tensor], ...]:
+        """The job's prompt embeddings as tensors, by start position."""
         hidden = self.model.config.hidden_size
         spans = []
-        for i, e in enumerate(job.spec.embeddings):
+        for i, e in enumerate(spec.embeddings):
             values = torch.frombuffer(bytearray(e.data), dtype=torch.float32).view(e.rows, hidden)
             if not bool(torch.isfinite(values).all()):
                 raise InvalidRequestError(
                     f"embeddings[{i}].data: holds values that are not finite (NaN or inf)"
                 )
-            job.tokens[e.position : e.end] = span_token_ids(e)
             spans.append((e.position, values))
         return tuple(spans)
 
@@ -499,21 +502,6 @@ class DynamicGenerator:
             return kept
         return kept + [o for o, _ in guided]
 
-    def _follow_output(self, job: JobState) -> None:
-        """Give a guided job's negative sequence the job's output tokens (and take back what a
-        rewind took back from the job, with its K/V)."""
-        negative = job.negative
-        if negative is None or job.stage is JobStage.FINISHED:
-            return
-        output = job.tokens[job.prompt_len :]
-        base = negative.prompt_len
-        same = common_prefix_len(negative.tokens[base:], output)
-        if base + same < len(negative.tokens):
-            if negative.computed > base + same:
-                self._truncate_cache(negative, base + same)
-            del negative.tokens[base + same :]
-        negative.tokens.extend(output[same:])
-
     def _start_masks(self, staged: list[tuple[ScheduledChunk, SequenceInput]]) -> Future[_Masks] | None:
         """Start computing the token masks of the constrained jobs that sample after this forward."""
         jobs = [
@@ -643,7 +631,7 @@ class DynamicGenerator:
                 self.intake.accept(
                     out.chunk.job, result.token_id, result.logprob, events, out.logits[out.row]
                 )
-                self._follow_output(out.chunk.job)
+                self.intake.follow_output(out.chunk.job)
             except Exception as exc:
                 self._contain(out.chunk.job, "taking its sampled token", exc, events)
 

@@ -1,41 +1,24 @@
-"""Which jobs run in the next forward, with how many tokens each.
+"""Which jobs run in the next forward, with how many tokens each: the policy. Where their K/V
+live is the cache manager's (engine/cache_manager.py); the scheduler asks it for room.
 
 There is no prefill phase and no decode phase: every job has tokens in the cache and
 tokens it wants there (the prompt, then each sampled token), and each iteration hands
 out a token budget (`max_chunk_size`) so the first catches up with the second. Decode
 tokens of running jobs come first (one each, cheap, latency-critical), then prefill
-chunks of running jobs, then new jobs admitted from the queue in FIFO order.
+chunks of running jobs, then new jobs admitted from the queue in turn. The scheduler alone
+writes a job's progress (`computed`, `stage`, `order`, `preemptions`, `draft_budget`).
 
-Pages are taken on demand: a job gets pages for its prompt when admitted and one page
-at a time as its output grows, never its whole max_new_tokens budget up front. When
-the pool runs dry, the newest running job is preempted: its pages go back to the pool
-(full ones stay findable, so its recompute is mostly a prefix hit) and it waits at
-the head of the queue with its output kept.
+When the pool runs dry, a running job is preempted: its pages go back (full ones stay
+findable, so its recompute is mostly a prefix hit) and it waits in the queue with its output kept.
 
-Admission fairness (`max_skips`): a job whose prompt does not fit yet may be passed
-by smaller jobs behind it at most max_skips times; then the queue waits for it.
-
-Shared prefixes arriving together: a job whose next prompt page is being computed right
-now by a running job waits (without losing its place) until that page is registered,
-then takes it as a prefix hit. So 32 jobs with one long system prompt compute it once,
-not 32 times. (Only jobs of the same cache salt share: the salt is part of every hash.)
-
-Partial pages: a shared prefix rarely ends on a page boundary. Past its whole-page hits, an
-admitted job copies the K/V of as many leading tokens of its next page as some other page
-on the same prefix already holds (a registered page from the pool, or the page a running
-job is filling) instead of computing them: 32 prompts that share 1019 tokens on pages of
-64 then each compute 12 tokens, not 71.
-
-A queued job's page hashes are computed once and kept on the job, and a try that does
-not fit takes nothing and counts no prefix lookup: a job waiting for room costs dict
-lookups per step, and the hit-rate stats count one lookup per admission.
+Admission fairness (`max_skips`): a job whose prompt does not fit yet may be passed by smaller
+jobs of its tenant and priority behind it at most max_skips times; then the queue waits for it.
 
 Whose turn it is (engine/fair_queue.py): the waiting tenant that has been served the fewest
 weighted tokens, then within it priority with aging (priority p is a head start of p / rate
-seconds of waiting), then arrival; only jobs of one tenant and equal priority pass each other
-under max_skips. When the next job outranks a running one (a higher priority and a better rank)
-or its tenant holds fewer batch rows than its share while another tenant holds more, and the
-batch or the pool has no room for it, a running job is preempted, again until it fits, so it
+seconds of waiting), then arrival. When the next job outranks a running one (a higher priority
+and a better rank) or its tenant has no row while another tenant holds more than its share, and
+the batch or the pool has no room for it, a running job is preempted, again until it fits, so it
 starts in the same step: the lowest-priority one (the newest among equals), of the tenant most
 over its share where that is the reason. The pool's own preemptions take the same kind of
 victim. Equal priorities never preempt each other for priority's sake, and ranks never flip, so
@@ -57,12 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import defaults
+from engine.cache_manager import CacheManager, CopyPrefix
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.fair_queue import FairQueue
-from engine.ids import PageId
-from engine.job_state import JobState, PrefixCopy
+from engine.job_state import JobState
 from engine.jobs import JobStage
-from engine.pages import PagePool, common_prefix_len, extend_chain
+from engine.pages import PagePool
 
 
 @dataclass(frozen=True)
@@ -100,14 +83,10 @@ class ScheduledChunk:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
         self.config = config
-        self.pool = pool
+        self.cache = CacheManager(pool, config.prefix_cache)
         self.queue = FairQueue(config.priority_aging, dict(config.tenant_weights))
         self.running: list[JobState] = []
         self._admitted = 0
-        # Chain hash of a full prompt page -> the running job computing it. An entry leaves when its
-        # page is registered or its job stops running (finish, cancel, preemption), so this holds
-        # at most the running jobs' uncomputed prompt pages.
-        self._inflight: dict[int, JobState] = {}
 
     def submit(self, job: JobState) -> None:
         if len(self.queue) >= self.config.max_q_size:
@@ -145,15 +124,10 @@ class Scheduler:
 
     # -- the generator's reports: progress and pages are written here only ----------------------
 
-    def begin_chunk(self, job: JobState, copy_prefix: Callable[[PageId, PageId, int], None]) -> None:
-        """Before a scheduled chunk of `job` runs: the partial prefix hit found at admission is
-        copied (by `copy_prefix`, the cache's) and its source page let go; the stage follows progress."""
-        if job.prefix_copy is not None:
-            copy, job.prefix_copy = job.prefix_copy, None
-            try:
-                copy_prefix(copy.source, copy.target, copy.tokens)
-            finally:
-                self.pool.release([copy.source])
+    def begin_chunk(self, job: JobState, copy_prefix: CopyPrefix) -> None:
+        """Before a scheduled chunk of `job` runs: the cache copies a partial prefix hit found at
+        admission; the stage follows progress."""
+        self.cache.begin(job, copy_prefix)
         job.stage = JobStage.DECODE if job.computed >= job.prompt_len else JobStage.PREFILL
 
     def set_draft_budget(self, job: JobState, tokens: int) -> None:
@@ -166,58 +140,21 @@ class Scheduler:
         registered before then). Newly filled pages are registered; returns the token positions
         where a page was swapped for an identical registered one (a drafter keyed by pages rewinds)."""
         job.computed = computed
-        return self._register_full_pages(job)
+        return self.cache.commit(job)
 
-    def _register_full_pages(self, job: JobState) -> list[int]:
-        """Make every newly filled page findable; switch to an identical page if one exists."""
-        ps = self.pool.page_size
-        swapped: list[int] = []
-        if not self.config.prefix_cache:
-            return swapped
-        while (job.registered + 1) * ps <= job.computed:
-            i = job.registered
-            parent = job.pages[i - 1] if i > 0 else None
-            page = self.pool.register_full(
-                job.pages[i], parent, job.tokens[i * ps : (i + 1) * ps], job.prefix_salt
-            )
-            if page != job.pages[i]:
-                swapped.append(i * ps)
-            job.pages[i] = page
-            job.registered += 1
-        return swapped
-
-    def truncate(self, job: JobState, keep: int, copy_prefix: Callable[[PageId, PageId, int], None]) -> bool:
-        """Make `job`'s K/V hold at most its first `keep` tokens and its pages writable past them.
-
-        Pages registered in the pool are read-only: one the job holds alone is unregistered, a
-        shared one is copied (the kept slots, by `copy_prefix`) into a fresh page. No page to copy
-        into: the job is preempted (False), and its re-admission recomputes what it keeps (mostly
-        prefix hits)."""
-        ps = self.pool.page_size
+    def truncate(self, job: JobState, keep: int, copy_prefix: CopyPrefix) -> bool:
+        """Make `job`'s K/V hold at most its first `keep` tokens and its pages writable past them
+        (the cache manager's `truncate`). No page to copy into: the job is preempted (False), and its
+        re-admission recomputes what it keeps (mostly prefix hits)."""
         job.computed = min(job.computed, keep)
-        first = keep // ps
-        kept = True
-        for i in range(first, job.registered):
-            page = job.pages[i]
-            if self.pool.ref_count(page) == 1:
-                self.pool.unregister(page)
-                continue
-            fresh = self.pool.allocate(1)
-            if fresh is None:
-                self.preempt(job)
-                kept = False
-                break
-            if i == first and keep % ps:
-                copy_prefix(page, fresh[0], keep % ps)
-            self.pool.release([page])
-            job.pages[i] = fresh[0]
-        job.registered = min(job.registered, first)
-        del job.page_hashes[first:]
-        return kept
+        if self.cache.truncate(job, keep, copy_prefix):
+            return True
+        self.preempt(job)
+        return False
 
     def inflight_pages(self) -> int:
         """Prompt pages running jobs are computing that queued jobs may wait for."""
-        return len(self._inflight)
+        return self.cache.inflight_pages()
 
     def idle(self) -> bool:
         return not self.running and not self.queue
@@ -225,11 +162,9 @@ class Scheduler:
     def schedule(self, on_preempt: Callable[[JobState], None]) -> list[ScheduledChunk]:
         """The next forward's chunks. Jobs preempted to make room are reported to `on_preempt`."""
         budget = self.config.max_chunk_size
-        ps = self.pool.page_size
         chunks: list[ScheduledChunk] = []
         for job in self.running:
-            if job.inflight and job.inflight[0][0] < job.registered:
-                self._forget_inflight(job, job.registered)
+            self.cache.settle(job)
         # 0. A waiting job that outranks a running one, or whose tenant is short of its share of the
         #    batch, takes a running job's place if there is no room for it.
         self._admit_by_preemption(on_preempt)
@@ -243,7 +178,7 @@ class Scheduler:
             negative = job.negative
             if negative is None:
                 take = min(1 + job.draft_budget, budget)
-                if not self._ensure_pages(job, job.computed + take, ps, on_preempt):
+                if not self._ensure_pages(job, job.computed + take, on_preempt):
                     continue
                 chunks.append(ScheduledChunk(job, take))
                 self.queue.charge(job.spec.tenant, take)
@@ -252,8 +187,8 @@ class Scheduler:
             if budget < 2:  # both rows or neither
                 continue
             if not (
-                self._ensure_pages(job, job.computed + 1, ps, on_preempt)
-                and self._ensure_pages(negative, negative.computed + 1, ps, on_preempt)
+                self._ensure_pages(job, job.computed + 1, on_preempt)
+                and self._ensure_pages(negative, negative.computed + 1, on_preempt)
             ):
                 continue
             chunks += (ScheduledChunk(job, 1), ScheduledChunk(negative, 1))
@@ -274,7 +209,7 @@ class Scheduler:
             if head is None:
                 break
             job = head
-            if self._awaits_inflight_prefix(job):
+            if self.cache.awaits_inflight(job):
                 self.queue.remove(job)
                 waiting.append(job)
                 continue
@@ -410,126 +345,23 @@ class Scheduler:
         job.stage = JobStage.QUEUED
         return False
 
-    def _full_page_hashes(self, job: JobState) -> list[int]:
-        """Chain hashes of the job's full pages that a prefix match may cover (all but the last token).
-
-        Kept on the job and only extended: a job waiting for room is not re-hashed at every step.
-        """
-        ps = self.pool.page_size
-        extend_chain(job.page_hashes, job.tokens, ps, job.prefix_salt, (len(job.tokens) - 1) // ps)
-        return job.page_hashes
-
-    def _forget_inflight(self, job: JobState, below: int | None = None) -> None:
-        """Drop the job's in-flight entries for pages before `below` (None: all of them)."""
-        keep = []
-        for i, h in job.inflight:
-            if below is not None and i >= below:
-                keep.append((i, h))
-            elif self._inflight.get(h) is job:
-                del self._inflight[h]
-        job.inflight = keep
-
-    def _awaits_inflight_prefix(self, job: JobState) -> bool:
-        """Whether a running job is computing a page this job could otherwise take from the cache."""
-        if not self.config.prefix_cache:
-            return False
-        ps = self.pool.page_size
-        for i, h in enumerate(self._full_page_hashes(job)):
-            owner = self._inflight.get(h)
-            if owner is None:
-                continue
-            if owner in self.running and owner.registered <= i and owner.computed < (i + 1) * ps:
-                return True
-        return False
-
     def _admit(self, job: JobState) -> bool:
-        """Give `job` its prompt pages (prefix hits first) and make it running, if they fit."""
-        ps = self.pool.page_size
-        # Everything but the last token may come from the prefix cache (its logits are needed).
-        # A preempted job recomputes prompt + output, and its old full pages are likely cached.
-        # Look without taking: a job that does not fit is neither charged nor counted as a lookup.
-        query = len(job.tokens) - 1
-        hashes = self._full_page_hashes(job) if self.config.prefix_cache else []
-        total = job.pages_for(len(job.tokens), ps)
-        # Keep one page spare per running job so decode can continue without preempting at once.
-        room = self.pool.available() - len(self.running)
-        if total - len(hashes) > room:
-            return False  # even a hit on every full page would leave too many to allocate
-        matched = (
-            self.pool.find_prefix(job.tokens, query, salt=job.prefix_salt, hashes=hashes)
-            if self.config.prefix_cache
-            else []
-        )
-        need = total - len(matched)
-        donor = self._partial_donor(job, matched) if self.config.prefix_cache else None
-        revived = sum(1 for p in matched if self.pool.ref_count(p) == 0)  # CACHED pages leave the LRU
-        if donor is not None and self.pool.ref_count(donor[0]) == 0:
-            revived += 1
-        if need > room - revived:
+        """Make `job` running if the cache manager finds its pages room (prefix hits first)."""
+        held = self.cache.admit(job)
+        if held is None:
             return False
-        if self.config.prefix_cache:
-            self.pool.take_prefix(matched, query, donor[1] if donor else 0)
-        if donor is not None:
-            self.pool.hold(donor[0])  # before allocating: it must not be evicted for our own pages
-        fresh = self.pool.allocate(need)
-        assert fresh is not None, "the pages were counted as available"
-        job.pages = matched + fresh
-        job.computed = len(matched) * ps
-        job.registered = len(matched)
-        if donor is not None:
-            job.prefix_copy = PrefixCopy(donor[0], fresh[0], donor[1])
-            job.computed += donor[1]
+        job.computed = held
         if not job.started:
-            job.cached_tokens = job.computed
-        if self.config.prefix_cache:
-            for i, h in enumerate(self._full_page_hashes(job)[len(matched) :], start=len(matched)):
-                if self._inflight.setdefault(h, job) is job:
-                    job.inflight.append((i, h))
+            job.cached_tokens = held
         job.stage = JobStage.PREFILL
         job.order = self._admitted
         self._admitted += 1
         self.running.append(job)
         return True
 
-    def _partial_donor(self, job: JobState, matched: list[PageId]) -> tuple[PageId, int] | None:
-        """The page holding the most of `job`'s tokens after its whole-page hits `matched`, computed
-        on the very same pages before them, and how many; None if none holds even one."""
-        ps = self.pool.page_size
-        k = len(matched)
-        start = k * ps
-        # The last token always runs (its logits are needed).
-        want = job.tokens[start : min(start + ps, len(job.tokens) - 1)]
-        if not want:
-            return None
-        salt = job.prefix_salt
-        best = self.pool.find_partial(matched[-1] if matched else None, want, salt=salt)
-        # A running job's page k is not registered until full, but its computed tokens are usable.
-        for other in self.running:
-            if (
-                other.registered != k
-                or len(other.pages) <= k
-                or other.prefix_salt != salt
-                or other.pages[:k] != matched
-            ):
-                continue
-            have = min(other.computed - start, ps)
-            if have <= 0:
-                continue
-            n = common_prefix_len(other.tokens[start : start + have], want)
-            if n and (best is None or n > best[1]):
-                best = (other.pages[k], n)
-        return best
-
-    def _ensure_pages(
-        self, job: JobState, total_tokens: int, page_size: int, on_preempt: Callable[[JobState], None]
-    ) -> bool:
-        """Make `job` hold pages for `total_tokens`, preempting newer jobs if the pool is dry."""
-        need = job.pages_for(total_tokens, page_size) - len(job.pages)
-        while need > 0:
-            got = self.pool.allocate(need)
-            if got is not None:
-                job.pages.extend(got)
-                return True
+    def _ensure_pages(self, job: JobState, total_tokens: int, on_preempt: Callable[[JobState], None]) -> bool:
+        """Make `job` hold pages for `total_tokens`, preempting others (or itself) while the pool is dry."""
+        while not self.cache.grow(job, total_tokens):
             victim = self._victim()
             assert victim is not None, "a job asking for pages is running"
             self._preempt(victim)
@@ -559,13 +391,5 @@ class Scheduler:
         self.queue.push(job)
 
     def _release(self, job: JobState) -> None:
-        if job.prefix_copy is not None:  # admitted but never staged: drop the hold on the source
-            self.pool.release([job.prefix_copy.source])
-            job.prefix_copy = None
-        if job.inflight:
-            self._forget_inflight(job)
-        pages, job.pages = job.pages, []
+        self.cache.free(job)
         job.computed = 0
-        job.registered = 0
-        if pages:
-            self.pool.release(pages)

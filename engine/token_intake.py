@@ -18,8 +18,9 @@ import torch
 from engine.constraints import token_bitmask
 from engine.errors import InvalidRequestError
 from engine.job_state import HeldToken, JobState
-from engine.jobs import JobEvent, JobFinished, StopReason, TokenLogprob, TokensGenerated
+from engine.jobs import JobEvent, JobFinished, JobStage, StopReason, TokenLogprob, TokensGenerated
 from engine.loop_detector import loop_period
+from engine.pages import common_prefix_len
 from engine.sampler import Sampler, SampleRequest
 from engine.text_stream import BannedMatch
 from engine.token_healing import TokenHealer
@@ -48,6 +49,21 @@ class TokenIntake:
         self._vocab_size = vocab_size
         self._end = finish
         self._truncate = truncate
+
+    def follow_output(self, job: JobState) -> None:
+        """Give a guided job's negative sequence the job's output tokens (and take back what a
+        rewind took back from the job, with its K/V)."""
+        negative = job.negative
+        if negative is None or job.stage is JobStage.FINISHED:
+            return
+        output = job.tokens[job.prompt_len :]
+        base = negative.prompt_len
+        same = common_prefix_len(negative.tokens[base:], output)
+        if base + same < len(negative.tokens):
+            if negative.computed > base + same:
+                self._truncate(negative, base + same)
+            del negative.tokens[base + same :]
+        negative.tokens.extend(output[same:])
 
     def sample_request(
         self, job: JobState, ahead: int = 0, allowed: torch.Tensor | None = None
