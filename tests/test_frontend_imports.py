@@ -25,12 +25,18 @@ ENGINE_ONLY = ("torch", "llguidance")
 SERVE_IMPORTS = """
 import json, sys
 from service.cli import build_parser
-build_parser().parse_args(["serve", "--port", "0"])
+build_parser("serve").parse_args(["serve", "--port", "0"])
 import service.config, service.frontend.server, service.frontend.servicer, service.frontend.engine_client, service.frontend.prompts
 import service.frontend.limits, service.frontend.auth, service.frontend.metrics, service.ipc, service.frontend.event_buffer
 import service.engine.process  # the spawn target is imported by the parent too; it imports torch in run()
-print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "llguidance", "transformers"})))
+print(json.dumps({
+    "engine_only": sorted({m.split(".")[0] for m in sys.modules} & {"torch", "llguidance", "transformers"}),
+    "client": sorted(m for m in sys.modules if m.startswith("dyngen_client")),
+}))
 """
+# What the server may use of the client package: the contract (the generated stubs, the error
+# reasons and their trailer, the affinity header and rule), none of the client's conveniences.
+CONTRACT = ("dyngen_client.proto", "dyngen_client.errors", "dyngen_client.affinity")
 
 # What the front end does once the engine is ready: load the tokenizer the engine saved, tokenize.
 TOKENIZE = """
@@ -63,8 +69,17 @@ def run_fresh(code: str, *args: str) -> object:
 
 def test_serve_front_end_imports_no_torch() -> None:
     loaded = run_fresh(SERVE_IMPORTS)
+    assert isinstance(loaded, dict)
     # transformers too: the front end imports it only when the engine's tokenizer arrives.
-    assert loaded == [], f"the front end imported {loaded}"
+    assert loaded["engine_only"] == [], f"the front end imported {loaded['engine_only']}"
+
+
+def test_the_server_depends_on_the_contract_not_the_client() -> None:
+    loaded = run_fresh(SERVE_IMPORTS)
+    assert isinstance(loaded, dict)
+    beyond = [m for m in loaded["client"] if m != "dyngen_client" and not m.startswith(CONTRACT)]
+    assert beyond == [], f"the server imported the client's {beyond}"
+    assert "dyngen_client.proto.dyngen.v1.generator_pb2" in loaded["client"]
 
 
 def test_front_end_tokenizer_loads_without_torch(tmp_path: Path) -> None:

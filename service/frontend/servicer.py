@@ -23,10 +23,9 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError, Message
 
-from dyngen_client.affinity import AFFINITY_HEADER, affinity_key
+from dyngen_client.affinity import AFFINITY_HEADER, chat_text, ids_text, text_key
 from dyngen_client.errors import ErrorReason, Failure
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from dyngen_client.request import Chat
 from engine import defaults
 from engine.jobs import JobSpec
 from engine.model.adapter_folder import AdapterPathError, check_relative_path
@@ -614,11 +613,11 @@ def _affinity(request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Req
             return value[:64]
     match request.WhichOneof("prompt"):
         case "text":
-            return affinity_key(request.text)
+            return text_key(request.text)
         case "chat":
-            return affinity_key(Chat(tuple((m.role, m.content) for m in request.chat.messages)))
+            return text_key(chat_text((m.role, m.content) for m in request.chat.messages))
         case _:
-            return affinity_key(list(request.token_ids.ids))
+            return text_key(ids_text(request.token_ids.ids))
 
 
 def _max_new_tokens(request: pb.GenerateRequest) -> int:

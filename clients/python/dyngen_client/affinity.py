@@ -16,31 +16,56 @@ It travels as the gRPC metadata header `x-dyngen-affinity`; the server logs it p
 from __future__ import annotations
 
 import hashlib
-
-from dyngen_client.request import Chat, Prompt
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 AFFINITY_HEADER = "x-dyngen-affinity"
 DEFAULT_AFFINITY_CHARS = 2048
 
 
-def canonical_text(prompt: Prompt) -> str:
+class ChatLike(Protocol):
+    """Chat messages as (role, content) pairs (dyngen_client.request.Chat is one)."""
+
+    @property
+    def messages(self) -> Sequence[tuple[str, str]]: ...
+
+
+KeyedPrompt = str | ChatLike | Sequence[int]  # plain text, chat messages, or token ids
+
+
+def chat_text(messages: Iterable[tuple[str, str]]) -> str:
+    """Step 1 for chat messages: each message's role, a newline, its content and a newline."""
+    return "".join(f"{role}\n{content}\n" for role, content in messages)
+
+
+def ids_text(ids: Iterable[int]) -> str:
+    """Step 1 for token ids: each as a decimal number followed by a space."""
+    return "".join(f"{int(t)} " for t in ids)
+
+
+def canonical_text(prompt: KeyedPrompt) -> str:
     """Step 1: the text whose leading characters make the key."""
     match prompt:
         case str():
             return prompt
-        case Chat(messages=messages):
-            return "".join(f"{role}\n{content}\n" for role, content in messages)
+        case Sequence():
+            return ids_text(int(t) for t in prompt)
         case _:
-            return "".join(f"{int(t)} " for t in prompt)
+            return chat_text(prompt.messages)
 
 
-def affinity_key(prompt: Prompt, chars: int = DEFAULT_AFFINITY_CHARS) -> str:
-    """Steps 2-3: 16 hex digits."""
+def text_key(text: str, chars: int = DEFAULT_AFFINITY_CHARS) -> str:
+    """Steps 2-3 on a canonical text: 16 hex digits."""
     if chars < 1:
         raise ValueError(f"affinity chars must be >= 1, got {chars}")
-    return hashlib.sha256(canonical_text(prompt)[:chars].encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha256(text[:chars].encode("utf-8")).hexdigest()[:16]
 
 
-def affinity_metadata(prompt: Prompt, chars: int | None) -> tuple[tuple[str, str], ...]:
+def affinity_key(prompt: KeyedPrompt, chars: int = DEFAULT_AFFINITY_CHARS) -> str:
+    """Steps 1-3: 16 hex digits."""
+    return text_key(canonical_text(prompt), chars)
+
+
+def affinity_metadata(prompt: KeyedPrompt, chars: int | None) -> tuple[tuple[str, str], ...]:
     """The header to send with a request (none when `chars` is None: affinity off)."""
     return () if chars is None else ((AFFINITY_HEADER, affinity_key(prompt, chars)),)

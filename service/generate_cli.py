@@ -1,0 +1,166 @@
+"""`dyngen generate`: the model in-process through the dynamic generator, one prompt or a JSON-lines
+file of prompts run concurrently; with --server it is the client package's `dyngen-client
+generate` (same flags, no model loaded). It shares its request flags with that client, so this
+command-line module (never the server) imports the client's command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dyngen_client import cli as client_cli
+from dyngen_client.cli import CliError, guidance_flags, json_record, positive_int, prompt_texts
+from engine import defaults
+
+# `dyngen generate` runs float linears unless asked: its output is the reference's, token for token
+# (`serve` defaults to EngineSettings.quant, auto, for throughput).
+GENERATE_QUANT = "none"
+
+__all__ = ["CliError", "add_generate_arguments", "run_generate"]
+
+
+def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    from service.config import ATTENTION_HELP, DEVICE_HELP, WEIGHT_DTYPES, device_flag
+    from service.engine_config import EngineSettings
+    from service.speculation_flags import add_speculation_arguments
+
+    # The flags shared with `dyngen-client generate` (which this mode's --server runs).
+    client_cli.add_request_arguments(gen)
+    gen.add_argument(
+        "--model", type=Path, default=None, help=".gguf file or Hugging Face folder (default: shipped)"
+    )
+    gen.add_argument(
+        "--dtype",
+        choices=WEIGHT_DTYPES,
+        default=EngineSettings.dtype,
+        help="activations and float weights: auto = bfloat16 only on CPUs with native bfloat16 and float linears",
+    )
+    gen.add_argument(
+        "--quant",
+        choices=["auto", "none", "int8", "int4"],
+        default=GENERATE_QUANT,
+        help="linear kinds: none = float in --dtype; int8 = weight-only int8; int4 = the GGUF's own "
+        "Q4_0/Q4_1 blocks (others re-quantized), int8 head; auto = the fastest kinds that pass the "
+        "quality gate, timed at load per shape and cached (see engine/model/quantization.py)",
+    )
+    gen.add_argument(
+        "--page-size", type=positive_int, default=defaults.PAGE_SIZE, help="KV cache page size in tokens"
+    )
+    gen.add_argument(
+        "--cache-tokens", type=positive_int, default=defaults.CACHE_TOKENS, help="KV cache size in tokens"
+    )
+    gen.add_argument(
+        "--kv-cache",
+        choices=defaults.KV_CACHE_KINDS,
+        default=defaults.KV_CACHE,
+        help="KV cache storage: auto = float16 for a float32 model with quantized linears, float otherwise; "
+        "float = the model's dtype; float16 = half float32's bytes; int8 = int8 "
+        "K/V with a float16 scale per token and head (~3.9x less memory than float32, ~1.9x less than bfloat16)",
+    )
+    gen.add_argument(
+        "--max-batch-size", type=positive_int, default=defaults.MAX_BATCH_SIZE, help="jobs running at once"
+    )
+    gen.add_argument(
+        "--chunk-size", type=positive_int, default=defaults.MAX_CHUNK_SIZE, help="tokens per forward"
+    )
+    gen.add_argument(
+        "--sampler-mode",
+        choices=defaults.SAMPLER_MODES,
+        default=defaults.SAMPLER_MODE,
+        help="sampled rows: batched (one set of tensor ops for the batch) or threaded (one pool task per job)",
+    )
+    gen.add_argument(
+        "--sampling-threads",
+        type=positive_int,
+        default=defaults.SAMPLING_THREADS,
+        help="sampler thread pool size (threaded sampler mode)",
+    )
+    gen.add_argument("--device", type=device_flag, default=defaults.DEVICE, help=DEVICE_HELP)
+    gen.add_argument(
+        "--attention", choices=defaults.ATTENTION_KINDS, default=defaults.ATTENTION, help=ATTENTION_HELP
+    )
+    gen.add_argument("--quiet", action="store_true", help="no progress bar while loading")
+    add_speculation_arguments(gen)
+    client_cli.add_connection_arguments(gen, None, "run through a dyngen server instead of in-process")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if args.server is not None:
+        return client_cli.run_generate(args)
+    texts = prompt_texts(args)
+    flags = guidance_flags(args)
+    # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
+    from engine.guidance import Guidance
+    from engine.jobs import JobSpec, SamplingSettings
+    from engine.loop_detector import LoopStop
+    from engine.model.tokenizer import ChatMessage
+    from service.engine.build import build_engine
+    from service.engine_config import engine_settings_from, split_lora_flag
+    from service.speculation_flags import speculation_from_args
+
+    sampling = SamplingSettings(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+    settings = engine_settings_from(args)
+    loaded, generator = build_engine(settings, speculation_from_args(args), progress=not args.quiet)
+    adapter: str | None = None
+    if args.adapter:
+        try:
+            adapter, folder = split_lora_flag(args.adapter)
+        except ValueError:
+            raise CliError("in-process `dyngen generate` loads its adapter: --lora NAME=PATH") from None
+        generator.load_adapter(adapter, folder)
+    if not args.quiet:
+        print(f"model: {loaded.model.describe()}", file=sys.stderr)
+    tok = loaded.tokenizer
+    if not args.quiet:
+        print(f"kv cache: {generator.cache.describe()}", file=sys.stderr)
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tok.encode_chat([ChatMessage("user", text)]) if args.chat else tok.encode(text))
+
+    guidance = None if flags is None else Guidance(flags[0], encode(flags[1]))
+    specs = [
+        JobSpec(
+            encode(t),
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=args.ignore_eos,
+            stop_strings=tuple(args.stop),
+            sampling=sampling,
+            banned_strings=tuple(args.ban),
+            token_healing=args.heal,
+            adapter=adapter,
+            stop_on_loop=None if args.stop_on_loop is None else LoopStop(*args.stop_on_loop),
+            priority=args.priority,
+            guidance=guidance,
+        )
+        for t in texts
+    ]
+    try:
+        completions = generator.generate(specs)
+    finally:
+        generator.close()
+    as_json = args.json or args.prompts_file is not None
+    for c in completions:
+        f = c.finished
+        if as_json:
+            t = f.timings
+            print(
+                json_record(
+                    c.text,
+                    c.token_ids,
+                    f.stop_reason.value,
+                    f.stop_string,
+                    (f.prompt_tokens, f.new_tokens, f.cached_tokens),
+                    (t.queued, t.prefill, t.decode),
+                )
+            )
+        else:
+            print(c.text)
+    return 0
