@@ -18,7 +18,7 @@ MAX_QUEUE_PER_TENANT = MAX_QUEUE // 4
 # start of p seconds, so priority 0 always starts (engine/fair_queue.py); 0 = no aging.
 PRIORITY_AGING = 1.0
 SAMPLING_THREADS = 2  # the sampler's thread pool, used in the threaded sampler mode
-# engine.sampler.SamplerMode's values. Batched by measurement: `python -m benchmarks sampler` on the 2-core
+# engine.sampling.sampler.SamplerMode's values. Batched by measurement: `python -m benchmarks sampler` on the 2-core
 # Zen 5 (vocab 49152; temperature 0.8, top_k 50, top_p 0.9, repetition penalty 1.1) gave 251 / 823 / 4297 us
 # per call batched and 338 / 2519 / 21582 threaded at 1 / 8 / 64 jobs: per job, ~40 small torch calls hold
 # the GIL for their Python overhead, and each pool thread's OpenMP team competes for the same cores, while the
@@ -28,7 +28,7 @@ SAMPLER_MODE = "batched"
 # The KV cache's storage (kernels.attention.kv_layer.KVCacheKind's values, and auto): float = the model's
 # dtype; float16 = half a float32 cache's bytes; int8 = int8 with a float16 scale per token and
 # head. auto = float16 where the linears are quantized and the model computes in float32, float
-# elsewhere (engine.kv_cache.choose_kv_cache says why).
+# elsewhere (engine.cache.kv_cache.choose_kv_cache says why).
 KV_CACHE_KINDS = ("auto", "float", "float16", "int8")
 KV_CACHE = "auto"
 # LoRA adapters an engine holds at once (`--max-adapters`): each is rank x (in + out) float32 per

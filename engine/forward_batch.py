@@ -18,8 +18,8 @@ from itertools import chain, repeat
 
 import torch
 
+from engine.adapters.lora_adapter import LoraAdapter
 from engine.ids import PageId
-from engine.model.lora_adapter import LoraAdapter
 from engine.model.lora_batch import LoraBatch
 from kernels.attention.batch import AttentionBatch
 
@@ -36,7 +36,7 @@ class SequenceInput:
     logit_positions: int = 1
     adapter: LoraAdapter | None = None  # the job's LoRA adapter (None: the base model)
     # Vectors replacing the token embeddings of some new tokens: (index into token_ids, rows [n, hidden]).
-    # Those tokens' ids may be negative pseudo ids (engine/prompt_embeddings.py): never looked up.
+    # Those tokens' ids may be negative pseudo ids (engine/prompt/prompt_embeddings.py): never looked up.
     embeds: tuple[tuple[int, torch.Tensor], ...] = ()
 
     @property

@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 
 from engine import defaults
-from engine.adapter_registry import AdapterInfo, AdapterRegistry
-from engine.constraints import GrammarCompiler, MaskOverlap, MaskWorker
+from engine.adapters.adapter_registry import AdapterInfo, AdapterRegistry
+from engine.adapters.lora_adapter import AdapterLimits, LoraAdapter
+from engine.cache.kv_cache import KVCacheKind, PagedKVCache
+from engine.cache.pages import PagePool
 from engine.errors import (
     AdapterInUseError,
     DyngenError,
@@ -41,6 +43,7 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.forward_batch import SequenceInput
+from engine.grammar.constraints import GrammarCompiler, MaskOverlap, MaskWorker
 from engine.job_state import JobState
 from engine.jobs import (
     JobError,
@@ -58,15 +61,15 @@ from engine.jobs import (
     TokensGenerated,
     new_job_id,
 )
-from engine.kv_cache import KVCacheKind, PagedKVCache
-from engine.logit_processors import mix_guided
 from engine.model.llama import LlamaModel
-from engine.model.lora_adapter import AdapterLimits, LoraAdapter
 from engine.model.tokenizer import Tokenizer
-from engine.pages import PagePool
-from engine.prompt_embeddings import check_embeddings, span_token_ids
+from engine.output.text_stream import TextStream
+from engine.output.token_healing import TokenHealer
+from engine.output.token_intake import TokenIntake
+from engine.prompt.prompt_embeddings import check_embeddings, span_token_ids
 from engine.runner import ModelRunner
-from engine.sampler import (
+from engine.sampling.logit_processors import mix_guided
+from engine.sampling.sampler import (
     DEFAULT_SAMPLER_MODE,
     Sampler,
     SampleRequest,
@@ -75,17 +78,14 @@ from engine.sampler import (
     SamplerState,
 )
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from engine.speculation_step import SpeculationStep
-from engine.speculative import (
+from engine.speculation.speculation_step import SpeculationStep
+from engine.speculation.speculative import (
     Drafter,
     DrafterKind,
     DraftModelDrafter,
     NgramDrafter,
     SpeculationConfig,
 )
-from engine.text_stream import TextStream
-from engine.token_healing import TokenHealer
-from engine.token_intake import TokenIntake
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class DynamicGenerator:
 
     def _negative_sequence(self, job: JobState) -> JobState:
         """A guided job's second sequence: its negative prompt, then (as they come) its output tokens;
-        run with the job's adapter and cache salt, never sampled (engine/guidance.py)."""
+        run with the job's adapter and cache salt, never sampled (engine/prompt/guidance.py)."""
         spec = job.spec
         assert spec.guidance is not None
         ids = spec.guidance.negative_prompt_ids

@@ -14,13 +14,13 @@ from functools import cached_property
 
 import torch
 
-from engine.constraints import Constraint
+from engine.adapters.lora_adapter import LoraAdapter
+from engine.grammar.constraints import Constraint
 from engine.ids import PageId
 from engine.jobs import JobId, JobSpec, JobStage, TokenLogprob
-from engine.model.lora_adapter import LoraAdapter
-from engine.sampler import SamplerState
-from engine.text_stream import TextStream
-from engine.token_healing import HealPlan
+from engine.output.text_stream import TextStream
+from engine.output.token_healing import HealPlan
+from engine.sampling.sampler import SamplerState
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class JobState:
     preemptions: int = 0
     draft_budget: int = 0  # draft tokens to verify with the next decode step (0: no speculation)
     adapter: LoraAdapter | None = None  # set at enqueue from spec.adapter, never changed
-    # Classifier-free guidance (engine/guidance.py), both set at enqueue and never changed: a guided
+    # Classifier-free guidance (engine/prompt/guidance.py), both set at enqueue and never changed: a guided
     # job's negative sequence (the negative prompt, then this job's output tokens), and on that
     # sequence the job it serves. The pair is scheduled, preempted and finished as one unit.
     negative: JobState | None = None

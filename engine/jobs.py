@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import ErrorKind, InvalidRequestError
-from engine.guidance import Guidance
+from engine.grammar.response_format import ResponseFormat
 from engine.ids import JobId, new_job_id
-from engine.loop_detector import LoopStop
-from engine.prompt_embeddings import PromptEmbedding, check_embeddings
-from engine.response_format import ResponseFormat
+from engine.output.loop_detector import LoopStop
+from engine.prompt.guidance import Guidance
+from engine.prompt.prompt_embeddings import PromptEmbedding, check_embeddings
 
 # JobId and new_job_id live in engine/ids.py (the front end needs them without the engine);
 # they are exported from here too, beside the events that carry them.
@@ -129,7 +129,7 @@ class JobSpec:
     # (e.g. one salt per tenant); "" shares with every other unsalted job.
     cache_salt: str = ""
     # Constrained decoding: the output must be a JSON value of this schema, match this regex, or
-    # be a sentence of this grammar (engine/constraints.py). Its drafts are checked against it.
+    # be a sentence of this grammar (engine/grammar/constraints.py). Its drafts are checked against it.
     response_format: ResponseFormat | None = None
     # Strings that must never appear in the output: text that may become one is held back, and if
     # one completes, generation rewinds to the token it started in and bans that token there.
@@ -139,16 +139,16 @@ class JobSpec:
     token_healing: bool = False
     # The LoRA adapter to run with (a name the engine has loaded); None: the base model.
     adapter: str | None = None
-    # Stop (StopReason.LOOP) once the output ends with a pattern repeated (engine/loop_detector.py).
+    # Stop (StopReason.LOOP) once the output ends with a pattern repeated (engine/output/loop_detector.py).
     stop_on_loop: LoopStop | None = None
     # Admission order (higher first, with aging, then arrival); a waiting job preempts running jobs of
     # lower priority when the batch or the page pool is full (engine/scheduler.py, engine/fair_queue.py).
     priority: int = 0
     # Whose job it is, for fair shares between tenants ("": the one anonymous tenant, authentication off).
     tenant: str = ""
-    # Classifier-free guidance against a negative prompt (engine/guidance.py); None: off.
+    # Classifier-free guidance against a negative prompt (engine/prompt/guidance.py); None: off.
     guidance: Guidance | None = None
-    # Vectors fed instead of the token embeddings of spans of the prompt (engine/prompt_embeddings.py);
+    # Vectors fed instead of the token embeddings of spans of the prompt (engine/prompt/prompt_embeddings.py);
     # their rows must be of the model's hidden size (checked at enqueue).
     embeddings: tuple[PromptEmbedding, ...] = ()
 

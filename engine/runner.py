@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cache.kv_cache import PagedKVCache
 from engine.forward_batch import ForwardBatch, SequenceInput
-from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
 
 

@@ -1,5 +1,5 @@
 """Which jobs run in the next forward, with how many tokens each: the policy. Where their K/V
-live is the cache manager's (engine/cache_manager.py); the scheduler asks it for room.
+live is the cache manager's (engine/cache/cache_manager.py); the scheduler asks it for room.
 
 There is no prefill phase and no decode phase: every job has tokens in the cache and
 tokens it wants there (the prompt, then each sampled token), and each iteration hands
@@ -40,12 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine import defaults
-from engine.cache_manager import CacheManager, CopyPrefix
+from engine.cache.cache_manager import CacheManager, CopyPrefix
+from engine.cache.pages import PagePool
 from engine.errors import InvalidRequestError, QueueFullError
 from engine.fair_queue import FairQueue
 from engine.job_state import JobState
 from engine.jobs import JobStage
-from engine.pages import PagePool
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""GenerateRequest.embeddings as the engine places them (engine/prompt_embeddings.py), shared by the
+"""GenerateRequest.embeddings as the engine places them (engine/prompt/prompt_embeddings.py), shared by the
 codec (which expands placeholders into the job's prompt) and the front end (which runs the same
 placement on the tokenized prompt to refuse a bad span at the edge). No torch here.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.prompt_embeddings import EmbeddingPlacement
+from engine.prompt.prompt_embeddings import EmbeddingPlacement
 
 # "embeddings[3].data: ...", "embeddings[3]: the span ...", "embeddings: at most ...".
 _NAMED = re.compile(r"embeddings(\[\d+\])?(\.\w+)?[: ]")

@@ -91,10 +91,10 @@ def run_generate(args: argparse.Namespace) -> int:
     texts = prompt_texts(args)
     flags = guidance_flags(args)
     # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.
-    from engine.guidance import Guidance
     from engine.jobs import JobSpec, SamplingSettings
-    from engine.loop_detector import LoopStop
     from engine.model.tokenizer import ChatMessage
+    from engine.output.loop_detector import LoopStop
+    from engine.prompt.guidance import Guidance
     from service.engine.build import build_engine
     from service.engine_config import engine_settings_from, split_lora_flag
     from service.speculation_flags import speculation_from_args

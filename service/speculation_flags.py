@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
-from engine.speculation_config import DrafterKind, SpeculationConfig
+from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
 from service.config import WEIGHT_DTYPES
 from service.engine_config import SpeculationFlags
 

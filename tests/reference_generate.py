@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import defaults
+from engine.cache.kv_cache import PagedKVCache
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.forward_batch import SequenceInput
 from engine.ids import PageId
 from engine.jobs import StopReason
-from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.runner import ModelRunner
 

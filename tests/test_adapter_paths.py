@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks.inprocess.lora_throughput import write_adapter
-from engine.adapter_registry import AdapterRegistry
+from engine.adapters.adapter_folder import AdapterFolder, AdapterPathError, check_relative_path
+from engine.adapters.adapter_registry import AdapterRegistry
+from engine.adapters.lora_adapter import AdapterError, AdapterLimits, LoraAdapter
 from engine.errors import FailedPreconditionError, InvalidRequestError, ModelNotFoundError
-from engine.model.adapter_folder import AdapterFolder, AdapterPathError, check_relative_path
 from engine.model.config import ModelConfig
-from engine.model.lora_adapter import AdapterError, AdapterLimits, LoraAdapter
 
 CONFIG = ModelConfig(
     vocab_size=64,

@@ -12,15 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.constraints import GrammarKind, ResponseFormat
 from engine.errors import InvalidRequestError
 from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.grammar.constraints import GrammarKind, ResponseFormat
 from engine.job_state import JobState
 from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage, HFTokenizer
+from engine.output.text_stream import TextStream
 from engine.scheduler import SchedulerConfig
-from engine.text_stream import TextStream
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import jsonschema
 import lark
 import pytest
 
-from engine.constraints import GrammarKind, ResponseFormat
 from engine.errors import InvalidRequestError
 from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.grammar.constraints import GrammarKind, ResponseFormat
 from engine.jobs import JobFinished, JobSpec, SamplingSettings, StopReason, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
@@ -279,7 +279,7 @@ def test_constrained_jobs_speculate_with_drafts_checked_against_the_grammar(smol
     """N-gram drafts for schema-held jobs: drafts the grammar refuses are cut before verification,
     the matcher is rolled back after walking them, and the outputs are the ones without speculation
     (greedy), or valid (sampled)."""
-    from engine.speculative import DrafterKind, SpeculationConfig
+    from engine.speculation.speculative import DrafterKind, SpeculationConfig
 
     names = ["person", "order", "event", "product"]
     specs = [

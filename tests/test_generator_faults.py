@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.cache.kv_cache import PagedKVCache
 from engine.errors import ErrorKind
 from engine.forward_batch import ForwardBatch
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason, TokensGenerated
-from engine.kv_cache import PagedKVCache
 from engine.model.loader import LoadedModel, load_model
-from engine.sampler import SampleRequest, SampleResult
+from engine.output.text_stream import TextDelta
+from engine.sampling.sampler import SampleRequest, SampleResult
 from engine.scheduler import SchedulerConfig
-from engine.speculative import Draft, DrafterKind, DraftRequest, SpeculationConfig
-from engine.text_stream import TextDelta
+from engine.speculation.speculative import Draft, DrafterKind, DraftRequest, SpeculationConfig
 from tests.tiny_llama import save_tiny_llama
 
 POISON = 299  # a token id whose presence in a forward makes the injected fault fire

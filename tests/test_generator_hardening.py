@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import pages
+from engine.cache import pages
 from engine.errors import InvalidRequestError
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
@@ -16,7 +16,7 @@ from engine.jobs import JobFinished, JobId, JobSpec, new_job_id
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, load_model, open_weight_source
 from engine.scheduler import SchedulerConfig
-from engine.speculative import DrafterKind, SpeculationConfig
+from engine.speculation.speculative import DrafterKind, SpeculationConfig
 from tests.tiny_llama import save_tiny_llama
 
 

@@ -11,11 +11,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine.errors import JobNotFoundError, PromptTooLongError, QueueFullError
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.guidance import Guidance
 from engine.jobs import JobFinished, JobId, JobSpec, PrefillProgress, SamplingSettings, StopReason
 from engine.model.loader import LoadedModel
+from engine.prompt.guidance import Guidance
 from engine.scheduler import SchedulerConfig
-from engine.speculative import DrafterKind, SpeculationConfig
+from engine.speculation.speculative import DrafterKind, SpeculationConfig
 from tests.tiny_generator import all_pages_idle, loaded_tiny_model
 
 

@@ -1,4 +1,4 @@
-"""Classifier-free guidance per job (engine/guidance.py, JobSpec.guidance).
+"""Classifier-free guidance per job (engine/prompt/guidance.py, JobSpec.guidance).
 
 The reference is transformers' own rule (`generate(guidance_scale=s, negative_prompt_ids=...)`)
 on the same GGUF in float32: greedy tokens equal, alone and inside a batch of other jobs (on a cold
@@ -16,15 +16,15 @@ import jsonschema
 import pytest
 import torch
 
-from engine.constraints import ResponseFormat
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.guidance import Guidance
+from engine.grammar.constraints import ResponseFormat
 from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
+from engine.prompt.guidance import Guidance
 from engine.scheduler import SchedulerConfig
-from engine.speculative import DrafterKind, SpeculationConfig
+from engine.speculation.speculative import DrafterKind, SpeculationConfig
 from tests.conftest import Reference
 from tests.tiny_generator import all_pages_idle
 

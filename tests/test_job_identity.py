@@ -3,12 +3,12 @@ job itself, never another job whose fields happen to be equal, and cost no field
 
 from __future__ import annotations
 
+from engine.cache.pages import PagePool
 from engine.job_state import JobState
 from engine.jobs import JobId, JobSpec
-from engine.pages import PagePool
-from engine.sampler import SamplerState
+from engine.output.text_stream import TextStream
+from engine.sampling.sampler import SamplerState
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.text_stream import TextStream
 
 
 class _NoDecode:

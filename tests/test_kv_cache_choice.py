@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import defaults
-from engine.kv_cache import KVCacheKind, choose_kv_cache
+from engine.cache.kv_cache import KVCacheKind, choose_kv_cache
 
 
 def test_auto_is_float16_only_for_a_float32_model_with_quantized_linears() -> None:

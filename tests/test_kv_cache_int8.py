@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.cache.kv_cache import CacheShape, KVCacheKind, PagedKVCache
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
 from engine.jobs import JobSpec
-from engine.kv_cache import CacheShape, KVCacheKind, PagedKVCache
 from engine.model.loader import LoadedModel, load_model
 from engine.scheduler import SchedulerConfig
 from kernels.attention.backend import AttentionKind, select_attention

@@ -1,4 +1,4 @@
-"""Loop detection (engine/loop_detector.py, JobSpec.stop_on_loop): the rule against a brute-force
+"""Loop detection (engine/output/loop_detector.py, JobSpec.stop_on_loop): the rule against a brute-force
 reading of it; the shipped model's looping poems stopped where the rule first holds, inside a batch
 whose other jobs are untouched; the wire field through `dyngen serve`."""
 
@@ -19,9 +19,9 @@ from dyngen_client.result import collect
 from engine.errors import InvalidRequestError
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec, StopReason
-from engine.loop_detector import LoopStop, loop_period
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
+from engine.output.loop_detector import LoopStop, loop_period
 from tests.service_harness import start_tiny_server
 from tests.tiny_service_model import write_servable_tiny_gguf
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from engine.adapters.lora_adapter import AdapterError, LoraAdapter
 from engine.errors import InvalidRequestError, ModelNotFoundError
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
 from engine.model.loader import LoadedModel, WeightDtype, load_model
-from engine.model.lora_adapter import AdapterError, LoraAdapter
 from engine.model.quantization import QuantMode
 from tests.lora_adapters import save_peft_adapter
 from tests.tiny_llama import save_tiny_llama
@@ -238,7 +238,7 @@ def test_ngram_speculation_keeps_an_adapter_jobs_tokens(
     the verified output is the adapter's greedy output, as without speculation."""
     from engine.generator import DynamicGenerator, GeneratorConfig
     from engine.jobs import JobSpec
-    from engine.speculation_config import DrafterKind, SpeculationConfig
+    from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
 
     folder, _ = tiny
     loaded = load_model(folder, WeightDtype.FLOAT32, progress=False)

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
+from engine.adapters.lora_adapter import LoraAdapter
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
 from engine.jobs import JobSpec
 from engine.model.loader import LoadedModel, WeightDtype, load_model
-from engine.model.lora_adapter import LoraAdapter
 from engine.model.quantization import QuantMode
 from engine.model.tokenizer import ChatMessage
 from tests.conftest import PARITY_PROMPTS, Reference

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import KVCacheKind
+from engine.cache.kv_cache import KVCacheKind
 from engine.model.config import ModelConfig
 from engine.model.loader import load_model
 from engine.model.quantization import QuantMode

@@ -23,9 +23,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from engine import pages
+from engine.cache import pages
+from engine.cache.pages import PagePool, PageState, PoolStats, chain_hash
 from engine.ids import PageId
-from engine.pages import PagePool, PageState, PoolStats, chain_hash
 
 
 def fill(pool: PagePool, tokens: Sequence[int]) -> list[PageId]:

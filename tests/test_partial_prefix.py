@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from engine.cache.kv_cache import KVCacheKind
+from engine.cache.pages import PagePool, PageState
 from engine.generator import Completion, DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
 from engine.jobs import JobSpec
-from engine.kv_cache import KVCacheKind
 from engine.model.loader import LoadedModel, load_model
-from engine.pages import PagePool, PageState
 from engine.scheduler import SchedulerConfig
 from tests.tiny_llama import TINY_VOCAB, save_tiny_llama
 

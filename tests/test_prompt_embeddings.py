@@ -1,4 +1,4 @@
-"""Prompt embeddings per job (engine/prompt_embeddings.py, JobSpec.embeddings).
+"""Prompt embeddings per job (engine/prompt/prompt_embeddings.py, JobSpec.embeddings).
 
 The mechanism proved on the text model: a span of the prompt given as the model's own token
 embeddings, by position (over other token ids) or at a placeholder token, gives exactly the plain
@@ -20,7 +20,7 @@ from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobId, JobSpec, JobStarted, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
-from engine.prompt_embeddings import EmbeddingPlacement, PromptEmbedding, place_embeddings
+from engine.prompt.prompt_embeddings import EmbeddingPlacement, PromptEmbedding, place_embeddings
 from engine.scheduler import SchedulerConfig
 from tests.conftest import PARITY_PROMPTS
 from tests.tiny_generator import all_pages_idle

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.jobs import SamplingSettings
-from engine.sampler import TOP_P_CANDIDATES, Sampler, SampleRequest, SamplerMode, SamplerState
+from engine.sampling.sampler import TOP_P_CANDIDATES, Sampler, SampleRequest, SamplerMode, SamplerState
 
 V = 1000
 REALISTIC = SamplingSettings(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1)
@@ -462,7 +462,7 @@ def test_extreme_settings_keep_a_token(data: st.DataObject, vocab: int, mode: Sa
 def test_grammar_masks_in_place_or_on_a_copy_give_the_same_tokens() -> None:
     """overwrite=True writes the masks into the caller's rows instead of copying the batch; the
     tokens and probabilities are the same, and only the masked rows change (to -inf outside)."""
-    from engine.constraints import mask_words
+    from engine.grammar.constraints import mask_words
 
     vocab, rows = 100, 6
     torch.manual_seed(3)
@@ -500,7 +500,7 @@ def test_grammar_masks_in_place_or_on_a_copy_give_the_same_tokens() -> None:
 
 
 def test_mask_overlap_follows_the_spare_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.constraints import MaskOverlap
+    from engine.grammar.constraints import MaskOverlap
 
     threads = torch.get_num_threads()
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(threads)))

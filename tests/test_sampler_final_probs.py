@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.jobs import SamplingSettings
-from engine.sampler import Sampler, SampleRequest, SamplerMode, SamplerState
+from engine.sampling.sampler import Sampler, SampleRequest, SamplerMode, SamplerState
 
 V = 300
 

@@ -16,14 +16,14 @@ from dyngen_client import Client, PromptEmbedding, Request, collect, error_detai
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import InvalidRequestError
-from engine.prompt_embeddings import (
+from engine.prompt.prompt_embeddings import (
     MAX_EMBEDDING_ROWS,
     MAX_PROMPT_EMBEDDINGS,
     EmbeddingPlacement,
     check_embeddings,
     place_embeddings,
 )
-from engine.prompt_embeddings import PromptEmbedding as Span
+from engine.prompt.prompt_embeddings import PromptEmbedding as Span
 from service.embeddings import embedding_field
 from service.engine.codec import job_spec
 from service.frontend.limits import (

@@ -18,8 +18,8 @@ from dyngen_client.cli import CliError, add_request_arguments, guidance_flags
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import InvalidRequestError
-from engine.guidance import Guidance as EngineGuidance
 from engine.jobs import MAX_PRIORITY
+from engine.prompt.guidance import Guidance as EngineGuidance
 from service.config import ServiceConfig
 from service.engine.codec import job_spec
 from service.frontend.limits import (

@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.cache.kv_cache import PagedKVCache
 from engine.errors import InvalidRequestError
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
 from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason, TokensGenerated
-from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, WeightDtype, load_model, open_weight_source
 from engine.model.tokenizer import ChatMessage
-from engine.sampler import Sampler, SamplerState
+from engine.sampling.sampler import Sampler, SamplerState
 from engine.scheduler import SchedulerConfig
-from engine.speculative import (
+from engine.speculation.speculative import (
     Draft,
     DrafterKind,
     DraftModelDrafter,

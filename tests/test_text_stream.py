@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage, HFTokenizer, Tokenizer
-from engine.text_stream import TextDelta, TextStream
+from engine.output.text_stream import TextDelta, TextStream
 from tests.tiny_llama import save_tiny_tokenizer
 
 FFFD = "\ufffd"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.constraints import GrammarKind, ResponseFormat, allowed_tokens
 from engine.errors import InvalidRequestError
 from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.grammar.constraints import GrammarKind, ResponseFormat, allowed_tokens
 from engine.jobs import JobSpec, SamplingSettings
 from engine.model.loader import LoadedModel
 

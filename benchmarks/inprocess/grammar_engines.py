@@ -1,4 +1,4 @@
-"""llguidance against xgrammar on this CPU: the numbers behind engine/constraints.py's choice.
+"""llguidance against xgrammar on this CPU: the numbers behind engine/grammar/constraints.py's choice.
 
     python -m benchmarks.inprocess.grammar_engines
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from engine.constraints import _JSON_LAYOUT, mask_words
+from engine.grammar.constraints import _JSON_LAYOUT, mask_words
 from engine.model.loader import default_model_path
 from engine.model.tokenizer import HFTokenizer
 from kernels.cpu_features import cpu_features

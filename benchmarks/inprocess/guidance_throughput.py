@@ -17,10 +17,10 @@ from benchmarks.inprocess.throughput import RunResult, run_dyngen
 from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine import defaults
-from engine.guidance import Guidance
 from engine.model.loader import WeightDtype, default_model_path, load_model
 from engine.model.quantization import QuantMode
 from engine.model.tokenizer import ChatMessage
+from engine.prompt.guidance import Guidance
 from kernels.cpu_features import cpu_features
 
 NEGATIVE = "Answer in as few and as plain words as you can."

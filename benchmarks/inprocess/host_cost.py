@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.workloads import load_workloads
+from engine.cache.kv_cache import PagedKVCache
 from engine.forward_batch import ForwardBatch
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec
-from engine.kv_cache import PagedKVCache
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig

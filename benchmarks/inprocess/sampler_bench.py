@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from engine.jobs import SamplingSettings
-from engine.sampler import DEFAULT_SAMPLER_MODE, Sampler, SampleRequest, SamplerMode, SamplerState
+from engine.sampling.sampler import DEFAULT_SAMPLER_MODE, Sampler, SampleRequest, SamplerMode, SamplerState
 
 VOCAB = 49152
 BATCH_SIZES = (1, 8, 32, 64)

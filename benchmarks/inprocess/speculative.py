@@ -19,7 +19,7 @@ from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.tokenizer import ChatMessage
-from engine.speculative import DrafterKind, SpeculationConfig
+from engine.speculation.speculative import DrafterKind, SpeculationConfig
 
 # Cheaper drafts that exist here: the shipped model cut to its first layers, and a bfloat16 copy.
 DRAFTS: tuple[tuple[str, int | None, WeightDtype], ...] = (

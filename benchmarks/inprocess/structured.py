@@ -3,7 +3,7 @@
     python -m benchmarks.inprocess.structured [--rounds N]
 
 The masks of the constrained jobs are computed on the mask worker while the forward runs
-(engine/constraints.py); this prints both throughputs, their ratio, and where the time
+(engine/grammar/constraints.py); this prints both throughputs, their ratio, and where the time
 went: mask time per step on the worker beside forward time per step.
 """
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.workloads import load_workloads
-from engine import constraints
-from engine.constraints import MaskOverlap, ResponseFormat
 from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.grammar import constraints
+from engine.grammar.constraints import MaskOverlap, ResponseFormat
 from engine.jobs import JobSpec
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.quantization import QuantMode

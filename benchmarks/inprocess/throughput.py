@@ -21,12 +21,12 @@ from benchmarks.inprocess import roofline
 from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine import defaults
+from engine.cache.kv_cache import KVCacheKind, choose_kv_cache
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.guidance import Guidance
 from engine.jobs import JobSpec
-from engine.kv_cache import KVCacheKind, choose_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.tokenizer import ChatMessage
+from engine.prompt.guidance import Guidance
 from engine.scheduler import SchedulerConfig
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.quality import llamacpp as quality_llamacpp
+from engine.cache.kv_cache import KVCacheKind
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
-from engine.kv_cache import KVCacheKind
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
 from engine.model.loader import default_model_path

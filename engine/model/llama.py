@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from engine.cache.kv_cache import KVCacheKind, PagedKVCache
 from engine.device import describe_device
 from engine.errors import InvalidRequestError, ModelFormatError
 from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVCacheKind, PagedKVCache
 from engine.model.config import ModelConfig
 from engine.model.packed_store import PackedStore, keep_linear, kept_table, packed_linear, packed_tensors
 from engine.model.quantization import LinearPlan, LinearRole, describe_linears
@@ -281,7 +281,7 @@ class LlamaModel:
         self, num_pages: int, page_size: int, kind: KVCacheKind = KVCacheKind.FLOAT
     ) -> PagedKVCache:
         """A cache for this model: K/V in its dtype (FLOAT) or int8 with per-token scales (INT8)."""
-        from engine.kv_cache import CacheShape
+        from engine.cache.kv_cache import CacheShape
 
         c = self.config
         shape = CacheShape(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)

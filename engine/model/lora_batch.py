@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.lora_adapter import LoraAdapter
+from engine.adapters.lora_adapter import LoraAdapter
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """One layer's view of the paged KV cache, as the attention backends read and write it.
 
 K and V are [num_pages, kv_heads, page_size, head_dim] (head-major pages, see
-engine.kv_cache). A float cache holds them in the model's dtype, a float16 one in float16
+engine.cache.kv_cache). A float cache holds them in the model's dtype, a float16 one in float16
 (rounded to nearest as written; attention computes in the queries' dtype). An int8 cache holds
 them as int8 with one scale per token and head ([num_pages, kv_heads, page_size],
 float16), symmetric: x ~ q * scale with scale = absmax(x over head_dim) / 127 and

@@ -1,7 +1,7 @@
 """Paged attention in plain torch: the CPU path and the reference for other kernels.
 
 The cache of a layer is [num_pages, kv_heads, page_size, head_dim] (see
-engine.kv_cache): one page of one head is a contiguous [page_size, head_dim] matrix.
+engine.cache.kv_cache): one page of one head is a contiguous [page_size, head_dim] matrix.
 
 Index tensors and masks are built once per forward and reused by every layer. Each
 sequence's pages are gathered whole, one page of one head per row (one index_select of

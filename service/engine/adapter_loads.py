@@ -9,9 +9,9 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from engine.adapter_registry import AdapterRegistry
-from engine.model.adapter_folder import AdapterFolder
-from engine.model.lora_adapter import LoraAdapter
+from engine.adapters.adapter_folder import AdapterFolder
+from engine.adapters.adapter_registry import AdapterRegistry
+from engine.adapters.lora_adapter import LoraAdapter
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.adapters.lora_adapter import AdapterLimits
+from engine.cache.kv_cache import choose_kv_cache
 from engine.device import resolve_device
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.kv_cache import choose_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, load_model
-from engine.model.lora_adapter import AdapterLimits
 from engine.model.quantization import QuantMode
-from engine.sampler import SamplerMode
+from engine.sampling.sampler import SamplerMode
 from engine.scheduler import SchedulerConfig
 from kernels.attention.backend import AttentionKind
 from service.engine_config import EngineSettings

@@ -6,9 +6,8 @@ default is written here a second time."""
 from __future__ import annotations
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.constraints import GrammarKind, ResponseFormat
 from engine.errors import ErrorKind, InvalidRequestError
-from engine.guidance import Guidance
+from engine.grammar.constraints import GrammarKind, ResponseFormat
 from engine.jobs import (
     JobEvent,
     JobFinished,
@@ -19,8 +18,9 @@ from engine.jobs import (
     StopReason,
     TokensGenerated,
 )
-from engine.loop_detector import LoopStop
-from engine.prompt_embeddings import place_embeddings
+from engine.output.loop_detector import LoopStop
+from engine.prompt.guidance import Guidance
+from engine.prompt.prompt_embeddings import place_embeddings
 from service.embeddings import embedding_placements
 
 STOP_REASONS = {

@@ -9,7 +9,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.adapter_registry import AdapterInfo
+from engine.adapters.adapter_folder import AdapterPathError
+from engine.adapters.adapter_registry import AdapterInfo
 from engine.device import describe_device
 from engine.errors import (
     AdapterExistsError,
@@ -24,7 +25,6 @@ from engine.errors import (
     QueueFullError,
 )
 from engine.jobs import JobId
-from engine.model.adapter_folder import AdapterPathError
 from kernels.cpu_features import cpu_features
 from service.engine.adapter_loads import AdapterLoads
 from service.engine.build import build_engine

@@ -16,17 +16,17 @@ from dataclasses import dataclass
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import InvalidRequestError
-from engine.guidance import MAX_GUIDANCE_SCALE
+from engine.grammar.response_format import MAX_GRAMMAR_CHARS
 from engine.jobs import MAX_PRIORITY
-from engine.loop_detector import LoopStop
-from engine.prompt_embeddings import (
+from engine.output.loop_detector import LoopStop
+from engine.prompt.guidance import MAX_GUIDANCE_SCALE
+from engine.prompt.prompt_embeddings import (
     FLOAT32_BYTES,
     MAX_EMBEDDING_ROWS,
     MAX_PROMPT_EMBEDDINGS,
     check_embeddings,
     place_embeddings,
 )
-from engine.response_format import MAX_GRAMMAR_CHARS
 from service.embeddings import embedding_field, embedding_placements
 
 _JOB_ID = re.compile(r"[0-9a-f]{32}")

@@ -27,8 +27,8 @@ from dyngen_client.affinity import AFFINITY_HEADER, chat_text, ids_text, text_ke
 from dyngen_client.errors import ErrorReason, Failure
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine import defaults
+from engine.adapters.adapter_folder import AdapterPathError, check_relative_path
 from engine.jobs import JobSpec
-from engine.model.adapter_folder import AdapterPathError, check_relative_path
 from service.embeddings import embedding_field
 from service.frontend.auth import Authenticator, cache_salt
 from service.frontend.drain_rate import DrainRate

@@ -6,7 +6,7 @@ in the same forwards as everything else and never sampled. The job samples from
 `uncond + scale * (cond - uncond)` over the two rows' log-softmaxes (the rule of transformers'
 `guidance_scale` with `negative_prompt_ids`), before penalties, masks and the other filters:
 scale 1 is the job alone, scale 0 the negative prompt alone, larger scales push further from it.
-The mixing itself is the sampler's first step (engine/logit_processors.py `mix_guided`); this file
+The mixing itself is the sampler's first step (engine/sampling/logit_processors.py `mix_guided`); this file
 stays free of torch, for the front end's checks.
 """
 

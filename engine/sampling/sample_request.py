@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.jobs import TokenLogprob
-from engine.sampler_state import SamplerState
+from engine.sampling.sampler_state import SamplerState
 
 
 @dataclass(frozen=True)

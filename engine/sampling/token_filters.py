@@ -1,4 +1,4 @@
-"""Steps 5-9 of the sampler's order (see engine/sampler.py) and the draw: temperature, top_k ties,
+"""Steps 5-9 of the sampler's order (see engine/sampling/sampler.py) and the draw: temperature, top_k ties,
 top_p, typical and min_p on one group of rows' candidate logits, then one inverse-CDF draw per
 row from its job's generator."""
 
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.sample_request import SampleRequest
-from engine.sampler_state import NEG_INF, SamplerState
+from engine.sampling.sample_request import SampleRequest
+from engine.sampling.sampler_state import NEG_INF, SamplerState
 
 _F32_MAX = torch.finfo(torch.float32).max
 _F32_TINY = torch.finfo(torch.float32).tiny

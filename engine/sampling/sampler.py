@@ -49,10 +49,10 @@ import torch
 
 from engine import defaults
 from engine.jobs import TokenLogprob
-from engine.logit_processors import apply_grammar_masks, fallback_row, penalize_bias_ban
-from engine.sample_request import SampleRequest, SampleResult
-from engine.sampler_state import NEG_INF, SamplerState
-from engine.token_filters import FinalProb, filter_and_draw, inverse_cdf, take_rows, temperatures
+from engine.sampling.logit_processors import apply_grammar_masks, fallback_row, penalize_bias_ban
+from engine.sampling.sample_request import SampleRequest, SampleResult
+from engine.sampling.sampler_state import NEG_INF, SamplerState
+from engine.sampling.token_filters import FinalProb, filter_and_draw, inverse_cdf, take_rows, temperatures
 from kernels.native.argmax import argmax_rows
 
 __all__ = [

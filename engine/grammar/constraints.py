@@ -30,9 +30,9 @@ import llguidance
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.response_format import GrammarKind, ResponseFormat
+from engine.grammar.response_format import GrammarKind, ResponseFormat
 
-# GrammarKind and ResponseFormat live in engine/response_format.py (no llguidance, no torch);
+# GrammarKind and ResponseFormat live in engine/grammar/response_format.py (no llguidance, no torch);
 # they are exported from here too, beside the compiler that takes them.
 __all__ = [
     "Constraint",

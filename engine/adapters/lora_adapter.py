@@ -29,8 +29,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine import defaults
+from engine.adapters.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, AdapterFolder
 from engine.errors import InvalidRequestError
-from engine.model.adapter_folder import CONFIG_FILE, WEIGHTS_FILE, AdapterFolder
 from engine.model.config import ModelConfig
 
 # PEFT module name -> (the model's fused projection, the part's index in it)

@@ -1,6 +1,6 @@
 """What a job's output must be (ResponseFormat): plain values, no grammar engine and no torch.
 
-engine/constraints.py compiles them with llguidance inside the engine; this module stays light
+engine/grammar/constraints.py compiles them with llguidance inside the engine; this module stays light
 so that engine/jobs.py, and through it the service's front end, never import either.
 """
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from engine.adapters.adapter_folder import AdapterFolder
+from engine.adapters.lora_adapter import DEFAULT_ADAPTER_LIMITS, AdapterLimits, LoraAdapter
 from engine.errors import (
     AdapterExistsError,
     AdapterLimitError,
@@ -27,9 +29,7 @@ from engine.errors import (
     FailedPreconditionError,
     InvalidRequestError,
 )
-from engine.model.adapter_folder import AdapterFolder
 from engine.model.config import ModelConfig
-from engine.model.lora_adapter import DEFAULT_ADAPTER_LIMITS, AdapterLimits, LoraAdapter
 
 # Names appear in requests, logs and metric labels: printable and bounded. ("~" is the service's:
 # it scopes a tenant's adapters, and callers' names cannot hold it.)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from engine.constraints import mask_words
+from engine.grammar.constraints import mask_words
 from engine.model.tokenizer import Tokenizer
 
 MAX_TOKENS = 4  # trailing tokens taken back at most

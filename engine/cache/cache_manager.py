@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from engine.cache.pages import PagePool, common_prefix_len, extend_chain
 from engine.ids import PageId
 from engine.job_state import JobState, PrefixCopy
-from engine.pages import PagePool, common_prefix_len, extend_chain
 
 CopyPrefix = Callable[[PageId, PageId, int], None]  # (source, target, tokens): the cache's K/V copy
 

@@ -24,16 +24,16 @@ from typing import Protocol
 
 import torch
 
+from engine.cache.kv_cache import PagedKVCache
 from engine.errors import InvalidRequestError
 from engine.forward_batch import SequenceInput
 from engine.ids import PageId
 from engine.jobs import JobId
-from engine.kv_cache import PagedKVCache
 from engine.model.llama import LlamaModel
 from engine.runner import ModelRunner
-from engine.speculation_config import DrafterKind, SpeculationConfig
+from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
 
-# DrafterKind and SpeculationConfig live in engine/speculation_config.py (no torch); they are
+# DrafterKind and SpeculationConfig live in engine/speculation/speculation_config.py (no torch); they are
 # exported from here too, beside the drafters they configure.
 __all__ = [
     "Draft",

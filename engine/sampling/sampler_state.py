@@ -1,4 +1,4 @@
-"""One job's sampling state (engine.sampler's SamplerState): its settings, its own RNG and the
+"""One job's sampling state (engine.sampling.sampler's SamplerState): its settings, its own RNG and the
 token ids its penalties count. Written by the job's token intake (accept, rewind); read by the
 sampler's logit processors."""
 

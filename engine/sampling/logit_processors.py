@@ -1,4 +1,4 @@
-"""Steps 1-4 of the sampler's order (see engine/sampler.py), after classifier-free guidance's
+"""Steps 1-4 of the sampler's order (see engine/sampling/sampler.py), after classifier-free guidance's
 mix (`mix_guided`, done by the generator on the forward's rows): a grammar's token mask, the
 penalties, logit bias and bans, applied in place to the rows that need them, touching only the
 listed token ids of each row; and the fallback for a row they leave without a finite maximum."""
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sample_request import SampleRequest
-from engine.sampler_state import NEG_INF, SamplerState
+from engine.sampling.sample_request import SampleRequest
+from engine.sampling.sampler_state import NEG_INF, SamplerState
 
 F32_MAX = torch.finfo(torch.float32).max
 

@@ -14,14 +14,21 @@ from collections.abc import Callable
 
 import torch
 
-from engine.constraints import mask_words
+from engine.grammar.constraints import mask_words
 from engine.job_state import JobState
 from engine.jobs import JobEvent, JobStage
-from engine.sampler import Sampler
+from engine.output.token_intake import TokenIntake
+from engine.sampling.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
-from engine.speculation_config import SpeculationConfig
-from engine.speculative import Draft, Drafter, DraftModelDrafter, DraftRequest, accept_greedy, accept_sampled
-from engine.token_intake import TokenIntake
+from engine.speculation.speculation_config import SpeculationConfig
+from engine.speculation.speculative import (
+    Draft,
+    Drafter,
+    DraftModelDrafter,
+    DraftRequest,
+    accept_greedy,
+    accept_sampled,
+)
 
 logger = logging.getLogger(__name__)
 

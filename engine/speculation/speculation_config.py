@@ -1,6 +1,6 @@
 """Speculative decoding's settings (DrafterKind, SpeculationConfig): plain values, no torch.
 
-engine/speculative.py runs the drafters; these settings stay light so that building the
+engine/speculation/speculative.py runs the drafters; these settings stay light so that building the
 command line (`dyngen serve` parses its flags in the front-end process) imports no torch.
 """
 

@@ -15,15 +15,15 @@ from collections.abc import Callable
 
 import torch
 
-from engine.constraints import token_bitmask
+from engine.cache.pages import common_prefix_len
 from engine.errors import InvalidRequestError
+from engine.grammar.constraints import token_bitmask
 from engine.job_state import HeldToken, JobState
 from engine.jobs import JobEvent, JobFinished, JobStage, StopReason, TokenLogprob, TokensGenerated
-from engine.loop_detector import loop_period
-from engine.pages import common_prefix_len
-from engine.sampler import Sampler, SampleRequest
-from engine.text_stream import BannedMatch
-from engine.token_healing import TokenHealer
+from engine.output.loop_detector import loop_period
+from engine.output.text_stream import BannedMatch
+from engine.output.token_healing import TokenHealer
+from engine.sampling.sampler import Sampler, SampleRequest
 
 # A job whose banned strings keep matching gives up (StopReason.ERROR) after this many rewinds:
 # each costs a sampler call, and a model set on a banned string could otherwise loop for long.

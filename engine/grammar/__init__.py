@@ -1,0 +1,1 @@
+"""Structured output: the response format (torch-free) and its compiled grammar constraints."""

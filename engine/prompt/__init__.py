@@ -1,0 +1,1 @@
+"""A job's prompt beyond its tokens: guidance's negative prompt, prompt embeddings (torch-free)."""

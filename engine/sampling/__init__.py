@@ -1,0 +1,1 @@
+"""Logits to tokens: the sampler, per-job sampler state, logits processors and filters."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters (n-gram, draft model), acceptance, and the step that runs them."""
