@@ -54,6 +54,10 @@ def triton_available() -> bool:
 
 def attention_problem(kind: AttentionKind, device: torch.device) -> str | None:
     """Why `kind` cannot run on `device` (a user's flag, refused at load); None if it can."""
+    if kind is AttentionKind.AUTO and device.type == "cpu":
+        # Native or torch, both run here: resolving it would build the native library now, on the
+        # loading thread, instead of beside the weights (2.5 s of a first start).
+        return None
     concrete = resolve_attention(kind, device)
     if concrete is AttentionKind.NATIVE and device.type != "cpu":
         return f"--attention native runs on the CPU only, not on {device}"
