@@ -40,7 +40,6 @@ from engine.errors import (
     ErrorKind,
     InvalidRequestError,
     JobNotFoundError,
-    PromptTooLongError,
 )
 from engine.forward_batch import SequenceInput
 from engine.grammar.constraints import GrammarCompiler, MaskOverlap, MaskWorker
@@ -56,6 +55,7 @@ from engine.jobs import (
     JobTimings,
     PrefillProgress,
     SamplingSettings,
+    SpecLimits,
     StopReason,
     TokenLogprob,
     TokensGenerated,
@@ -66,7 +66,7 @@ from engine.model.tokenizer import Tokenizer
 from engine.output.text_stream import TextStream
 from engine.output.token_healing import TokenHealer
 from engine.output.token_intake import TokenIntake
-from engine.prompt.prompt_embeddings import check_embeddings, span_token_ids
+from engine.prompt.prompt_embeddings import span_token_ids
 from engine.runner import ModelRunner
 from engine.sampling.logit_processors import mix_guided
 from engine.sampling.sampler import (
@@ -188,6 +188,10 @@ class DynamicGenerator:
         self.cache: PagedKVCache = model.new_cache(c.num_pages, c.page_size, c.kv_cache)
         self.runner = ModelRunner(model, self.cache)
         self.pool = PagePool(c.num_pages, c.page_size)
+        # What every job must fit: the rule the front end applies too, from the engine's READY.
+        self.limits = SpecLimits(
+            model.config.vocab_size, model.config.hidden_size, self.max_seq_len, c.num_pages, c.page_size
+        )
         self.scheduler = Scheduler(c.scheduler, self.pool)
         self.adapters = AdapterRegistry(
             model.config, c.max_adapters, model.device, c.adapter_limits, c.adapter_dir
@@ -243,10 +247,7 @@ class DynamicGenerator:
                 raise InvalidRequestError("a job id must be 1 to 64 characters of [0-9A-Za-z_-]")
             if job_id in self.jobs:
                 raise InvalidRequestError(f"job id {job_id} is in use by another job")
-        spec.validate(self.model.config.vocab_size)
-        self._check_fits(spec)
-        if spec.embeddings:
-            check_embeddings(spec.embeddings, len(spec.prompt_ids), self.model.config.hidden_size)
+        spec.check(self.limits)  # the front end's rule too (engine/jobs.py)
         adapter = self.adapters.get(spec.adapter) if spec.adapter is not None else None
         # Compiled (or taken from the cache) here: a bad schema is the caller's error, at enqueue.
         constraint = self.grammars.compile(spec.response_format) if spec.response_format is not None else None
@@ -299,34 +300,6 @@ class DynamicGenerator:
                 )
             spans.append((e.position, values))
         return tuple(spans)
-
-    def _check_fits(self, spec: JobSpec) -> None:
-        """PromptTooLongError unless the job (with its negative prompt, if guided) fits the context
-        and the whole cache at its longest."""
-        ps, new = self.pool.page_size, spec.max_new_tokens
-        prompts = [("prompt", len(spec.prompt_ids))]
-        if spec.guidance is not None:
-            prompts.append(("negative prompt", len(spec.guidance.negative_prompt_ids)))
-        for what, n in prompts:
-            if n + new > self.max_seq_len:
-                raise PromptTooLongError(
-                    f"{what} of {n} tokens + max_new_tokens {new} = {n + new} tokens exceeds max_seq_len "
-                    f"{self.max_seq_len}"
-                )
-        pages = sum(-(-(n + new) // ps) for _, n in prompts)
-        if pages <= self.pool.num_pages:
-            return
-        if spec.guidance is None:
-            n = len(spec.prompt_ids)
-            raise PromptTooLongError(
-                f"prompt of {n} tokens + max_new_tokens {new} = {n + new} tokens exceeds the whole KV cache "
-                f"of {self.pool.num_pages * ps} tokens ({self.pool.num_pages} pages of {ps})"
-            )
-        what = " and ".join(f"{w} of {n} tokens" for w, n in prompts)  # the two sequences together
-        raise PromptTooLongError(
-            f"{what} + max_new_tokens {new} need {pages} pages, more than the whole KV cache's "
-            f"{self.pool.num_pages} pages of {ps} tokens"
-        )
 
     def _negative_sequence(self, job: JobState) -> JobState:
         """A guided job's second sequence: its negative prompt, then (as they come) its output tokens;

@@ -10,7 +10,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import ErrorKind, InvalidRequestError
+from engine.errors import ErrorKind, InvalidRequestError, PromptTooLongError
 from engine.grammar.response_format import ResponseFormat
 from engine.ids import JobId, new_job_id
 from engine.output.loop_detector import LoopStop
@@ -113,6 +113,18 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class SpecLimits:
+    """What every job must fit, the same in both processes: the engine knows it from its model and
+    cache; the front end learns it from the engine's READY."""
+
+    vocab_size: int
+    hidden_size: int
+    context_length: int  # most prompt + new tokens of one sequence
+    num_pages: int
+    page_size: int
+
+
+@dataclass(frozen=True)
 class JobSpec:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int = 256
@@ -197,6 +209,64 @@ class JobSpec:
         self.sampling.validate(vocab_size)
         if self.response_format is not None:
             self.response_format.validate()
+
+    def check(self, limits: SpecLimits) -> None:
+        """The one rule a job is admitted by, in the front end and in the engine alike: its values
+        (`validate`), its prompt embeddings' width, and `check_fit`. InvalidRequestError or
+        PromptTooLongError naming what is wrong."""
+        self.validate(limits.vocab_size)
+        if self.embeddings:
+            check_embeddings(self.embeddings, len(self.prompt_ids), limits.hidden_size)
+        check_fit(self, limits)
+
+
+def check_fit(spec: JobSpec, limits: SpecLimits) -> None:
+    """PromptTooLongError unless the job (with its negative prompt, if guided) fits the context and,
+    at its longest, the whole cache: each sequence's prompt + max_new_tokens within the context, and
+    all its sequences' pages together within the cache's pages. Of the two, the tighter bound is
+    checked first, so the message names the one that decides."""
+    if limits.num_pages * limits.page_size < limits.context_length:
+        _check_pages(spec, limits)
+        _check_context(spec, limits)
+    else:
+        _check_context(spec, limits)
+        _check_pages(spec, limits)
+
+
+def _sequences(spec: JobSpec) -> list[tuple[str, int]]:
+    prompts = [("prompt", len(spec.prompt_ids))]
+    if spec.guidance is not None:
+        prompts.append(("negative prompt", len(spec.guidance.negative_prompt_ids)))
+    return prompts
+
+
+def _check_context(spec: JobSpec, limits: SpecLimits) -> None:
+    new = spec.max_new_tokens
+    for what, n in _sequences(spec):
+        if n + new > limits.context_length:
+            raise PromptTooLongError(
+                f"{what} of {n} tokens + max_new_tokens {new} = {n + new} tokens exceeds max_seq_len "
+                f"{limits.context_length} (the context of {limits.context_length} tokens)"
+            )
+
+
+def _check_pages(spec: JobSpec, limits: SpecLimits) -> None:
+    ps, new = limits.page_size, spec.max_new_tokens
+    prompts = _sequences(spec)
+    pages = sum(-(-(n + new) // ps) for _, n in prompts)
+    if pages <= limits.num_pages:
+        return
+    if spec.guidance is None:
+        n = len(spec.prompt_ids)
+        raise PromptTooLongError(
+            f"prompt of {n} tokens + max_new_tokens {new} = {n + new} tokens exceeds the whole KV cache "
+            f"of {limits.num_pages * ps} tokens ({limits.num_pages} pages of {ps})"
+        )
+    what = " and ".join(f"{w} of {n} tokens" for w, n in prompts)  # the two sequences together
+    raise PromptTooLongError(
+        f"{what} + max_new_tokens {new} need {pages} pages, more than the whole KV cache's "
+        f"{limits.num_pages} pages of {ps} tokens"
+    )
 
 
 @dataclass(frozen=True)

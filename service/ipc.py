@@ -1,8 +1,10 @@
 """Typed messages between the gRPC front end and the engine process.
 
 Every message is bytes: a one-byte tag, an 8-byte request number (0 when unused) and a
-payload that is protobuf bytes or a small JSON object. Nothing is pickled, so nothing a
-caller sent can become code on either side of the pipe.
+payload: the engine's own types (JobSpec, JobEvent, EngineInfo, AdapterView) in MessagePack,
+decoded into those types and checked against them (msgspec), or a small JSON object. The
+public contract (dyngen.v1) never crosses the pipe: the front end alone translates to and
+from it. Nothing is pickled, so nothing a caller sent can become code on either side.
 """
 
 from __future__ import annotations
@@ -10,7 +12,12 @@ from __future__ import annotations
 import enum
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import msgspec
+
+from engine.jobs import JobEvent, JobFinished, JobSpec, JobStarted, PrefillProgress, TokensGenerated
 
 _HEADER = struct.Struct(">cQ")
 
@@ -20,7 +27,7 @@ JOB_ID_LENGTH = 32  # hex characters of a job id (128 random bits)
 
 class Tag(enum.Enum):
     # front end -> engine
-    SUBMIT = b"S"  # payload: Submit (job id minted by the front end + tokenized request)
+    SUBMIT = b"S"  # payload: Submit (job id minted by the front end + the checked JobSpec)
     CANCEL = b"C"  # payload: job id (ascii); no answer (the job's JobFinished follows)
     INFO = b"I"  # no payload; answered by INFO_REPLY
     ADAPTER = b"L"  # payload: JSON AdapterCommand; answered by ADAPTERS or REJECTED
@@ -29,9 +36,9 @@ class Tag(enum.Enum):
     READY = b"R"  # payload: JSON Ready; the model is loaded and warmed up
     ACCEPTED = b"A"  # payload: JSON {"job_id": ..., "prompt_tokens": ...}
     REJECTED = b"X"  # payload: JSON {"code": ErrorCode value, "message": ...}
-    EVENTS = b"E"  # payload: one iteration's GenerateEvents, each as 4-byte length + bytes
-    INFO_REPLY = b"N"  # payload: ModelInfo bytes
-    ADAPTERS = b"D"  # payload: ListAdaptersResponse bytes (the loaded one, none, or all)
+    EVENTS = b"E"  # payload: one iteration's JobEvents (pack_events)
+    INFO_REPLY = b"N"  # payload: EngineInfo
+    ADAPTERS = b"D"  # payload: the AdapterViews asked for (the loaded one, none, or all)
     STATS = b"M"  # payload: JSON EngineStats
     HEARTBEAT = b"H"  # payload: JSON Heartbeat, from a thread of its own every HEARTBEAT_INTERVAL
 
@@ -66,23 +73,28 @@ class Message:
         return Message(Tag(tag), request, data[_HEADER.size :])
 
 
-_LENGTH = struct.Struct(">I")
+_ENCODE = msgspec.msgpack.Encoder()
+_EVENT_KINDS: tuple[
+    type[JobStarted] | type[PrefillProgress] | type[TokensGenerated] | type[JobFinished], ...
+] = (
+    JobStarted,
+    PrefillProgress,
+    TokensGenerated,
+    JobFinished,
+)
+_EVENT_KIND = {kind: i for i, kind in enumerate(_EVENT_KINDS)}
+_EVENT_LIST = msgspec.msgpack.Decoder(list[tuple[int, msgspec.Raw]])
+_EVENT_DECODERS = [msgspec.msgpack.Decoder(kind) for kind in _EVENT_KINDS]
+_SPEC = msgspec.msgpack.Decoder(JobSpec)
 
 
-def pack_frames(frames: list[bytes]) -> bytes:
-    """One pipe message for many events: fewer wake-ups of the front end per iteration."""
-    return b"".join(_LENGTH.pack(len(f)) + f for f in frames)
+def pack_events(events: Sequence[JobEvent]) -> bytes:
+    """One pipe message for an iteration's events: fewer wake-ups of the front end per iteration."""
+    return _ENCODE.encode([(_EVENT_KIND[type(e)], e) for e in events])
 
 
-def unpack_frames(data: bytes) -> list[bytes]:
-    frames: list[bytes] = []
-    at = 0
-    while at < len(data):
-        (n,) = _LENGTH.unpack_from(data, at)
-        at += _LENGTH.size
-        frames.append(data[at : at + n])
-        at += n
-    return frames
+def unpack_events(data: bytes) -> list[JobEvent]:
+    return [_EVENT_DECODERS[kind].decode(raw) for kind, raw in _EVENT_LIST.decode(data)]
 
 
 @dataclass(frozen=True)
@@ -122,31 +134,81 @@ class AdapterCommand:
         return AdapterCommand(AdapterOp(obj["op"]), str(obj["name"]), str(obj["path"]))
 
 
-_TENANT_LENGTH = struct.Struct(">H")
-
-
 @dataclass(frozen=True)
 class Submit:
-    """A job for the engine: the id the front end minted, the tenant it belongs to (fair shares;
-    "" without authentication) and the request, its prompt as token ids."""
+    """A job for the engine: the id the front end minted and the JobSpec it built and checked (its
+    prompt tokenized, its tenant, cache salt and adapter's engine name set)."""
 
     job_id: str
-    request: bytes  # GenerateRequest bytes with the `token_ids` prompt (tokenized in the front end)
-    tenant: str = ""
+    spec: JobSpec
 
     def to_bytes(self) -> bytes:
         job = self.job_id.encode("ascii")
         if len(job) != JOB_ID_LENGTH:
             raise ValueError(f"job id must be {JOB_ID_LENGTH} characters")
-        tenant = self.tenant.encode("utf-8", "surrogatepass")
-        return job + _TENANT_LENGTH.pack(len(tenant)) + tenant + self.request
+        return job + _ENCODE.encode(self.spec)
 
     @staticmethod
     def from_bytes(data: bytes) -> Submit:
-        (n,) = _TENANT_LENGTH.unpack_from(data, JOB_ID_LENGTH)
-        at = JOB_ID_LENGTH + _TENANT_LENGTH.size
-        tenant = data[at : at + n].decode("utf-8", "surrogatepass")
-        return Submit(data[:JOB_ID_LENGTH].decode("ascii"), data[at + n :], tenant)
+        return Submit(data[:JOB_ID_LENGTH].decode("ascii"), _SPEC.decode(data[JOB_ID_LENGTH:]))
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What GetModelInfo reports of the engine: its model, limits and state at the moment."""
+
+    model: str
+    vocab_size: int
+    context_length: int
+    page_size: int
+    num_pages: int
+    max_batch_size: int
+    max_queue_size: int
+    max_chunk_size: int
+    dtype: str
+    queued_jobs: int
+    running_jobs: int
+    pages_free: int
+    pages_cached: int
+    pages_used: int
+    quant: str
+    linears: str
+    cpu: str
+    kv_cache: str
+    max_adapters: int
+    hidden_size: int
+    device: str
+    iterations: int
+
+    def to_bytes(self) -> bytes:
+        return _ENCODE.encode(self)
+
+    @staticmethod
+    def from_bytes(data: bytes) -> EngineInfo:
+        return _INFO.decode(data)
+
+
+@dataclass(frozen=True)
+class AdapterView:
+    """A loaded LoRA adapter as the engine reports it (ListAdapters, LoadAdapter's answer)."""
+
+    name: str  # the engine's name (a tenant's adapters carry its scope)
+    path: str  # how it was named: a run-time load's relative path; "" for the server's own
+    description: str
+    jobs: int
+    shared: bool  # loaded by the server (--lora)
+
+
+def pack_adapters(views: Sequence[AdapterView]) -> bytes:
+    return _ENCODE.encode(list(views))
+
+
+def unpack_adapters(data: bytes) -> list[AdapterView]:
+    return _ADAPTERS.decode(data)
+
+
+_INFO = msgspec.msgpack.Decoder(EngineInfo)
+_ADAPTERS = msgspec.msgpack.Decoder(list[AdapterView])
 
 
 @dataclass(frozen=True)
@@ -163,6 +225,7 @@ class Ready:
     cache_tokens: int  # the whole KV cache in tokens (pages x page size)
     hidden_size: int  # the model's embedding width (the front end checks prompt embeddings' rows)
     device: str  # where the model runs (engine/device.py describe_device)
+    page_size: int  # the KV cache's page size in tokens (a job's fit is counted in pages)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -181,6 +244,7 @@ class Ready:
             int(obj["cache_tokens"]),
             int(obj["hidden_size"]),
             str(obj["device"]),
+            int(obj["page_size"]),
         )
 
 

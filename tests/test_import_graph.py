@@ -137,3 +137,35 @@ def test_the_two_processes_sides_import_each_other_only_at_the_spawn_target() ->
             if name.startswith("service.engine") and target.startswith("service.frontend"):
                 wrong.append(f"{name} imports {target}")
     assert wrong == []
+
+
+def _reach(graph: dict[str, set[str]], roots: list[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo.extend(graph.get(name, ()))
+    return seen
+
+
+def _public_proto_imports(path: Path) -> list[str]:
+    return [
+        n for n in _imported(ast.parse(path.read_text(encoding="utf-8"))) if n.startswith("dyngen_client")
+    ]
+
+
+def test_the_engine_process_never_sees_the_public_contract() -> None:
+    """Internal messages cross the pipe both ways; the front end alone translates to and from
+    dyngen.v1. Everything the engine process runs (the engine, service/engine, and what they import
+    of ours) imports nothing of the client package, the generated stubs included."""
+    graph = _graph()
+    modules = _modules()
+    engine_side = _reach(graph, [n for n in modules if n.startswith(("engine", "service.engine"))])
+    wrong = [
+        f"{name} imports {i}" for name in sorted(engine_side) for i in _public_proto_imports(modules[name])
+    ]
+    assert wrong == []
+    assert "service.ipc" in engine_side  # the pipe's messages are the engine's types

@@ -25,7 +25,7 @@ from engine.prompt.prompt_embeddings import (
 )
 from engine.prompt.prompt_embeddings import PromptEmbedding as Span
 from service.embeddings import embedding_field
-from service.engine.codec import job_spec
+from service.frontend.codec import job_spec
 from service.frontend.limits import (
     Limits,
     ModelBounds,
@@ -91,17 +91,18 @@ def test_the_client_refuses_what_the_wire_cannot_say() -> None:
 def test_the_codec_places_the_spans() -> None:
     a, b, c = hole(2), hole(3, token=301), hole(1)
     req = Request([1, HOLE, 40, 301, HOLE, 41], embeddings=(a, b, c)).to_proto()
-    spec = job_spec(pb.GenerateRequest.FromString(req.SerializeToString()))
+    wire = pb.GenerateRequest.FromString(req.SerializeToString())
+    spec = job_spec(wire, wire.token_ids.ids)
     assert spec.prompt_ids == (1, HOLE, HOLE, 40, 301, 301, 301, HOLE, 41)
     assert [(s.position, s.rows) for s in spec.embeddings] == [(1, 2), (4, 3), (7, 1)]
     assert [s.data for s in spec.embeddings] == [a.data(), b.data(), c.data()]
     by_position = Request(PROMPT, embeddings=(at(5, 2), at(1))).to_proto()
-    spec = job_spec(by_position)
+    spec = job_spec(by_position, by_position.token_ids.ids)
     assert spec.prompt_ids == tuple(PROMPT)
     assert [(s.position, s.rows) for s in spec.embeddings] == [(5, 2), (1, 1)]
-    assert job_spec(Request(PROMPT).to_proto()).embeddings == ()
+    assert job_spec(Request(PROMPT).to_proto(), PROMPT).embeddings == ()
     with pytest.raises(InvalidRequestError, match=r"embeddings\[0\]\.placeholder_token_id"):
-        job_spec(Request(PROMPT, embeddings=(hole(),)).to_proto())
+        job_spec(Request(PROMPT, embeddings=(hole(),)).to_proto(), PROMPT)
 
 
 # -- the checks in the front end (no server) -------------------------------------------------------

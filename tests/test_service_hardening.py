@@ -29,13 +29,14 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from dyngen_client import AsyncClient, Chat, Client, Request, collect, tls_credentials
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.jobs import JobEvent, JobFinished, JobId, JobSpec, JobTimings, StopReason, TokensGenerated
 from service.config import ServiceConfig
 from service.frontend.auth import AuthConfigError, Authenticator, cache_salt
 from service.frontend.engine_client import EngineClient, _Process
 from service.frontend.event_buffer import EventBuffer
 from service.frontend.limits import Limits, RequestError, check_job_id, check_request
 from service.frontend.restart_policy import RestartPolicy, RestartTracker
-from service.ipc import Accepted, Message, Submit, Tag, pack_frames
+from service.ipc import Accepted, Message, Submit, Tag, pack_events
 from tests.certs import CertAuthority
 from tests.service_harness import (
     ServerProcess,
@@ -63,20 +64,14 @@ def _fake_engine(client: EngineClient) -> queue.SimpleQueue[bytes | None]:
     return outbox
 
 
-def _request() -> pb.GenerateRequest:
-    req = pb.GenerateRequest()
-    req.token_ids.ids.extend([1, 2, 3])
-    return req
+def _request() -> JobSpec:
+    return JobSpec((1, 2, 3))
 
 
-def _event(job_id: str, kind: str) -> bytes:
-    e = pb.GenerateEvent(job_id=job_id)
+def _event(job_id: str, kind: str) -> JobEvent:
     if kind == "delta":
-        e.delta.text = "hi"
-        e.delta.token_ids.append(7)
-    else:
-        e.finished.stop_reason = pb.STOP_REASON_EOS
-    return e.SerializeToString()
+        return TokensGenerated(JobId(job_id), None, "hi", (7,))
+    return JobFinished(JobId(job_id), None, StopReason.EOS, None, None, 3, 1, 0, JobTimings(0.0, 0.0, 0.0))
 
 
 def test_events_in_the_same_read_as_the_acceptance_reach_the_stream() -> None:
@@ -96,7 +91,7 @@ def test_events_in_the_same_read_as_the_acceptance_reach_the_stream() -> None:
             # Both dispatched in one loop turn, as the reader thread hands them over.
             client._dispatch(Message(Tag.ACCEPTED, sent.request, Accepted(job_id, 3).to_bytes()))
             client._dispatch(
-                Message(Tag.EVENTS, 0, pack_frames([_event(job_id, "delta"), _event(job_id, "end")]))
+                Message(Tag.EVENTS, 0, pack_events([_event(job_id, "delta"), _event(job_id, "end")]))
             )
             job = await task
             got = [await job.events.get(), await job.events.get()]

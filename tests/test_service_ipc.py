@@ -3,9 +3,35 @@
 from __future__ import annotations
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.jobs import JobFinished, JobId, JobTimings, StopReason, TokenLogprob, TokensGenerated
-from service.engine.codec import event_to_proto
-from service.ipc import Accepted, EngineStats, ErrorCode, Message, Rejection, Tag, pack_frames, unpack_frames
+from engine.jobs import (
+    JobEvent,
+    JobFinished,
+    JobId,
+    JobSpec,
+    JobStarted,
+    JobTimings,
+    PrefillProgress,
+    SamplingSettings,
+    StopReason,
+    TokenLogprob,
+    TokensGenerated,
+)
+from engine.prompt.guidance import Guidance
+from service.frontend.codec import event_to_proto
+from service.ipc import (
+    Accepted,
+    AdapterView,
+    EngineStats,
+    ErrorCode,
+    Message,
+    Rejection,
+    Submit,
+    Tag,
+    pack_adapters,
+    pack_events,
+    unpack_adapters,
+    unpack_events,
+)
 
 
 def test_messages_round_trip() -> None:
@@ -15,8 +41,26 @@ def test_messages_round_trip() -> None:
     assert Accepted.from_bytes(Accepted("ab" * 16, 40).to_bytes()) == Accepted("ab" * 16, 40)
     r = Rejection(ErrorCode.QUEUE_FULL, 'queue holds 4 jobs "already"')
     assert Rejection.from_bytes(r.to_bytes()) == r
-    frames = [b"", b"a", b"\x00" * 70000]
-    assert unpack_frames(pack_frames(frames)) == frames
+    job = JobId("f" * 32)
+    events: list[JobEvent] = [
+        JobStarted(job, "tag", 7, 4),
+        PrefillProgress(job, None, 3, 7),
+        TokensGenerated(job, "tag", "Hi", (5,), (TokenLogprob(5, -0.5, ((5, -0.5),), 0.9, ((5, 0.9),)),)),
+        JobFinished(job, None, StopReason.STOP_STRING, None, "END", 10, 3, 0, JobTimings(0.1, 0.2, 0.3)),
+    ]
+    assert unpack_events(pack_events(events)) == events
+    spec = JobSpec(
+        (1, 2, 3),
+        9,
+        stop_token_ids=frozenset({4}),
+        sampling=SamplingSettings(temperature=0.7, logit_bias=((3, -1.5),), seed=5),
+        guidance=Guidance(1.5, (6, 7)),
+        tenant="alice",
+        priority=-3,
+    )
+    assert Submit.from_bytes(Submit(job, spec).to_bytes()) == Submit(job, spec)
+    views = [AdapterView("a~1f", "a", "rank 8 on q_proj", 2, False), AdapterView("b", "", "rank 4", 0, True)]
+    assert unpack_adapters(pack_adapters(views)) == views
     s = EngineStats(1, 2, 3, 4, 5, 6, 7, 8)
     assert EngineStats.from_bytes(s.to_bytes()) == s
 

@@ -21,7 +21,7 @@ from engine.errors import InvalidRequestError
 from engine.jobs import MAX_PRIORITY
 from engine.prompt.guidance import Guidance as EngineGuidance
 from service.config import ServiceConfig
-from service.engine.codec import job_spec
+from service.frontend.codec import job_spec
 from service.frontend.limits import (
     Limits,
     ModelBounds,
@@ -131,18 +131,15 @@ def test_the_request_carries_each_kind_of_negative_prompt() -> None:
 
 def test_the_codec_round_trip() -> None:
     req = _guided(3.0, [7, 8, 9], priority=-12)
-    req.token_ids.ids[:] = [1, 2]  # as the front end sends it: both prompts tokenized
     wire = pb.GenerateRequest.FromString(req.SerializeToString())
-    spec = job_spec(wire)
+    spec = job_spec(wire, [1, 2], [7, 8, 9])  # as the front end builds it: both prompts tokenized
     assert spec.prompt_ids == (1, 2) and spec.priority == -12
     assert spec.guidance == EngineGuidance(3.0, (7, 8, 9))
     plain = pb.GenerateRequest()
-    plain.token_ids.ids[:] = [1]
-    assert job_spec(plain).guidance is None and job_spec(plain).priority == 0
+    assert job_spec(plain, [1]).guidance is None and job_spec(plain, [1]).priority == 0
     text = _guided(3.0, "not tokenized")
-    text.token_ids.ids[:] = [1]
-    with pytest.raises(InvalidRequestError, match="negative prompts as token ids"):
-        job_spec(text)
+    with pytest.raises(InvalidRequestError, match="negative prompt is not tokenized"):
+        job_spec(text, [1])
 
 
 def _flags(*argv: str) -> argparse.Namespace:

@@ -8,7 +8,6 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.adapters.adapter_folder import AdapterPathError
 from engine.adapters.adapter_registry import AdapterInfo
 from engine.device import describe_device
@@ -28,12 +27,13 @@ from engine.jobs import JobId
 from kernels.cpu_features import cpu_features
 from service.engine.adapter_loads import AdapterLoads
 from service.engine.build import build_engine
-from service.engine.codec import event_to_proto, job_spec
 from service.engine_config import EngineConfig
 from service.ipc import (
     Accepted,
     AdapterCommand,
     AdapterOp,
+    AdapterView,
+    EngineInfo,
     EngineStats,
     ErrorCode,
     Message,
@@ -41,7 +41,8 @@ from service.ipc import (
     Rejection,
     Submit,
     Tag,
-    pack_frames,
+    pack_adapters,
+    pack_events,
 )
 from service.pipe_sender import PipeSender
 from service.speculation_flags import speculation_options
@@ -104,6 +105,7 @@ class EngineLoop:
             self.generator.pool.num_pages * self.generator.pool.page_size,
             loaded.model.config.hidden_size,
             describe_device(loaded.model.device),
+            self.generator.pool.page_size,
         )
         self._send(Tag.READY, 0, ready.to_bytes())
 
@@ -134,8 +136,7 @@ class EngineLoop:
                 # process ends so the front end restarts it rather than serve from broken state.
                 events = gen.iterate()
                 if events:
-                    frames = [event_to_proto(e).SerializeToString() for e in events]
-                    self._send(Tag.EVENTS, 0, pack_frames(frames))
+                    self._send(Tag.EVENTS, 0, pack_events(events))
             now = time.monotonic()
             if now - self._last_stats >= STATS_INTERVAL:
                 self._last_stats = now
@@ -163,7 +164,7 @@ class EngineLoop:
                 with contextlib.suppress(JobNotFoundError):
                     self.generator.cancel(JobId(msg.payload.decode("ascii")))
             case Tag.INFO:
-                self._send(Tag.INFO_REPLY, msg.request, self._info().SerializeToString())
+                self._send(Tag.INFO_REPLY, msg.request, self._info().to_bytes())
             case Tag.ADAPTER:
                 self._adapter(msg)
             case Tag.QUIT:
@@ -187,7 +188,7 @@ class EngineLoop:
     def _submit(self, msg: Message) -> None:
         try:
             submit = Submit.from_bytes(msg.payload)
-            spec = job_spec(pb.GenerateRequest.FromString(submit.request), submit.tenant)
+            spec = submit.spec
             job_id = self.generator.enqueue(spec, JobId(submit.job_id))
         except Exception as exc:
             self._refuse(msg.request, exc, "bad request")
@@ -224,25 +225,23 @@ class EngineLoop:
 
     def _send_adapters(self, request: int, infos: list[AdapterInfo]) -> None:
         # The server's own adapters show no path: tenants never see the server's folders.
-        reply = pb.ListAdaptersResponse(
-            adapters=[
-                pb.AdapterInfo(
-                    name=i.name,
-                    path="" if i.name in self.shared_adapters else i.label,
-                    description=i.description,
-                    jobs=i.jobs,
-                    shared=i.name in self.shared_adapters,
-                )
-                for i in infos
-            ]
-        )
-        self._send(Tag.ADAPTERS, request, reply.SerializeToString())
+        views = [
+            AdapterView(
+                name=i.name,
+                path="" if i.name in self.shared_adapters else i.label,
+                description=i.description,
+                jobs=i.jobs,
+                shared=i.name in self.shared_adapters,
+            )
+            for i in infos
+        ]
+        self._send(Tag.ADAPTERS, request, pack_adapters(views))
 
-    def _info(self) -> pb.ModelInfo:
+    def _info(self) -> EngineInfo:
         g = self.generator
         s = g.stats()
         sc = g.scheduler.config
-        return pb.ModelInfo(
+        return EngineInfo(
             model=self.loaded.path.name,
             vocab_size=self.loaded.model.config.vocab_size,
             context_length=g.max_seq_len,

@@ -35,9 +35,11 @@ import structlog
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.ids import new_job_id
+from engine.jobs import JobSpec
 from engine.model.tokenizer import preload_tokenizer_code
 from service.config import ServiceConfig
 from service.engine.process import run as engine_main
+from service.frontend.codec import adapter_info, event_to_proto, model_info
 from service.frontend.event_buffer import EngineDownError, EventBuffer
 from service.frontend.limits import ModelBounds
 from service.frontend.prompts import PromptTokenizer
@@ -46,6 +48,7 @@ from service.ipc import (
     Accepted,
     AdapterCommand,
     AdapterOp,
+    EngineInfo,
     EngineStats,
     Heartbeat,
     Message,
@@ -53,7 +56,8 @@ from service.ipc import (
     Rejection,
     Submit,
     Tag,
-    unpack_frames,
+    unpack_adapters,
+    unpack_events,
 )
 
 log = structlog.get_logger("dyngen.engine_client")
@@ -311,8 +315,8 @@ class EngineClient:
     def _dispatch(self, msg: Message) -> None:
         match msg.tag:
             case Tag.EVENTS:
-                for frame in unpack_frames(msg.payload):
-                    self._job_event(pb.GenerateEvent.FromString(frame))
+                for event in unpack_events(msg.payload):
+                    self._job_event(event_to_proto(event))
             case Tag.STATS:
                 self.stats = EngineStats.from_bytes(msg.payload)
                 for stats_listener in self.on_stats:
@@ -341,7 +345,7 @@ class EngineClient:
         proc.ready_at = time.monotonic()
         self.model_name = ready.model
         self.bounds = ModelBounds(
-            ready.vocab_size, ready.context_length, ready.cache_tokens, ready.hidden_size
+            ready.vocab_size, ready.context_length, ready.cache_tokens, ready.hidden_size, ready.page_size
         )
         log.info(
             "engine_ready",
@@ -405,20 +409,17 @@ class EngineClient:
             raise EngineRejectedError(Rejection.from_bytes(reply.payload))
         return reply
 
-    async def submit(self, request: pb.GenerateRequest, owner: str, streamed: bool) -> JobChannel:
-        """Queue a job whose prompt is already token ids.
+    async def submit(self, spec: JobSpec, owner: str, streamed: bool) -> JobChannel:
+        """Queue a job the front end built and checked.
 
         Raises EngineRejectedError, EngineBusyError or EngineDownError. The channel is
         registered before the engine hears of the job; whatever way this call ends without
         the job accepted (refused, caller gone, deadline), nothing is left behind.
         """
-        job = JobChannel(
-            new_job_id(), owner, time.perf_counter(), streamed=streamed, priority=request.priority
-        )
+        job = JobChannel(new_job_id(), owner, time.perf_counter(), streamed=streamed, priority=spec.priority)
         self.jobs[job.job_id] = job
         try:
-            submit = Submit(job.job_id, request.SerializeToString(), owner)
-            reply = await self._call(Tag.SUBMIT, submit.to_bytes())
+            reply = await self._call(Tag.SUBMIT, Submit(job.job_id, spec).to_bytes())
         except EngineRejectedError:
             self._forget(job)  # refused: the engine holds nothing
             raise
@@ -521,7 +522,7 @@ class EngineClient:
         elif command.op is AdapterOp.UNLOAD:
             self.adapter_loads.pop(command.name, None)
             self._adapter_gone(command.name)
-        return pb.ListAdaptersResponse.FromString(reply.payload)
+        return pb.ListAdaptersResponse(adapters=[adapter_info(v) for v in unpack_adapters(reply.payload)])
 
     def _adapter_gone(self, name: str) -> None:
         for listener in self.on_adapter_gone:
@@ -543,9 +544,7 @@ class EngineClient:
                 log.error("adapter_not_reloaded", adapter=name, path=path, error=self.adapter_lost[name])
 
     async def info(self) -> pb.ModelInfo:
-        info = pb.ModelInfo.FromString((await self._call(Tag.INFO, b"")).payload)
-        info.replica = self.replica
-        return info
+        return model_info(EngineInfo.from_bytes((await self._call(Tag.INFO, b"")).payload), self.replica)
 
     def kill_engine(self) -> None:
         """For tests and operators: end the engine process abruptly (it is restarted)."""

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.grammar.response_format import MAX_GRAMMAR_CHARS
-from engine.jobs import MAX_PRIORITY
+from engine.jobs import MAX_PRIORITY, JobSpec, SpecLimits, check_fit
 from engine.output.loop_detector import LoopStop
 from engine.prompt.guidance import MAX_GUIDANCE_SCALE
 from engine.prompt.prompt_embeddings import (
@@ -175,6 +175,18 @@ class ModelBounds:
     context_length: int  # prompt + max_new_tokens of one sequence, in tokens
     cache_tokens: int  # the whole KV cache, in tokens
     hidden_size: int  # a prompt embedding row holds this many float32 values
+    page_size: int = 1  # the cache's page size in tokens (a job's fit is counted in pages)
+
+    @property
+    def limits(self) -> SpecLimits:
+        """The engine's own limits: the one rule a job is checked by, on both sides of the pipe."""
+        return SpecLimits(
+            self.vocab_size,
+            self.hidden_size,
+            self.context_length,
+            self.cache_tokens // self.page_size,
+            self.page_size,
+        )
 
 
 def check_negative_prompt_ids(ids: Sequence[int], max_new_tokens: int, bounds: ModelBounds) -> None:
@@ -188,16 +200,10 @@ def check_negative_prompt_ids(ids: Sequence[int], max_new_tokens: int, bounds: M
             f"guidance.token_ids.ids: token id {bad} is not below the vocabulary size {bounds.vocab_size}",
             "guidance.token_ids.ids",
         )
-    total = len(ids) + max_new_tokens
-    most = min(bounds.context_length, bounds.cache_tokens)
-    if total > most:
-        within = "the context" if most == bounds.context_length else "the whole KV cache"
-        raise RequestError(
-            f"{NEGATIVE_PROMPT} of {len(ids)} tokens + max_new_tokens {max_new_tokens} = {total} tokens "
-            f"exceeds {within} of {most} tokens",
-            NEGATIVE_PROMPT,
-            ErrorReason.PROMPT_TOO_LONG,
-        )
+    try:  # on its own, by the one rule (with the prompt, the job's check_spec decides)
+        check_fit(JobSpec(tuple(ids), max_new_tokens), bounds.limits)
+    except PromptTooLongError as exc:
+        raise RequestError(f"{NEGATIVE_PROMPT}: {exc}", NEGATIVE_PROMPT, ErrorReason.PROMPT_TOO_LONG) from exc
 
 
 def check_embedding_spans(req: pb.GenerateRequest) -> None:
@@ -247,16 +253,30 @@ def check_prompt_embeddings(
         check_embeddings(spans, len(expanded), bounds.hidden_size)
     except InvalidRequestError as exc:
         raise RequestError(str(exc), embedding_field(str(exc)) or "embeddings") from exc
-    most = min(bounds.context_length, bounds.cache_tokens)
-    if len(ids) + max_new_tokens <= most < len(expanded) + max_new_tokens:
-        within = "the context" if most == bounds.context_length else "the whole KV cache"
+    try:  # the one rule, on the prompt before and after its expansion
+        check_fit(JobSpec(tuple(ids), max_new_tokens), bounds.limits)
+    except PromptTooLongError:
+        return  # too long before expanding: the job's own check says so
+    try:
+        check_fit(JobSpec(tuple(expanded), max_new_tokens), bounds.limits)
+    except PromptTooLongError as exc:
         raise RequestError(
-            f"embeddings: the prompt of {len(ids)} tokens expands to {len(expanded)} at its placeholders; "
-            f"+ max_new_tokens {max_new_tokens} = {len(expanded) + max_new_tokens} tokens exceeds {within} "
-            f"of {most} tokens",
+            f"embeddings: the prompt of {len(ids)} tokens expands to {len(expanded)} at its placeholders; {exc}",
             "embeddings",
             ErrorReason.PROMPT_TOO_LONG,
-        )
+        ) from exc
+
+
+def check_spec(spec: JobSpec, bounds: ModelBounds) -> None:
+    """The job the front end built, by the engine's own rule (JobSpec.check: values, embeddings,
+    the fit of every sequence in the context and of all their pages in the cache): the engine then
+    checks only what needs the engine (the adapter is loaded, the queue has room)."""
+    try:
+        spec.check(bounds.limits)
+    except PromptTooLongError as exc:
+        raise RequestError(str(exc), None, ErrorReason.PROMPT_TOO_LONG) from exc
+    except InvalidRequestError as exc:
+        raise RequestError(str(exc), embedding_field(str(exc))) from exc
 
 
 def check_chat(chat: pb.ChatPrompt, limits: Limits, prefix: str = "") -> None:

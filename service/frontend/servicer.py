@@ -28,9 +28,11 @@ from dyngen_client.errors import ErrorReason, Failure
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine import defaults
 from engine.adapters.adapter_folder import AdapterPathError, check_relative_path
+from engine.errors import InvalidRequestError
 from engine.jobs import JobSpec
 from service.embeddings import embedding_field
 from service.frontend.auth import Authenticator, cache_salt
+from service.frontend.codec import job_spec, max_new_tokens
 from service.frontend.drain_rate import DrainRate
 from service.frontend.engine_client import (
     EngineBusyError,
@@ -48,6 +50,7 @@ from service.frontend.limits import (
     check_negative_prompt_ids,
     check_prompt_embeddings,
     check_request,
+    check_spec,
     check_tokenize_request,
 )
 from service.frontend.tenant_adapters import TenantAdapters, caller_name
@@ -230,14 +233,14 @@ class GeneratorService:
     async def _negative_ids(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Req, Resp]
     ) -> list[int]:
-        """The guidance's negative prompt as ids, tokenized as the prompt is and checked as the engine
-        checks a prompt (ids in the vocabulary, within the context and the cache with max_new_tokens)."""
+        """The guidance's negative prompt as ids, tokenized as the prompt is, each id in the vocabulary
+        and within the context and the cache on its own (field-precise refusals before the job's)."""
         prompts, bounds = self.engine.prompts, self.engine.bounds
         if prompts is None or bounds is None:
             await self._engine_down(context)
         try:
             ids = await prompts.negative_ids_async(request.guidance)
-            check_negative_prompt_ids(ids, _max_new_tokens(request), bounds)
+            check_negative_prompt_ids(ids, max_new_tokens(request), bounds)
             return ids
         except RequestError as exc:
             await self._invalid(context, exc)
@@ -252,9 +255,32 @@ class GeneratorService:
         if bounds is None:
             await self._engine_down(context)
         try:
-            check_prompt_embeddings(request, ids, _max_new_tokens(request), bounds)
+            check_prompt_embeddings(request, ids, max_new_tokens(request), bounds)
         except RequestError as exc:
             await self._invalid(context, exc)
+
+    async def _job(
+        self,
+        request: pb.GenerateRequest,
+        ids: list[int],
+        tenant: str,
+        context: grpc.aio.ServicerContext[Req, Resp],
+    ) -> JobSpec:
+        """The job the engine runs, built and checked here, once, by the engine's own rule
+        (JobSpec.check): the engine checks only that its adapter is loaded and the queue has room."""
+        bounds = self.engine.bounds
+        if bounds is None:
+            await self._engine_down(context)
+        negative = await self._negative_ids(request, context) if request.HasField("guidance") else None
+        adapter = self.adapters.engine_name(tenant, request.adapter) if request.adapter else None
+        try:
+            spec = job_spec(request, ids, negative, tenant, cache_salt(tenant, request.cache_salt), adapter)
+            check_spec(spec, bounds)
+        except InvalidRequestError as exc:
+            await self._invalid(context, RequestError(str(exc), embedding_field(str(exc))))
+        except RequestError as exc:
+            await self._invalid(context, exc)
+        return spec
 
     async def _check_priority_jobs(
         self, request: pb.GenerateRequest, tenant: str, context: grpc.aio.ServicerContext[Req, Resp]
@@ -289,12 +315,6 @@ class GeneratorService:
         ids = await self._token_ids(request, context)
         if request.embeddings:
             await self._check_embeddings(request, ids, context)
-        engine_request = pb.GenerateRequest()
-        engine_request.CopyFrom(request)
-        engine_request.token_ids.ids[:] = ids  # sets the oneof: the engine never tokenizes
-        if request.HasField("guidance"):
-            engine_request.guidance.token_ids.ids[:] = await self._negative_ids(request, context)
-        engine_request.cache_salt = cache_salt(tenant, request.cache_salt)
         if request.adapter:
             lost = self.engine.adapter_lost.get(self.adapters.own_name(tenant, request.adapter))
             if lost is not None:
@@ -306,12 +326,12 @@ class GeneratorService:
                     ErrorReason.ADAPTER_NOT_FOUND,
                     "adapter",
                 )
-            engine_request.adapter = self.adapters.engine_name(tenant, request.adapter)
+        spec = await self._job(request, ids, tenant, context)
         # No await between this count and the job's entry in the engine client's table (submit
         # registers it before its first await), so concurrent calls cannot both pass the cap.
         await self._check_priority_jobs(request, tenant, context)
         try:
-            job = await self.engine.submit(engine_request, tenant, streamed)
+            job = await self.engine.submit(spec, tenant, streamed)
             job.affinity = _affinity(request, context)
             return job
         except (EngineRejectedError, EngineBusyError, EngineDownError) as exc:
@@ -618,8 +638,3 @@ def _affinity(request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Req
             return text_key(chat_text((m.role, m.content) for m in request.chat.messages))
         case _:
             return text_key(ids_text(request.token_ids.ids))
-
-
-def _max_new_tokens(request: pb.GenerateRequest) -> int:
-    """The request's max_new_tokens, JobSpec's default when unset."""
-    return request.max_new_tokens if request.HasField("max_new_tokens") else JobSpec.max_new_tokens

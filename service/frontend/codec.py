@@ -1,13 +1,18 @@
-"""Protobuf <-> engine types, on the engine's side of the pipe: a GenerateRequest (prompt already
-tokenized by the front end) becomes a JobSpec, and each JobEvent a GenerateEvent. Fields the
-request leaves unset take the engine's own defaults (JobSpec's, SamplingSettings'), so no
-default is written here a second time."""
+"""The front end's translation between the public contract (dyngen.v1) and the engine's own types.
+
+A tokenized GenerateRequest becomes the JobSpec the engine runs, here and nowhere else; each
+JobEvent, EngineInfo and AdapterView the engine reports becomes its GenerateEvent, ModelInfo or
+AdapterInfo. The engine process never sees the public proto. Fields the request leaves unset take
+the engine's own defaults (JobSpec's, SamplingSettings'), so no default is written a second time.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import ErrorKind, InvalidRequestError
-from engine.grammar.constraints import GrammarKind, ResponseFormat
+from engine.grammar.response_format import GrammarKind, ResponseFormat
 from engine.jobs import (
     JobEvent,
     JobFinished,
@@ -22,6 +27,7 @@ from engine.output.loop_detector import LoopStop
 from engine.prompt.guidance import Guidance
 from engine.prompt.prompt_embeddings import place_embeddings
 from service.embeddings import embedding_placements
+from service.ipc import AdapterView, EngineInfo
 
 STOP_REASONS = {
     StopReason.EOS: pb.STOP_REASON_EOS,
@@ -81,23 +87,32 @@ def sampling_settings(s: pb.SamplingSettings) -> SamplingSettings:
     )
 
 
-def _guidance(req: pb.GenerateRequest) -> Guidance | None:
-    if not req.HasField("guidance"):
-        return None
-    if req.guidance.WhichOneof("negative_prompt") != "token_ids":
-        raise InvalidRequestError("the engine takes negative prompts as token ids (the front end tokenizes)")
-    return Guidance(req.guidance.scale, tuple(req.guidance.token_ids.ids))
+def max_new_tokens(req: pb.GenerateRequest) -> int:
+    """The request's max_new_tokens, JobSpec's default when unset."""
+    return req.max_new_tokens if req.HasField("max_new_tokens") else _JOB.max_new_tokens
 
 
-def job_spec(req: pb.GenerateRequest, tenant: str = "") -> JobSpec:
-    """The job a tokenized request of `tenant` asks for; InvalidRequestError where it cannot be one.
-    Prompt embeddings placed at placeholder tokens expand those tokens here (the job's prompt grows)."""
-    if req.WhichOneof("prompt") != "token_ids":
-        raise InvalidRequestError("the engine takes prompts as token ids (the front end tokenizes)")
-    prompt_ids, embeddings = place_embeddings(req.token_ids.ids, embedding_placements(req))
+def job_spec(
+    req: pb.GenerateRequest,
+    prompt_ids: Sequence[int],
+    negative_ids: Sequence[int] | None = None,
+    tenant: str = "",
+    cache_salt: str | None = None,
+    adapter: str | None = None,
+) -> JobSpec:
+    """The job `req` asks for, its prompt (and a guided job's negative prompt) already tokenized;
+    `tenant`, the prefix cache's `cache_salt` and the `adapter`'s engine name as the front end
+    decided them (None: the request's own). Prompt embeddings placed at placeholder tokens expand
+    those tokens here (the job's prompt grows). InvalidRequestError where it cannot be a job."""
+    ids, embeddings = place_embeddings(prompt_ids, embedding_placements(req))
+    guidance = None
+    if req.HasField("guidance"):
+        if negative_ids is None:
+            raise InvalidRequestError("guidance: the negative prompt is not tokenized")
+        guidance = Guidance(req.guidance.scale, tuple(negative_ids))
     return JobSpec(
-        prompt_ids=prompt_ids,
-        max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else _JOB.max_new_tokens,
+        prompt_ids=ids,
+        max_new_tokens=max_new_tokens(req),
         min_new_tokens=req.min_new_tokens,
         stop_token_ids=frozenset(req.stop_token_ids),
         stop_strings=tuple(req.stop_strings),
@@ -106,18 +121,18 @@ def job_spec(req: pb.GenerateRequest, tenant: str = "") -> JobSpec:
         return_logprobs=req.return_logprobs,
         top_logprobs=req.top_logprobs,
         identifier=req.identifier or None,
-        cache_salt=req.cache_salt,
+        cache_salt=req.cache_salt if cache_salt is None else cache_salt,
         sampling=sampling_settings(req.sampling),
         response_format=_response_format(req),
         banned_strings=tuple(req.banned_strings),
         token_healing=req.token_healing,
-        adapter=req.adapter or None,
+        adapter=(req.adapter or None) if adapter is None else adapter,
         stop_on_loop=LoopStop(req.stop_on_loop.window, req.stop_on_loop.min_repetitions)
         if req.HasField("stop_on_loop")
         else None,
         priority=req.priority,
         tenant=tenant,
-        guidance=_guidance(req),
+        guidance=guidance,
         embeddings=embeddings,
     )
 
@@ -165,3 +180,37 @@ def event_to_proto(event: JobEvent) -> pb.GenerateEvent:
                 f.error_code = ERROR_STATUS[event.error.kind]
             f.adapter = event.adapter or ""
     return out
+
+
+def model_info(info: EngineInfo, replica: str) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model=info.model,
+        vocab_size=info.vocab_size,
+        context_length=info.context_length,
+        page_size=info.page_size,
+        num_pages=info.num_pages,
+        max_batch_size=info.max_batch_size,
+        max_queue_size=info.max_queue_size,
+        max_chunk_size=info.max_chunk_size,
+        dtype=info.dtype,
+        queued_jobs=info.queued_jobs,
+        running_jobs=info.running_jobs,
+        pages_free=info.pages_free,
+        pages_cached=info.pages_cached,
+        pages_used=info.pages_used,
+        quant=info.quant,
+        linears=info.linears,
+        cpu=info.cpu,
+        kv_cache=info.kv_cache,
+        replica=replica,
+        max_adapters=info.max_adapters,
+        hidden_size=info.hidden_size,
+        device=info.device,
+        iterations=info.iterations,
+    )
+
+
+def adapter_info(view: AdapterView) -> pb.AdapterInfo:
+    return pb.AdapterInfo(
+        name=view.name, path=view.path, description=view.description, jobs=view.jobs, shared=view.shared
+    )
