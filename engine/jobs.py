@@ -164,7 +164,9 @@ class JobSpec:
     # their rows must be of the model's hidden size (checked at enqueue).
     embeddings: tuple[PromptEmbedding, ...] = ()
 
-    def validate(self, vocab_size: int) -> None:
+    def validate(self, vocab_size: int, hidden_size: int | None = None) -> None:
+        """InvalidRequestError naming the field and its limit; `hidden_size`: prompt embeddings' rows
+        must be that wide (None: unchecked)."""
         _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
         _check(
             all(0 <= t < vocab_size for t in self.prompt_ids),
@@ -194,7 +196,7 @@ class JobSpec:
             problem = self.guidance.problem(vocab_size)
             _check(problem is None, problem or "")
         if self.embeddings:
-            check_embeddings(self.embeddings, len(self.prompt_ids), None)
+            check_embeddings(self.embeddings, len(self.prompt_ids), hidden_size)
             _check(
                 not self.token_healing,
                 "token_healing cannot be combined with embeddings (it takes back the prompt's last tokens)",
@@ -212,11 +214,9 @@ class JobSpec:
 
     def check(self, limits: SpecLimits) -> None:
         """The one rule a job is admitted by, in the front end and in the engine alike: its values
-        (`validate`), its prompt embeddings' width, and `check_fit`. InvalidRequestError or
+        and its prompt embeddings' width (`validate`), and `check_fit`. InvalidRequestError or
         PromptTooLongError naming what is wrong."""
-        self.validate(limits.vocab_size)
-        if self.embeddings:
-            check_embeddings(self.embeddings, len(self.prompt_ids), limits.hidden_size)
+        self.validate(limits.vocab_size, limits.hidden_size)
         check_fit(self, limits)
 
 
