@@ -65,7 +65,7 @@ from engine.model.llama import LlamaModel
 from engine.model.tokenizer import Tokenizer
 from engine.output.text_stream import TextStream
 from engine.output.token_healing import TokenHealer
-from engine.output.token_intake import TokenIntake
+from engine.output.token_intake import Outcome, TokenIntake
 from engine.prompt.prompt_embeddings import span_token_ids
 from engine.runner import ModelRunner
 from engine.sampling.logit_processors import mix_guided
@@ -203,9 +203,7 @@ class DynamicGenerator:
         self._masks: MaskWorker | None = None  # its thread starts with the first constrained job
         self.mask_overlap = c.mask_overlap.resolve()
         self._eos = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
-        self.intake = TokenIntake(
-            self.sampler, self.healer, self._eos, model.config.vocab_size, self._finish, self._truncate_cache
-        )
+        self.intake = TokenIntake(self.sampler, self.healer, self._eos, model.config.vocab_size)
         self._orders = 0
         self._iterations = 0
         self._pending_events: list[JobEvent] = []
@@ -420,7 +418,7 @@ class DynamicGenerator:
                     continue
                 if out.chunk.draft:
                     logits = out.logits[out.row : out.row + seq.logit_positions]
-                    self.speculation.verify(job, out.chunk.draft, logits, events)
+                    self._apply(job, self.speculation.verify(job, out.chunk.draft, logits, events), events)
                     continue
                 self.speculation.rewind(job, self.scheduler.advance(job, seq.end_pos))
                 if seq.want_logits:
@@ -601,12 +599,24 @@ class DynamicGenerator:
                     self._contain(out.chunk.job, "sampling", exc, events)
         for out, result in taken:
             try:
-                self.intake.accept(
-                    out.chunk.job, result.token_id, result.logprob, events, out.logits[out.row]
+                job = out.chunk.job
+                self._apply(
+                    job,
+                    self.intake.accept(job, result.token_id, result.logprob, events, out.logits[out.row]),
+                    events,
                 )
-                self.intake.follow_output(out.chunk.job)
+                if job.negative is not None and (keep := self.intake.follow_output(job)) is not None:
+                    self._truncate_cache(job.negative, keep)
             except Exception as exc:
                 self._contain(out.chunk.job, "taking its sampled token", exc, events)
+
+    def _apply(self, job: JobState, outcome: Outcome, events: list[JobEvent]) -> None:
+        """Do what a job's taken tokens call for: its K/V taken back past a rewind, then its end."""
+        if outcome.keep is not None:
+            self._truncate_cache(job, outcome.keep)
+        if outcome.stop is not None:
+            s = outcome.stop
+            events.append(self._finish(job, s.reason, s.token, s.stop_string, s.text))
 
     def _truncate_cache(self, job: JobState, keep: int) -> None:
         """Take the job's K/V back to its first `keep` tokens (the scheduler's truncate)."""

@@ -4,14 +4,15 @@ A sampled token is taken (the stop token and EOS checks, the grammar, the text s
 stop strings and held text), streamed as TokensGenerated with the text it completes, or held
 while it may still start a banned string; a banned string that completes rewinds the job past
 its first token, bans that token at that position and samples the position again from its
-kept logits row. Stop conditions end the job through the generator's `finish` (which releases
-its pages through the scheduler); a rewind takes the cache back through `truncate`.
+kept logits row. Token intake writes the job's tokens and output state, and returns what the
+generator must do next as an Outcome (the job stops; its K/V past a rewind are no longer valid):
+it calls back into nothing, so a step reads schedule -> run -> sample -> intake -> apply.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +20,7 @@ from engine.cache.pages import common_prefix_len
 from engine.errors import InvalidRequestError
 from engine.grammar.constraints import token_bitmask
 from engine.job_state import HeldToken, JobState
-from engine.jobs import JobEvent, JobFinished, JobStage, StopReason, TokenLogprob, TokensGenerated
+from engine.jobs import JobEvent, JobStage, StopReason, TokenLogprob, TokensGenerated
 from engine.output.loop_detector import loop_period
 from engine.output.text_stream import BannedMatch
 from engine.output.token_healing import TokenHealer
@@ -29,41 +30,52 @@ from engine.sampling.sampler import Sampler, SampleRequest
 # each costs a sampler call, and a model set on a banned string could otherwise loop for long.
 MAX_REWINDS = 256
 
-# finish(job, reason, stop token, stop string, final text) -> the job's JobFinished
-Finish = Callable[[JobState, StopReason, int | None, str | None, str], JobFinished]
+
+@dataclass(frozen=True)
+class Stop:
+    """Why and how a job ends: its JobFinished's reason, stop token, stop string and final text."""
+
+    reason: StopReason
+    token: int | None = None
+    stop_string: str | None = None
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the generator does after a job took its tokens: end it (`stop`), and before that take its
+    K/V back to its first `keep` tokens (a banned-string rewind took tokens back)."""
+
+    stop: Stop | None = None
+    keep: int | None = None
+
+
+CARRY_ON = Outcome()
 
 
 class TokenIntake:
-    def __init__(
-        self,
-        sampler: Sampler,
-        healer: TokenHealer,
-        eos: frozenset[int],
-        vocab_size: int,
-        finish: Finish,
-        truncate: Callable[[JobState, int], None],
-    ) -> None:
+    def __init__(self, sampler: Sampler, healer: TokenHealer, eos: frozenset[int], vocab_size: int) -> None:
         self._sampler = sampler
         self._healer = healer
         self._eos = eos
         self._vocab_size = vocab_size
-        self._end = finish
-        self._truncate = truncate
 
-    def follow_output(self, job: JobState) -> None:
-        """Give a guided job's negative sequence the job's output tokens (and take back what a
-        rewind took back from the job, with its K/V)."""
+    def follow_output(self, job: JobState) -> int | None:
+        """Give a guided job's negative sequence the job's output tokens (taking back what a rewind
+        took back from the job); the number of its tokens whose K/V stay valid if fewer than computed."""
         negative = job.negative
         if negative is None or job.stage is JobStage.FINISHED:
-            return
+            return None
         output = job.tokens[job.prompt_len :]
         base = negative.prompt_len
         same = common_prefix_len(negative.tokens[base:], output)
+        keep = None
         if base + same < len(negative.tokens):
             if negative.computed > base + same:
-                self._truncate(negative, base + same)
+                keep = base + same
             del negative.tokens[base + same :]
         negative.tokens.extend(output[same:])
+        return keep
 
     def sample_request(
         self, job: JobState, ahead: int = 0, allowed: torch.Tensor | None = None
@@ -92,12 +104,15 @@ class TokenIntake:
         logprob: TokenLogprob | None,
         events: list[JobEvent],
         logits: torch.Tensor | None = None,
-    ) -> None:
+    ) -> Outcome:
         """Take one new token of the job (`logits`: the row it was sampled from): stream its text,
-        finish the job on a stop condition, or rewind past a banned string and take another."""
-        again = self._take(job, token, logprob, logits, events)
-        while again is not None:
-            again = self._take(job, *again, events)
+        stop the job on a stop condition, or rewind past a banned string and take another."""
+        keep: int | None = None
+        step = self._take(job, token, logprob, logits, events)
+        while isinstance(step, _Again):
+            keep = step.keep if keep is None else min(keep, step.keep)
+            step = self._take(job, step.token, step.logprob, step.row, events)
+        return CARRY_ON if step is None and keep is None else Outcome(step, keep)
 
     def _take(
         self,
@@ -106,16 +121,15 @@ class TokenIntake:
         logprob: TokenLogprob | None,
         logits: torch.Tensor | None,
         events: list[JobEvent],
-    ) -> tuple[int, TokenLogprob | None, torch.Tensor] | None:
-        """`_accept` for one token; returns the token sampled again after a rewind, if there was one."""
+    ) -> Stop | _Again | None:
+        """`accept` for one token: the job's stop, the token sampled again after a rewind, or None."""
         spec = job.spec
         now = time.perf_counter()
         if job.first_token_at is None:
             job.first_token_at = now
         if token in spec.stop_token_ids or (not spec.ignore_eos and token in self._eos):
             reason = StopReason.STOP_TOKEN if token in spec.stop_token_ids else StopReason.EOS
-            self._finish_releasing(job, reason, token, events)
-            return None
+            return self._stop_releasing(job, reason, token, events)
         if job.constraint is not None:
             job.constraint.accept(token)
         job.tokens.append(token)
@@ -139,19 +153,19 @@ class TokenIntake:
             if out or delta.text:
                 events.append(self._released(job, delta.text, out))
         if delta.stop_string is not None:
-            events.append(self._end(job, StopReason.STOP_STRING, None, delta.stop_string, ""))
-        elif job.constraint is not None and job.constraint.complete:
-            self._finish_releasing(job, StopReason.GRAMMAR, None, events)
-        elif job.new_tokens >= spec.max_new_tokens:
-            self._finish_releasing(job, StopReason.MAX_NEW_TOKENS, None, events)
-        elif spec.stop_on_loop is not None and loop_period(job.tokens, job.prompt_len, spec.stop_on_loop):
-            self._finish_releasing(job, StopReason.LOOP, None, events)
+            return Stop(StopReason.STOP_STRING, None, delta.stop_string, "")
+        if job.constraint is not None and job.constraint.complete:
+            return self._stop_releasing(job, StopReason.GRAMMAR, None, events)
+        if job.new_tokens >= spec.max_new_tokens:
+            return self._stop_releasing(job, StopReason.MAX_NEW_TOKENS, None, events)
+        if spec.stop_on_loop is not None and loop_period(job.tokens, job.prompt_len, spec.stop_on_loop):
+            return self._stop_releasing(job, StopReason.LOOP, None, events)
         return None
 
-    def _finish_releasing(
+    def _stop_releasing(
         self, job: JobState, reason: StopReason, token: int | None, events: list[JobEvent]
-    ) -> None:
-        """Finish a job that no stop string ended: its held text, and held tokens, are final now.
+    ) -> Stop:
+        """Stop a job that no stop string ended: its held text, and held tokens, are final now.
         A stop string that text completes after all ends the job as a stop string would."""
         text = job.text.finish()
         stop = job.text.finish_stop
@@ -161,7 +175,7 @@ class TokenIntake:
             held, job.held = job.held, []
             events.append(self._released(job, text, held))
             text = ""
-        events.append(self._end(job, reason, token, stop, text))
+        return Stop(reason, token, stop, text)
 
     @staticmethod
     def _released(job: JobState, text: str, held: list[HeldToken]) -> TokensGenerated:
@@ -169,9 +183,7 @@ class TokenIntake:
         logprobs = tuple(h.logprob for h in held if h.logprob is not None)
         return TokensGenerated(job.job_id, job.spec.identifier, text, tuple(h.token for h in held), logprobs)
 
-    def _rewind(
-        self, job: JobState, match: BannedMatch, token: int, logits: torch.Tensor | None
-    ) -> tuple[int, TokenLogprob | None, torch.Tensor]:
+    def _rewind(self, job: JobState, match: BannedMatch, token: int, logits: torch.Tensor | None) -> _Again:
         """A banned string completed: take the job back to before output token `match.token`, ban
         that token at that position, and sample the position again from its kept logits row."""
         if job.rewinds >= MAX_REWINDS:
@@ -199,7 +211,6 @@ class TokenIntake:
             job.healing = self._healer.remaining(job.heal.removed, job.tokens[job.prompt_len :])
         if job.constraint is not None:
             job.constraint.rollback(dropped)
-        self._truncate(job, keep)
         # Bans further on were made after another prefix: they no longer apply.
         bans = {p: b for p, b in job.position_bans.items() if p < position}
         bans[position] = job.position_bans.get(position, frozenset()) | {first}
@@ -218,4 +229,14 @@ class TokenIntake:
                 f"banned strings leave no token to write at output position {position} "
                 f"(every allowed token starts {match.string!r})"
             )
-        return result.token_id, result.logprob, row
+        return _Again(result.token_id, result.logprob, row, keep)
+
+
+@dataclass(frozen=True)
+class _Again:
+    """A rewind's token, sampled again from the kept row; the K/V past `keep` tokens are invalid."""
+
+    token: int
+    logprob: TokenLogprob | None
+    row: torch.Tensor
+    keep: int

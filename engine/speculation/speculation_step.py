@@ -17,7 +17,7 @@ import torch
 from engine.grammar.constraints import mask_words
 from engine.job_state import JobState
 from engine.jobs import JobEvent, JobStage
-from engine.output.token_intake import TokenIntake
+from engine.output.token_intake import CARRY_ON, Outcome, TokenIntake
 from engine.sampling.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.speculation.speculation_config import SpeculationConfig
@@ -126,8 +126,9 @@ class SpeculationStep:
 
     def verify(
         self, job: JobState, draft: tuple[int, ...], logits: torch.Tensor, events: list[JobEvent]
-    ) -> None:
-        """Keep the acceptable prefix of `draft` plus one token of the target's own."""
+    ) -> Outcome:
+        """Keep the acceptable prefix of `draft` plus one token of the target's own; the outcome for
+        the generator to apply (a stop the taken tokens reached)."""
         drafted = len(draft)
         masks: list[torch.Tensor | None] = [None] * (drafted + 1)
         if job.constraint is not None:
@@ -150,11 +151,12 @@ class SpeculationStep:
         self.rejected += drafted - accepted
         base = job.computed
         for token in (*draft[:accepted], bonus):
-            self._intake.accept(job, token, None, events)
-            if job.stage is JobStage.FINISHED:
-                return
+            outcome = self._intake.accept(job, token, None, events)
+            if outcome.stop is not None:
+                return outcome  # a job with banned strings does not speculate: no rewind here
         # K/V are valid for the last token and the accepted drafts only.
         self.rewind(job, self._scheduler.advance(job, base + 1 + accepted))
+        return CARRY_ON
 
     def _grammar_masks(
         self, job: JobState, draft: tuple[int, ...]
