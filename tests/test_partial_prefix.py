@@ -14,7 +14,8 @@ import pytest
 
 from engine.cache.kv_cache import KVCacheKind
 from engine.cache.pages import PagePool, PageState
-from engine.generator import Completion, DynamicGenerator, GeneratorConfig
+from engine.completion import Completion
+from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
 from engine.jobs import JobSpec
 from engine.model.loader import LoadedModel, load_model

@@ -10,13 +10,14 @@ takes those tokens (token_intake.py) and tells the scheduler how far the cache i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
+from engine.errors import InvalidRequestError
 from engine.grammar.constraints import mask_words
 from engine.job_state import JobState
-from engine.jobs import JobEvent, JobStage
+from engine.jobs import JobEvent
+from engine.model.llama import LlamaModel
 from engine.output.token_intake import CARRY_ON, Outcome, TokenIntake
 from engine.sampling.sampler import Sampler
 from engine.scheduler import ScheduledChunk, Scheduler
@@ -24,16 +25,31 @@ from engine.speculation.speculation_config import SpeculationConfig
 from engine.speculation.speculative import (
     Draft,
     Drafter,
+    DrafterKind,
     DraftModelDrafter,
     DraftRequest,
+    NgramDrafter,
     accept_greedy,
     accept_sampled,
 )
+from engine.step_failure import StepFailure
 
 logger = logging.getLogger(__name__)
 
-# contain(job, where, exception, events): fail that job alone (the generator's containment)
-Contain = Callable[[JobState, str, Exception, list[JobEvent]], None]
+
+def make_drafter(
+    config: SpeculationConfig, draft_model: LlamaModel | None, vocab_size: int, num_pages: int, page_size: int
+) -> Drafter | None:
+    """The drafter `config` asks for (a draft model's with its own page tables), or None."""
+    match config.kind:
+        case DrafterKind.NONE:
+            return None
+        case DrafterKind.NGRAM:
+            return NgramDrafter(config.max_ngram)
+        case DrafterKind.DRAFT_MODEL:
+            if draft_model is None:
+                raise InvalidRequestError("speculation kind draft_model needs a draft model")
+            return DraftModelDrafter(draft_model, vocab_size, num_pages, page_size)
 
 
 class SpeculationStep:
@@ -45,7 +61,6 @@ class SpeculationStep:
         intake: TokenIntake,
         sampler: Sampler,
         vocab_size: int,
-        contain: Contain,
     ) -> None:
         self._config = config
         self.drafter = drafter
@@ -53,7 +68,6 @@ class SpeculationStep:
         self._intake = intake
         self._sampler = sampler
         self._vocab_size = vocab_size
-        self._contain = contain
         self.accepted = 0  # draft tokens accepted, over all jobs
         self.rejected = 0
 
@@ -90,12 +104,14 @@ class SpeculationStep:
             budget = min(spec.num_draft_tokens, left) if active and self._speculates(job) else 0
             self._scheduler.set_draft_budget(job, budget)
 
-    def draft(self, chunks: list[ScheduledChunk], events: list[JobEvent]) -> list[ScheduledChunk]:
-        """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to them."""
+    def draft(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[StepFailure]]:
+        """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to
+        them; the jobs whose drafting failed are left out and reported."""
         # Only a decode step verifies drafts; a prefill chunk (e.g. of a re-admitted job) never does.
         wanting = [c for c in chunks if c.job.draft_budget > 0 and c.num_tokens > 1 and c.job.decoding]
         if self.drafter is None or not wanting:
-            return chunks
+            return chunks, []
+        failures: list[StepFailure] = []
         drafter = self.drafter
         requests = [DraftRequest(c.job.job_id, c.job.tokens, c.job.pages, c.num_tokens - 1) for c in wanting]
         drafts: dict[int, Draft] = {}
@@ -112,17 +128,18 @@ class SpeculationStep:
                 try:
                     (drafts[id(c)],) = drafter.propose([request])
                 except Exception as exc:
-                    self._contain(c.job, "drafting", exc, events)
+                    failures.append(StepFailure(c.job, "drafting", exc))
+        failed = {id(f.job) for f in failures}
         out = []
         for c in chunks:
-            if c.job.stage is JobStage.FINISHED:
-                continue  # failed while drafting
+            if id(c.job) in failed:
+                continue
             draft = drafts.get(id(c))
             if draft is None:
                 out.append(c)
             else:
                 out.append(ScheduledChunk(c.job, 1 + len(draft.tokens), draft.tokens))
-        return out
+        return out, failures
 
     def verify(
         self, job: JobState, draft: tuple[int, ...], logits: torch.Tensor, events: list[JobEvent]
