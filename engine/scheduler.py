@@ -14,17 +14,10 @@ findable, so its recompute is mostly a prefix hit) and it waits in the queue wit
 Admission fairness (`max_skips`): a job whose prompt does not fit yet may be passed by smaller
 jobs of its tenant and priority behind it at most max_skips times; then the queue waits for it.
 
-Whose turn it is (engine/fair_queue.py): the waiting tenant that has been served the fewest
-weighted tokens, then within it priority with aging (priority p is a head start of p / rate
-seconds of waiting), then arrival. When the next job outranks a running one (a higher priority
-and a better rank) or its tenant has no row while another tenant holds more than its share, and
-the batch or the pool has no room for it, a running job is preempted, again until it fits, so it
-starts in the same step: the lowest-priority one (the newest among equals), of the tenant most
-over its share where that is the reason. The pool's own preemptions take the same kind of
-victim. Equal priorities never preempt each other for priority's sake, and ranks never flip, so
-a job preempted for another is never re-admitted ahead of it. With authentication on, one
-tenant holds at most `max_q_per_tenant` waiting jobs (QueueFullError past it), so one tenant's
-flood cannot fill the queue.
+Whose turn it is: engine/fair_queue.py (tenants by weighted served tokens, then priority with
+aging, then arrival); who gives way when there is no room: engine/preemption.py. With
+authentication on, one tenant holds at most `max_q_per_tenant` waiting jobs (QueueFullError past
+it), so one tenant's flood cannot fill the queue.
 
 Guided jobs (classifier-free guidance) run with their negative sequence: a second row with
 its own pages, admitted, preempted and removed together with the job, which counts two rows
@@ -34,43 +27,19 @@ from the two rows' logits: until both can, each keeps its last token back.
 
 from __future__ import annotations
 
-import math
-from collections import Counter
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig"]
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import defaults
 from engine.cache.cache_manager import CacheManager, CopyPrefix
 from engine.cache.pages import PagePool
-from engine.errors import InvalidRequestError, QueueFullError
+from engine.errors import QueueFullError
 from engine.fair_queue import FairQueue
 from engine.job_state import JobState
 from engine.jobs import JobStage
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch_size: int = defaults.MAX_BATCH_SIZE
-    max_chunk_size: int = defaults.MAX_CHUNK_SIZE
-    max_q_size: int = defaults.MAX_QUEUE
-    max_skips: int = 4
-    prefix_cache: bool = True  # reuse full pages across jobs (off: every job computes its whole prompt)
-    # Waiting jobs of one named tenant at once (tenant "", authentication off, has only max_q_size).
-    max_q_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
-    priority_aging: float = defaults.PRIORITY_AGING  # priority levels a waiting job gains per second
-    tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, weight) of its fair share; default 1
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_chunk_size", "max_q_size", "max_q_per_tenant"):
-            if getattr(self, name) < 1:
-                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_skips < 0:
-            raise InvalidRequestError(f"max_skips must be >= 0, got {self.max_skips}")
-        if self.priority_aging < 0 or not math.isfinite(self.priority_aging):
-            raise InvalidRequestError(f"priority_aging must be >= 0, got {self.priority_aging}")
-        for tenant, weight in self.tenant_weights:
-            if not (weight > 0 and math.isfinite(weight)):
-                raise InvalidRequestError(f"tenant {tenant!r}: weight must be > 0, got {weight}")
+from engine.preemption import displaced_by, first_victim, rows
+from engine.scheduler_config import SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -205,7 +174,7 @@ class Scheduler:
         #    pool allow.
         waiting: list[JobState] = []
         while budget >= 1 and len(self.running) < self.config.max_batch_size:
-            head = self.queue.peek(self._rows())
+            head = self.queue.peek(rows(self.running))
             if head is None:
                 break
             job = head
@@ -262,66 +231,16 @@ class Scheduler:
         self.queue.charge(job.spec.tenant, own + neg)
         return budget - own - neg
 
-    def _rows(self) -> Counter[str]:
-        """Batch rows each tenant's running jobs hold (a guided job holds two)."""
-        return Counter(j.spec.tenant for j in self.running)
-
-    def _over_share(self, rows: Counter[str]) -> dict[str, float]:
-        """Tenants holding more batch rows than the ceiling of their share, by how many."""
-        capacity = self.config.max_batch_size
-        out: dict[str, float] = {}
-        for tenant, n in rows.items():
-            share = self.queue.share(tenant, capacity)
-            if n > math.ceil(share):
-                out[tenant] = n - share
-        return out
-
     def _victim(self) -> JobState | None:
-        """The running job to preempt first: the lowest priority, of the tenant most over its share of
-        the batch (with several tenants), the newest among equals."""
-        over = self._over_share(self._rows()) if len(self.queue.tenants()) > 1 else {}
-        jobs = (j for j in self.running if j.positive is None)
-        return max(
-            jobs, key=lambda j: (-j.spec.priority, over.get(j.spec.tenant, 0.0), j.order), default=None
-        )
-
-    def _displaces(self, head: JobState) -> JobState | None:
-        """The running job `head` may take the place of, if there is no room for it: the first victim
-        if `head` outranks it; else, with several tenants, when `head`'s tenant has no row running and
-        its share holds one, the lowest-priority newest job (of priority <= head's) of the tenant most
-        over its share. None: `head` waits for room like any job, and the shares come from the order
-        of admission alone (a preemption costs its victim a recompute, so it is kept for the tenant
-        that would otherwise wait for another's jobs to end)."""
-        victim = self._victim()
-        if victim is None:
-            return None
-        if self.queue.outranks(head, victim):
-            return victim
-        if len(self.queue.tenants()) < 2:
-            return None
-        rows = self._rows()
-        tenant = head.spec.tenant
-        need = 1 if head.negative is None else 2
-        if rows[tenant] or need > math.floor(self.queue.share(tenant, self.config.max_batch_size)):
-            return None
-        over = self._over_share(rows)
-        if not over:
-            return None
-        richest = max(over, key=lambda t: over[t])
-        candidates = [
-            j
-            for j in self.running
-            if j.positive is None and j.spec.tenant == richest and j.spec.priority <= head.spec.priority
-        ]
-        return max(candidates, key=lambda j: (-j.spec.priority, j.order), default=None)
+        return first_victim(self.running, self.queue, self.config.max_batch_size)
 
     def _admit_by_preemption(self, on_preempt: Callable[[JobState], None]) -> None:
         """Admit the next waiting jobs while each may displace a running one (_displaces), preempting
         while there is no room for them (batch rows or pages)."""
         while self.queue:
-            head = self.queue.peek(self._rows())
+            head = self.queue.peek(rows(self.running))
             assert head is not None
-            victim = self._displaces(head)
+            victim = displaced_by(head, self.running, self.queue, self.config.max_batch_size)
             if victim is None:
                 return
             if self._admit_unit(head):

@@ -1,0 +1,34 @@
+"""The scheduler's settings (plain values; the service's flags build them)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine import defaults
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = defaults.MAX_BATCH_SIZE
+    max_chunk_size: int = defaults.MAX_CHUNK_SIZE
+    max_q_size: int = defaults.MAX_QUEUE
+    max_skips: int = 4
+    prefix_cache: bool = True  # reuse full pages across jobs (off: every job computes its whole prompt)
+    # Waiting jobs of one named tenant at once (tenant "", authentication off, has only max_q_size).
+    max_q_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
+    priority_aging: float = defaults.PRIORITY_AGING  # priority levels a waiting job gains per second
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, weight) of its fair share; default 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_chunk_size", "max_q_size", "max_q_per_tenant"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_skips < 0:
+            raise InvalidRequestError(f"max_skips must be >= 0, got {self.max_skips}")
+        if self.priority_aging < 0 or not math.isfinite(self.priority_aging):
+            raise InvalidRequestError(f"priority_aging must be >= 0, got {self.priority_aging}")
+        for tenant, weight in self.tenant_weights:
+            if not (weight > 0 and math.isfinite(weight)):
+                raise InvalidRequestError(f"tenant {tenant!r}: weight must be > 0, got {weight}")
