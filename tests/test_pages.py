@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from engine.cache import pages
+from engine.cache import pages, prefix_hash
 from engine.cache.pages import PagePool, PageState, PoolStats, chain_hash
 from engine.ids import PageId
 
@@ -219,7 +219,7 @@ def test_salts_never_share_pages_and_same_salts_do() -> None:
     hit = pool.match_prefix([1, 2, 3, 4, 5], salt="a")
     assert hit == a
     key = pool.page_key(a[0])
-    assert key is not None and key.parent_hash == pages.salt_root("a") != pages.salt_root("b")
+    assert key is not None and key.parent_hash == prefix_hash.salt_root("a") != prefix_hash.salt_root("b")
     # Live dedup only within a salt.
     b = pool.allocate(1)
     assert b is not None
@@ -254,7 +254,7 @@ def test_find_prefix_looks_without_taking_or_counting() -> None:
     pool.release(table)
     before = states(pool), pool.stats()
     hashes: list[int] = []
-    pages.extend_chain(hashes, [1, 2, 3, 4, 5], 2, "", 2)
+    prefix_hash.extend_chain(hashes, [1, 2, 3, 4, 5], 2, "", 2)
     assert hashes == [chain_hash(None, [1, 2]), chain_hash(hashes[0], [3, 4])]
     assert pool.find_prefix([1, 2, 3, 4, 5], 4, hashes=hashes) == table
     assert (states(pool), pool.stats()) == before
@@ -706,7 +706,7 @@ class PoolMachine(RuleBasedStateMachine):
                 continue
             content = self.kv[PageId(p)]
             assert len(content) % ps == 0 and content[-ps:] == key.tokens
-            h = pages.salt_root(self.kv_salt[PageId(p)])
+            h = prefix_hash.salt_root(self.kv_salt[PageId(p)])
             for start in range(0, len(content), ps):
                 h = pages.chain_hash(h, content[start : start + ps])
             assert h == key.hash, f"page {p}'s hash does not describe its KV"

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from engine.cache.pages import PagePool, common_prefix_len, extend_chain
+from engine.cache.pages import PagePool
+from engine.cache.prefix_hash import common_prefix_len, extend_chain
 from engine.ids import PageId
 from engine.job_state import JobState, PrefixCopy
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.pages import common_prefix_len
+from engine.cache.prefix_hash import common_prefix_len
 from engine.errors import InvalidRequestError
 from engine.grammar.constraints import token_bitmask
 from engine.job_state import HeldToken, JobState
