@@ -44,13 +44,14 @@ class _GatherScratch:
     kept what they freed: the engine's RSS grew by hundreds of MB under a steady load."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._buffers: dict[tuple[int, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def take(
         self, which: int, rows: int, width: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """A [rows, width] tensor of buffer `which` (0: K, 1: V), valid until that buffer's next take."""
-        key = (which, dtype, device)
+        # Inference tensors (made under torch.inference_mode) cannot be written outside it: one set each.
+        key = (which, dtype, device, torch.is_inference_mode_enabled())
         buf = self._buffers.get(key)
         need = rows * width
         if buf is None or buf.numel() < need:
