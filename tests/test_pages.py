@@ -8,7 +8,7 @@ collides.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from engine.cache import pages, prefix_hash
+from engine.cache import pages, pool_invariants, prefix_hash, prefix_lookup
 from engine.cache.pages import PagePool, PageState, PoolStats, chain_hash
 from engine.ids import PageId
 
@@ -41,6 +41,18 @@ def fill(pool: PagePool, tokens: Sequence[int]) -> list[PageId]:
 
 def states(pool: PagePool) -> list[PageState]:
     return [pool.state(PageId(p)) for p in range(pool.num_pages)]
+
+
+def weak_hashes(
+    monkeypatch: pytest.MonkeyPatch,
+    chain: Callable[[int | None, Sequence[int]], int],
+    root: Callable[[str], int | None] | None = None,
+) -> None:
+    """Give the pool colliding hashes, in every module that hashes a page (each imports them by name)."""
+    for module in (pages, prefix_lookup, pool_invariants):
+        monkeypatch.setattr(module, "chain_hash", chain)
+        if root is not None:
+            monkeypatch.setattr(module, "salt_root", root)
 
 
 # -- chain_hash ------------------------------------------------------------------------------
@@ -169,7 +181,7 @@ def test_match_is_chained_over_the_whole_prefix() -> None:
 
 
 def test_match_with_colliding_hashes_checks_tokens_and_parents(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pages, "chain_hash", lambda parent, tokens: 7)
+    weak_hashes(monkeypatch, lambda parent, tokens: 7)
     pool = PagePool(8, 2)
     a = fill(pool, [1, 2])
     assert pool.match_prefix([5, 6]) == []  # same hash, other tokens
@@ -191,7 +203,7 @@ def test_match_with_colliding_hashes_checks_tokens_and_parents(monkeypatch: pyte
 
 def test_dedup_with_colliding_hashes_checks_parents(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checking only a page's own tokens would hand g a page computed over f's prefix."""
-    monkeypatch.setattr(pages, "chain_hash", lambda parent, tokens: 7)
+    weak_hashes(monkeypatch, lambda parent, tokens: 7)
     pool = PagePool(8, 2)
     f, g = pool.allocate(2), pool.allocate(2)
     assert f is not None and g is not None
@@ -234,8 +246,7 @@ def test_salts_never_share_pages_and_same_salts_do() -> None:
 
 
 def test_salts_stay_apart_when_every_hash_collides(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pages, "chain_hash", lambda parent, tokens: 7)
-    monkeypatch.setattr(pages, "salt_root", lambda salt: 7 if salt else None)
+    weak_hashes(monkeypatch, lambda parent, tokens: 7, lambda salt: 7 if salt else None)
     pool = PagePool(8, 2)
     a = pool.allocate(1)
     assert a is not None
@@ -731,5 +742,5 @@ def test_pool_state_machine() -> None:
 
 def test_pool_state_machine_with_weak_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three hash values in all: constant collisions and displacements; no job may get foreign KV."""
-    monkeypatch.setattr(pages, "chain_hash", lambda parent, tokens: (sum(tokens) + (parent or 0)) % 3)
+    weak_hashes(monkeypatch, lambda parent, tokens: (sum(tokens) + (parent or 0)) % 3)
     run_state_machine_as_test(PoolMachine, settings=MACHINE_SETTINGS)  # type: ignore[no-untyped-call]

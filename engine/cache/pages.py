@@ -7,19 +7,9 @@ Pure bookkeeping, no tensors. Every page is in exactly one state:
   `match_prefix` can revive it; `allocate` evicts these least recently used first.
 - REFERENCED: held by one or more page tables (ref count = number of tables).
 
-Prefix identity. A full page's hash chains over everything before it,
-`h_i = chain_hash(h_{i-1}, tokens of page i)`, and finds candidates in a dict. The
-hash alone does not decide a hit: every registration also records its exact tokens
-and the registration it was computed on top of (a serial number never reused), and a
-hit must match both. So by induction a matched page's KV was computed over exactly the
-caller's prefix, whatever the hash does; a collision costs at most a missed hit.
-(Checking only the page's own tokens would not suffice: the parent would then be
-identified by its hash alone.) Hence `register_full` takes the parent page, not its hash.
-
-Cache salts (tenant isolation). A job's non-empty `salt` roots its chain: its first
-page's parent hash is `salt_root(salt)` instead of None, and every registration records
-its salt, which a hit and a dedup must match exactly too. So jobs of different salts
-never share a page, even on a hash collision; an empty salt hashes as before.
+A full page is registered under its prefix hash, and a hit must also match its exact tokens, parent
+registration and cache salt (engine/cache/prefix_lookup.py says why); the invariants are checked in
+engine/cache/pool_invariants.py.
 
 How a generator drives it, per job:
 1. `table = pool.match_prefix(prompt, max_tokens=len(prompt) - 1)`: the first
@@ -40,28 +30,18 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.cache.prefix_hash import chain_hash, common_prefix_len, salt_root
+from engine.cache.pool_invariants import PoolView, check_pool_invariants
+from engine.cache.prefix_hash import chain_hash, salt_root
+from engine.cache.prefix_lookup import ROOT_SERIAL, PageKey, Registration, find_chain, find_partial
 from engine.ids import PageId
 
 __all__ = ["PageKey", "PagePool", "PageState", "PoolStats", "chain_hash"]
-
-_ROOT_SERIAL = 0  # the "parent registration" of every first page
-_PARTIAL_SCAN = 64  # children of one parent `find_partial` compares, newest first
 
 
 class PageState(enum.Enum):
     FREE = "free"
     CACHED = "cached"
     REFERENCED = "referenced"
-
-
-@dataclass(frozen=True)
-class PageKey:
-    """What a registered (full) page holds: its chained hash, its parent's hash and its tokens."""
-
-    hash: int
-    parent_hash: int | None  # None for a first page without a salt
-    tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -81,14 +61,6 @@ class PoolStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Registration:
-    key: PageKey
-    serial: int  # unique for the pool's lifetime: names this content, not this page slot
-    parent_serial: int
-    salt: str  # the chain's salt, the same on every page of a chain
-
-
 class PagePool:
     """Ref counts, prefix index and LRU of the KV cache's pages. Every operation is O(pages touched)."""
 
@@ -101,12 +73,12 @@ class PagePool:
         # A stack; reversed so that a fresh pool hands out 0, 1, 2, ...
         self._free: list[PageId] = [PageId(p) for p in reversed(range(num_pages))]
         self._lru: OrderedDict[PageId, None] = OrderedDict()  # CACHED pages, least recently used first
-        self._reg: dict[PageId, _Registration] = {}
+        self._reg: dict[PageId, Registration] = {}
         self._index: dict[int, PageId] = {}  # hash -> the one page a lookup finds
         # Parent registration serial -> its registered children, newest last: where `find_partial`
         # looks for a page that starts like the caller's next, not yet matched, tokens.
         self._children: dict[int, OrderedDict[PageId, None]] = {}
-        self._next_serial = _ROOT_SERIAL + 1
+        self._next_serial = ROOT_SERIAL + 1
         self._prefix_lookups = 0
         self._prefix_query_tokens = 0
         self._prefix_hit_tokens = 0
@@ -199,24 +171,7 @@ class PagePool:
         caller that looks up again and again (a job waiting for room) hashes its pages once.
         """
         limit = self._limit(token_ids, max_tokens)
-        ps = self._page_size
-        matched: list[PageId] = []
-        parent_hash = salt_root(salt)
-        parent_serial = _ROOT_SERIAL
-        for i, start in enumerate(range(0, limit - ps + 1, ps)):
-            tokens = tuple(token_ids[start : start + ps])
-            h = hashes[i] if hashes is not None and i < len(hashes) else chain_hash(parent_hash, tokens)
-            page = self._index.get(h)
-            if page is None:
-                break
-            reg = self._reg[page]
-            # The hash only proposes; exact tokens on top of the exact parent (and salt) decide.
-            # This also rules out a page matching twice (its parent chain ends at the root once).
-            if reg.key.tokens != tokens or reg.parent_serial != parent_serial or reg.salt != salt:
-                break
-            matched.append(page)
-            parent_hash, parent_serial = h, reg.serial
-        return matched
+        return find_chain(self._index, self._reg, token_ids, limit, self._page_size, salt=salt, hashes=hashes)
 
     def find_partial(
         self, parent: PageId | None, tokens: Sequence[int], *, salt: str = ""
@@ -228,30 +183,9 @@ class PagePool:
         sequence already computed (a shared system prompt rarely ends on a page boundary), so
         the caller can copy those tokens' K/V instead of computing them. `parent` must be a
         registered page (the caller's last matched one). Looks at the newest `_PARTIAL_SCAN`
-        children: a bound on the work per admission, not on correctness.
+        children (prefix_lookup.py): a bound on the work per admission, not on correctness.
         """
-        if not tokens:
-            return None
-        serial = _ROOT_SERIAL
-        if parent is not None:
-            reg = self._reg.get(parent)
-            if reg is None:
-                raise ValueError(f"parent page {parent} is not registered")
-            serial = reg.serial
-        children = self._children.get(serial)
-        if not children:
-            return None
-        best: tuple[PageId, int] | None = None
-        for i, page in enumerate(reversed(children)):
-            if i >= _PARTIAL_SCAN:
-                break
-            reg = self._reg[page]
-            if reg.salt != salt:
-                continue
-            n = common_prefix_len(reg.key.tokens, tokens)
-            if n and (best is None or n > best[1]):
-                best = (page, n)
-        return best
+        return find_partial(self._children, self._reg, parent, tokens, salt=salt)
 
     def take_prefix(self, pages: Sequence[PageId], query_tokens: int, partial_tokens: int = 0) -> None:
         """Reference pages `find_prefix` just returned (nothing changed since), counting one lookup
@@ -309,7 +243,7 @@ class PagePool:
             raise ValueError(f"page {page} is not held by anyone; only a held page can be registered")
         page_tokens = tuple(tokens)
         parent_hash = salt_root(salt) if parent is None else None
-        parent_serial = _ROOT_SERIAL
+        parent_serial = ROOT_SERIAL
         if parent is not None:
             self._check_page(parent)
             parent_reg = self._reg.get(parent)
@@ -343,7 +277,7 @@ class PagePool:
                 del self._lru[owner]
                 self._drop_registration(owner)
                 self._free.append(owner)
-        self._reg[page] = _Registration(
+        self._reg[page] = Registration(
             PageKey(h, parent_hash, page_tokens), self._next_serial, parent_serial, salt
         )
         self._next_serial += 1
@@ -406,81 +340,17 @@ class PagePool:
     def check_invariants(self, tables: Iterable[Sequence[PageId]], holds: Iterable[PageId] = ()) -> None:
         """Raise AssertionError listing every broken invariant, given all live page tables and the
         pages held outside them (`hold`: a partial prefix's source page, until it is copied)."""
-        problems: list[str] = []
-        n = self._num_pages
-        holders = [0] * n
-        for page in holds:
-            holders[page] += 1
-        for t, table in enumerate(tables):
-            seen: set[PageId] = set()
-            for page in table:
-                if not 0 <= page < n:
-                    problems.append(f"table {t} holds page {page}, outside 0..{n - 1}")
-                    continue
-                if page in seen:
-                    problems.append(f"table {t} holds page {page} twice")
-                seen.add(page)
-                holders[page] += 1
-            problems.extend(self._table_chain_problems(t, table))
-        free = set(self._free)
-        if len(free) != len(self._free):
-            problems.append("the free list holds a page twice")
-        for p in range(n):
-            page = PageId(p)
-            ref, reg = self._ref[p], self._reg.get(page)
-            states = [name for name, on in (("FREE", page in free), ("CACHED", page in self._lru)) if on]
-            if ref > 0:
-                states.append("REFERENCED")
-            if len(states) != 1:
-                problems.append(f"page {p} is in {len(states)} states {states} (ref count {ref})")
-            if ref != holders[p]:
-                problems.append(f"page {p} has ref count {ref} but {holders[p]} tables hold it")
-            if page in free and reg is not None:
-                problems.append(f"FREE page {p} still has a hash")
-            if page in self._lru and (reg is None or self._index.get(reg.key.hash) != page):
-                problems.append(f"CACHED page {p} cannot be found by its hash")
-            if reg is not None:
-                key = reg.key
-                if len(key.tokens) != self._page_size:
-                    problems.append(f"page {p} is registered with {len(key.tokens)} tokens")
-                if key.hash != chain_hash(key.parent_hash, key.tokens):
-                    problems.append(f"page {p}'s hash does not match its parent hash and tokens")
-                if reg.parent_serial == _ROOT_SERIAL and key.parent_hash != salt_root(reg.salt):
-                    problems.append(f"first page {p}'s parent hash is not its salt's root")
-                if reg.parent_serial != _ROOT_SERIAL and key.parent_hash is None:
-                    problems.append(f"page {p} disagrees with itself on whether it is a first page")
-        for h, page in self._index.items():
-            reg = self._reg.get(page)
-            if reg is None or reg.key.hash != h:
-                problems.append(f"the index maps hash {h:#x} to page {page}, not registered under it")
-        children = {(serial, page) for serial, pages in self._children.items() for page in pages}
-        if children != {(reg.parent_serial, page) for page, reg in self._reg.items()}:
-            problems.append("the children index does not list exactly the registered pages")
-        if len({reg.serial for reg in self._reg.values()}) != len(self._reg):
-            problems.append("two registrations share a serial")
-        if problems:
-            shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-            raise AssertionError("page pool invariants broken:\n  " + "\n  ".join(shown))
-
-    def _table_chain_problems(self, t: int, table: Sequence[PageId]) -> list[str]:
-        """Registered pages must be a prefix of the table, each on top of the table's previous page."""
-        parent_serial = _ROOT_SERIAL
-        unregistered_at: int | None = None
-        for i, page in enumerate(table):
-            reg = self._reg.get(page) if 0 <= page < self._num_pages else None
-            if reg is None:
-                unregistered_at = i if unregistered_at is None else unregistered_at
-                continue
-            if unregistered_at is not None:
-                return [
-                    f"table {t}: page {page} at {i} is registered after unregistered page at {unregistered_at}"
-                ]
-            if reg.parent_serial != parent_serial:
-                return [
-                    f"table {t}: page {page} at {i} was registered on top of another page than the table's"
-                ]
-            parent_serial = reg.serial
-        return []
+        view = PoolView(
+            self._num_pages,
+            self._page_size,
+            self._ref,
+            self._free,
+            self._lru,
+            self._reg,
+            self._index,
+            self._children,
+        )
+        check_pool_invariants(view, tables, holds)
 
     # -- internals -----------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
 """Llama-family decoder over the paged KV cache.
 
 Plain tensors, no nn.Module: the forward is a straight loop over layers with fused
-QKV and gate/up projections (one matmul each instead of three and two). Every token
-of a flattened batch (prefill chunks and decode steps together) goes through the
-same batched ops; only attention looks at sequence boundaries, through the
-prepared attention of the kernels dispatch.
+QKV and gate/up projections (one matmul each instead of three and two; llama_weights.py
+builds them). Every token of a flattened batch (prefill chunks and decode steps together)
+goes through the same batched ops; only attention looks at sequence boundaries, through
+the prepared attention of the kernels dispatch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,32 +20,21 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.cache.kv_cache import KVCacheKind, PagedKVCache
-from engine.device import describe_device
-from engine.errors import InvalidRequestError, ModelFormatError
+from engine.errors import InvalidRequestError
 from engine.forward_batch import ForwardBatch
 from engine.model.config import ModelConfig
-from engine.model.packed_store import PackedStore, keep_linear, kept_table, packed_linear, packed_tensors
-from engine.model.quantization import LinearPlan, LinearRole, describe_linears
+from engine.model.llama_weights import FILE_BLOCK_KINDS, LayerWeights, load_weights
+from engine.model.packed_store import PackedStore
+from engine.model.quantization import LinearPlan
 from engine.model.rope import RotaryEmbedding
 from engine.model.weight_source import LazyInt4, LazyTensors, WeightSource
 from kernels.attention.backend import AttentionBackend, AttentionKind, resolve_attention, select_attention
 from kernels.attention.native_attention import NativePagedAttention
-from kernels.cpu_features import cpu_features
 from kernels.linear.block_linear import BlockLinear
 from kernels.linear.int4_groups import Int4Groups
-from kernels.linear.linear_autotune import LinearTuner, TuneCache, TunedLinear, TuneKey, bucket
-from kernels.linear.make_linear import Linear, LinearKind, make_linear
+from kernels.linear.linear_autotune import LinearTuner, TunedLinear, bucket
+from kernels.linear.make_linear import Linear, LinearKind
 from kernels.native.native_library import DecodeLayer, DecodeStep, LinearDesc, NativeLibrary, native_library
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    attn_norm: torch.Tensor
-    qkv: Linear  # [q + 2 * kv, hidden]
-    o: Linear
-    ffn_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,10 +42,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-# Kinds that run a file's own 4-bit blocks as they are stored (not re-quantized).
-_FILE_BLOCK_KINDS = (LinearKind.INT4, LinearKind.INT4_Q8, LinearKind.TRITON_Q4)
 
 
 class LlamaModel:
@@ -80,144 +65,15 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device or torch.device("cpu")
         self.plan = plan if plan is not None else LinearPlan.uniform(LinearKind.FLOAT)
-        gpu_kinds = (LinearKind.FLOAT, LinearKind.TRITON_Q4)
-        if self.device.type != "cpu" and any(
-            k not in gpu_kinds for r in LinearRole for k in self.plan.candidates(r)
-        ):
-            raise InvalidRequestError(f"only float and triton_q4 linears run on {self.device}")
-        stored = stored_int4 or {}
-        where = config.name
-
-        def get(name: str, shape: tuple[int, ...], as_dtype: torch.dtype = dtype) -> torch.Tensor:
-            t = tensors.get(name)
-            if t is None:
-                raise ModelFormatError(f"{where}: tensor {name} is missing")
-            if tuple(t.shape) != shape:
-                raise ModelFormatError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
-            return t.to(device=self.device, dtype=as_dtype).contiguous()
-
-        def opt(name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-            return get(name, shape) if name in tensors else None
-
-        built: list[tuple[LinearRole, Linear]] = []
-        self.tuner: LinearTuner | None = None
-        if self.plan.autotuned:
-            kinds = tuple(dict.fromkeys(k for r in LinearRole for k in self.plan.candidates(r)))
-            gpu = describe_device(self.device) if self.device.type != "cpu" else None
-            key = TuneKey.make(cpu_features(), f"{config.name}|{dtype}", kinds, gpu)
-            self.tuner = LinearTuner(TuneCache(key, tune_dir), self.device)
-
-        def linear(
-            role: LinearRole, parts: list[tuple[str, tuple[int, ...]]], bias: torch.Tensor | None = None
-        ) -> Linear:
-            """One linear over the row-wise concatenation of `parts` (fused QKV, gate/up)."""
-            kinds = self.plan.candidates(role)
-            # Quantized kinds quantize from the float32 values, not from a bfloat16 copy.
-            as_dtype = dtype if kinds == (LinearKind.FLOAT,) else torch.float32
-            shape = (sum(s[0] for _, s in parts), parts[0][1][1])
-
-            @functools.cache
-            def exact() -> Int4Groups | None:
-                # Split from the file's blocks only for a kind that runs them (and is not kept packed).
-                groups = [stored.get(n) for n, _ in parts]
-                return Int4Groups.cat([g for g in groups if g is not None]) if all(groups) else None
-
-            @functools.cache
-            def weight() -> torch.Tensor:
-                # Read (and dequantized) only for a kind that needs the float values.
-                weights = [get(n, s, as_dtype) for n, s in parts]
-                return weights[0] if len(weights) == 1 else torch.cat(weights).contiguous()
-
-            def build(kind: LinearKind) -> Linear:
-                groups = exact() if kind in _FILE_BLOCK_KINDS else None
-                if groups is not None:
-                    if groups.shape != shape:
-                        raise ModelFormatError(
-                            f"{where}: {parts[0][0]} has shape {groups.shape}, expected {shape}"
-                        )
-                    return make_linear(kind, None, bias, stored=groups, device=self.device)
-                w = weight().to(dtype) if kind is LinearKind.FLOAT else weight()
-                return make_linear(kind, w, bias, device=self.device)
-
-            def make(kind: LinearKind) -> Linear:
-                if packed is None or kind not in (LinearKind.INT4_Q8, LinearKind.INT8_Q8):
-                    return build(kind)
-                key = f"{'+'.join(n for n, _ in parts)}|{kind.value}"
-                kept = packed_linear(packed.get(key), kind, shape, bias)
-                if kept is not None:
-                    return kept
-                lin = build(kind)
-                keep_linear(packed, key, lin)
-                return lin
-
-            lin = self.tuner.build(kinds, make, shape) if self.tuner is not None else make(kinds[0])
-            built.append((role, lin))
-            return lin
-
-        c = config
-        h, q, kv = c.hidden_size, c.q_size, c.kv_size
-        embed_spec = ("model.embed_tokens.weight", (c.vocab_size, h))
-        self.embed = kept_table(packed, "model.embed_tokens.weight", dtype, lambda: get(*embed_spec))
-        self.final_norm = get("model.norm.weight", (h,))
-        head_name = "model.embed_tokens.weight"
-        if not c.tie_word_embeddings and "lm_head.weight" in tensors:
-            head_name = "lm_head.weight"
-        float_head = self.plan.candidates(LinearRole.HEAD) == (LinearKind.FLOAT,)
-        if head_name == "model.embed_tokens.weight" and float_head:
-            self.lm_head: Linear = make_linear(LinearKind.FLOAT, self.embed)  # shares the table
-            built.append((LinearRole.HEAD, self.lm_head))
-        else:
-            # A quantized tied head is its own copy; lookups keep the float table.
-            self.lm_head = linear(LinearRole.HEAD, [(head_name, (c.vocab_size, h))])
-        self.layers: list[LayerWeights] = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            biases = [
-                opt(p + f"self_attn.{n}_proj.bias", (size,)) for n, size in (("q", q), ("k", kv), ("v", kv))
-            ]
-            present = [b for b in biases if b is not None]
-            if present and len(present) != 3:
-                raise ModelFormatError(f"{where}: layer {i} has biases on only some of q/k/v")
-            self.layers.append(
-                LayerWeights(
-                    attn_norm=get(p + "input_layernorm.weight", (h,)),
-                    qkv=linear(
-                        LinearRole.QKV,
-                        [
-                            (p + "self_attn.q_proj.weight", (q, h)),
-                            (p + "self_attn.k_proj.weight", (kv, h)),
-                            (p + "self_attn.v_proj.weight", (kv, h)),
-                        ],
-                        torch.cat(present) if present else None,
-                    ),
-                    o=linear(
-                        LinearRole.OUT,
-                        [(p + "self_attn.o_proj.weight", (h, q))],
-                        opt(p + "self_attn.o_proj.bias", (h,)),
-                    ),
-                    ffn_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                    gate_up=linear(
-                        LinearRole.GATE_UP,
-                        [
-                            (p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
-                            (p + "mlp.up_proj.weight", (c.intermediate_size, h)),
-                        ],
-                    ),
-                    down=linear(LinearRole.DOWN, [(p + "mlp.down_proj.weight", (h, c.intermediate_size))]),
-                )
-            )
-        if packed is not None:
-            packed.retain([self.embed, *packed_tensors([lin for _, lin in built])])
-        self._linears_description = describe_linears(built)
-        if self.tuner is not None:
-            self.tuner.finish()
-            t = self.tuner
-            state = f"measured {t.measured} shapes" if t.measured else "cached"
-            if t.measured and not t.kept:
-                state += f", not cached: others used {t.busy_share:.0%} of the CPU meanwhile"
-            self._linears_description += f" (autotuned per rows 1/8/64, {state}: {self.tuner.cache.path})"
+        w = load_weights(config, tensors, dtype, self.device, self.plan, stored_int4 or {}, tune_dir, packed)
+        self.embed = w.embed
+        self.final_norm = w.final_norm
+        self.lm_head: Linear = w.lm_head
+        self.layers: list[LayerWeights] = w.layers
+        self.tuner: LinearTuner | None = w.tuner
+        self._linears_description = w.description
         freq_factors = tensors.get("rope_freqs")
-        self.rope = RotaryEmbedding(c, dtype, freq_factors)
+        self.rope = RotaryEmbedding(config, dtype, freq_factors)
         self.rope.to(self.device)
         self.attention: AttentionBackend = select_attention(attention, self.device)
         # The fused Triton kernels (residual add + norm, rotary in place) go with Triton attention.
@@ -266,7 +122,7 @@ class LlamaModel:
             list(lazy), functools.lru_cache(maxsize=2)(lazy.__getitem__), lambda _: bar.update()
         )
         stored: Mapping[str, Int4Groups] = {}
-        if plan is not None and any(plan.uses(k) for k in _FILE_BLOCK_KINDS):
+        if plan is not None and any(plan.uses(k) for k in FILE_BLOCK_KINDS):
             stored = LazyInt4(list(tensors), source.stored_int4)
         try:
             return LlamaModel(config, tensors, dtype, device, attention, plan, stored, tune_dir, packed)
