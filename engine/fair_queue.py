@@ -18,6 +18,10 @@ arrival. Equal ranks keep their arrival order.
 
 With one tenant (or authentication off, where every job is tenant "") the tenant step picks that
 tenant every time: the order is priority with aging, then arrival.
+
+A new job enters only while the queue holds fewer than `max_q_size` jobs and, with authentication
+on, its tenant fewer than `max_q_per_tenant` (QueueFullError past either), so one tenant's flood
+cannot fill the queue.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import bisect
 from collections import Counter
 from collections.abc import Iterator, Mapping
 
+from engine.errors import QueueFullError
 from engine.job_state import JobState
 
 
@@ -55,6 +60,19 @@ class FairQueue:
         job that has waited long, and equal priorities never preempt each other). Ranks differ by a
         constant, so if `job` outranks `other`, `other` never outranks `job`: no ping-pong."""
         return job.spec.priority > other.spec.priority and self.rank(job) < self.rank(other)
+
+    def enter(self, job: JobState, max_size: int, max_per_tenant: int) -> None:
+        """Queue a new job, if the queue and its tenant's share of it have room (QueueFullError)."""
+        if self._size >= max_size:
+            raise QueueFullError(f"the queue is full ({max_size} jobs waiting); try again later")
+        tenant = job.spec.tenant
+        if tenant and self.waiting(tenant) >= max_per_tenant:
+            raise QueueFullError(
+                f"this tenant has {max_per_tenant} jobs waiting, the most one tenant may "
+                "queue (--max-queue-per-tenant); try again later"
+            )
+        self.joined(tenant)
+        self.push(job)
 
     def push(self, job: JobState) -> None:
         """Queue a job (new or preempted) in its tenant's order."""

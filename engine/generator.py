@@ -17,7 +17,6 @@ Not thread-safe: one thread (the engine loop) owns a generator.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
@@ -25,8 +24,6 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import wait
 from pathlib import Path
-
-import torch
 
 from engine.adapters.adapter_registry import AdapterInfo, AdapterRegistry
 from engine.adapters.lora_adapter import LoraAdapter
@@ -43,7 +40,8 @@ from engine.errors import (
 from engine.forward_batch import SequenceInput
 from engine.generator_config import GeneratorConfig, GeneratorStats
 from engine.grammar.constraints import GrammarCompiler, MaskOverlap
-from engine.guided_pair import guide, negative_sequence
+from engine.guided_pair import guide
+from engine.job_builder import JobBuilder
 from engine.job_state import JobState
 from engine.jobs import (
     JobError,
@@ -60,17 +58,16 @@ from engine.jobs import (
 )
 from engine.model.llama import LlamaModel
 from engine.model.tokenizer import Tokenizer
-from engine.output.text_stream import TextStream
 from engine.output.token_healing import TokenHealer
 from engine.output.token_intake import Outcome, TokenIntake
-from engine.prompt.prompt_embeddings import span_token_ids
 from engine.runner import ModelRunner
 from engine.sampling.sampler import (
     Sampler,
-    SamplerState,
 )
 from engine.sampling.step_sampling import StepSampling, Taken
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.scheduled_chunk import ScheduledChunk
+from engine.scheduler import Scheduler
+from engine.sequence import SequenceState
 from engine.speculation.speculation_step import SpeculationStep, make_drafter
 from engine.speculation.speculative import (
     Drafter,
@@ -119,6 +116,9 @@ class DynamicGenerator:
         self.jobs: dict[JobId, JobState] = {}
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size)
         self.healer = TokenHealer(tokenizer, model.config.vocab_size, self.grammars.ll_tokenizer)
+        self.builder = JobBuilder(
+            tokenizer, self.grammars, self.healer, model.config.vocab_size, model.config.hidden_size
+        )
         self.mask_overlap = c.mask_overlap.resolve()
         self._eos = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
         self.intake = TokenIntake(self.sampler, self.healer, self._eos, model.config.vocab_size)
@@ -156,57 +156,10 @@ class DynamicGenerator:
                 raise InvalidRequestError(f"job id {job_id} is in use by another job")
         spec.check(self.limits)  # the front end's rule too (engine/jobs.py)
         adapter = self.adapters.get(spec.adapter) if spec.adapter is not None else None
-        # Compiled (or taken from the cache) here: a bad schema is the caller's error, at enqueue.
-        constraint = self.grammars.compile(spec.response_format) if spec.response_format is not None else None
-        heal = self.healer.plan(spec.prompt_ids) if spec.token_healing else None
-        if heal is not None:  # the job runs on the prompt less its last token
-            spec = dataclasses.replace(spec, prompt_ids=heal.prompt_ids)
-        if job_id is None:
-            job_id = new_job_id()
-        embeds = self._embedding_spans(spec) if spec.embeddings else ()
-        tokens = list(spec.prompt_ids)
-        for (
-            e
-        ) in spec.embeddings:  # their positions take pseudo ids, which the prefix cache hashes like tokens
-            tokens[e.position : e.end] = span_token_ids(e)
-        job = JobState(
-            job_id=job_id,
-            spec=spec,
-            sampler=SamplerState(spec.sampling, spec.prompt_ids, self.model.config.vocab_size),
-            text=TextStream(
-                self.tokenizer,
-                spec.stop_strings,
-                not spec.decode_special_tokens,
-                spec.banned_strings,
-                heal.removed_text if heal is not None else "",
-            ),
-            enqueued_at=time.perf_counter(),
-            order=0,
-            tokens=tokens,
-            constraint=constraint,
-            heal=heal,
-            healing=heal.removed if heal is not None else b"",
-            adapter=adapter,
-            embeds=embeds,
-        )
-        if spec.guidance is not None:
-            job.negative = negative_sequence(job, self.model.config.vocab_size, self.tokenizer)
+        job = self.builder.build(spec, job_id or new_job_id(), adapter)
         self.scheduler.submit(job)
-        self.jobs[job_id] = job
-        return job_id
-
-    def _embedding_spans(self, spec: JobSpec) -> tuple[tuple[int, torch.Tensor], ...]:
-        """The job's prompt embeddings as tensors, by start position."""
-        hidden = self.model.config.hidden_size
-        spans = []
-        for i, e in enumerate(spec.embeddings):
-            values = torch.frombuffer(bytearray(e.data), dtype=torch.float32).view(e.rows, hidden)
-            if not bool(torch.isfinite(values).all()):
-                raise InvalidRequestError(
-                    f"embeddings[{i}].data: holds values that are not finite (NaN or inf)"
-                )
-            spans.append((e.position, values))
-        return tuple(spans)
+        self.jobs[job.job_id] = job
+        return job.job_id
 
     # -- LoRA adapters -------------------------------------------------------------------------
 
@@ -242,7 +195,7 @@ class DynamicGenerator:
         p = self.pool.stats()
         return GeneratorStats(
             queued=len(self.scheduler.queue),
-            running=sum(1 for j in self.scheduler.running if j.positive is None),  # jobs, not rows
+            running=len(self.scheduler.running),  # jobs, not rows
             pages_free=p.free,
             pages_cached=p.cached,
             pages_used=p.referenced,
@@ -256,7 +209,7 @@ class DynamicGenerator:
         )
 
     def check_invariants(self) -> None:
-        sequences = [s for j in self.jobs.values() for s in (j, j.negative) if s is not None]
+        sequences = [s for j in self.jobs.values() for s in j.rows]
         holds = [s.prefix_copy.source for s in sequences if s.prefix_copy is not None]
         self.pool.check_invariants((s.pages for s in sequences if s.pages), holds)
 
@@ -299,10 +252,10 @@ class DynamicGenerator:
         for out in outputs:
             job, seq = out.chunk.job, out.seq
             try:
-                if job.positive is not None:  # a negative sequence: its row waits for its job's
-                    self.scheduler.advance(job, seq.end_pos)
+                if out.chunk.negative:  # the negative sequence's row waits for its job's own
+                    self.scheduler.advance(out.chunk.seq, seq.end_pos)
                     if seq.want_logits:
-                        negatives[job.positive] = out
+                        negatives[job] = out
                     continue
                 if out.chunk.draft:
                     logits = out.logits[out.row : out.row + seq.logit_positions]
@@ -330,23 +283,23 @@ class DynamicGenerator:
 
     def _stage(self, c: ScheduledChunk, now: float, events: list[JobEvent]) -> SequenceInput:
         """The model input of one chunk (and the job's start event, the first time it runs)."""
-        job = c.job
-        self.scheduler.begin_chunk(job, self.cache.copy_prefix)
-        if not job.started:
+        job, row = c.job, c.seq
+        self.scheduler.begin_chunk(c, self.cache.copy_prefix)
+        if not job.started and not c.negative:  # the job starts with its own row
             job.started = True
             job.scheduled_at = now
             events.append(JobStarted(job.job_id, job.spec.identifier, job.prompt_len, job.cached_tokens))
         if c.draft:
-            tokens = [*job.tokens[job.computed :], *c.draft]
-            return SequenceInput(tokens, job.computed, job.pages, True, len(tokens), job.adapter)
-        start, end = job.computed, job.computed + c.num_tokens
+            tokens = [*row.tokens[row.computed :], *c.draft]
+            return SequenceInput(tokens, row.computed, row.pages, True, len(tokens), job.adapter)
+        start, end = row.computed, row.computed + c.num_tokens
         embeds = tuple(
             (max(at, start) - start, values[max(at, start) - at : min(at + len(values), end) - at])
-            for at, values in job.embeds
+            for at, values in row.embeds
             if at < end and at + len(values) > start
         )
         return SequenceInput(
-            job.tokens[start:end], start, job.pages, end == len(job.tokens), 1, job.adapter, embeds
+            row.tokens[start:end], start, row.pages, end == len(row.tokens), 1, job.adapter, embeds
         )
 
     def _take(self, taken: Taken, events: list[JobEvent]) -> None:
@@ -359,23 +312,23 @@ class DynamicGenerator:
                 )
                 self._apply(job, outcome, events)
                 if job.negative is not None and (keep := self.intake.follow_output(job)) is not None:
-                    self._truncate_cache(job.negative, keep)
+                    self._truncate_cache(job, keep, job.negative)
             except Exception as exc:
                 self._contain(job, "taking its sampled token", exc, events)
 
     def _apply(self, job: JobState, outcome: Outcome, events: list[JobEvent]) -> None:
         """Do what a job's taken tokens call for: its K/V taken back past a rewind, then its end."""
         if outcome.keep is not None:
-            self._truncate_cache(job, outcome.keep)
+            self._truncate_cache(job, outcome.keep, job)
         if outcome.stop is not None:
             s = outcome.stop
             events.append(self._finish(job, s.reason, s.token, s.stop_string, s.text))
 
-    def _truncate_cache(self, job: JobState, keep: int) -> None:
-        """Take the job's K/V back to its first `keep` tokens (the scheduler's truncate)."""
-        if not self.scheduler.truncate(job, keep, self.cache.copy_prefix):
-            self._on_preempt(job.positive or job)  # preempted, with its pair if guided
-        self.speculation.forget(job.positive or job)  # its drafter state saw the tokens taken back
+    def _truncate_cache(self, job: JobState, keep: int, row: SequenceState) -> None:
+        """Take a row of the job back to its first `keep` tokens' K/V (the scheduler's truncate)."""
+        if not self.scheduler.truncate(job, row, keep, self.cache.copy_prefix):
+            self._on_preempt(job)  # preempted, all its rows
+        self.speculation.forget(job)  # its drafter state saw the tokens taken back
 
     def _on_preempt(self, job: JobState) -> None:
         self.speculation.forget(job)  # the scheduler has sent it back to the queue
@@ -388,8 +341,7 @@ class DynamicGenerator:
 
     def _contain(self, job: JobState, where: str, exc: Exception, events: list[JobEvent]) -> None:
         """An exception while running `job` alone: fail the job (once), log the traceback, go on.
-        A negative sequence's failure is its guided job's."""
-        job = job.positive or job
+        A fault in either row of a guided job is the job's."""
         if job.stage is JobStage.FINISHED:  # its JobFinished is already in `events`
             logger.error("job %s: error while %s after it finished", job.job_id[:8], where, exc_info=exc)
             return

@@ -1,8 +1,9 @@
 """Classifier-free guidance in the engine: a guided job's negative sequence (its second row) and the
 mix of the two rows' logits (engine/prompt/guidance.py holds the request's part, torch-free).
 
-The negative sequence is the negative prompt, then (as they come) the job's output tokens; it runs
-with the job's adapter and cache salt, reports nothing and is never sampled. After the forward the
+The negative sequence is the negative prompt, then (as they come) the job's output tokens: a row of
+the job (a SequenceState, not a job of its own), run with the job's adapter and cache salt and never
+sampled; the job is admitted, preempted and finished with both rows. After the forward the
 job's row is replaced, in place, by log_softmax(uncond) + scale * (log_softmax(cond) -
 log_softmax(uncond)), so every later step (masks, penalties, kept rows for rewinds) sees the mix.
 """
@@ -12,38 +13,19 @@ from __future__ import annotations
 import torch
 
 from engine.job_state import JobState
-from engine.jobs import JobId, JobSpec, JobStage, SamplingSettings
-from engine.model.tokenizer import Tokenizer
-from engine.output.text_stream import TextStream
+from engine.jobs import JobSpec, JobStage
 from engine.sampling.logit_processors import mix_guided
-from engine.sampling.sampler import SamplerState
+from engine.sequence import SequenceState, prefix_salt
 from engine.step_failure import StepFailure
 from engine.step_forward import StepOutput
 
 
-def negative_sequence(job: JobState, vocab_size: int, tokenizer: Tokenizer) -> JobState:
-    """A guided job's second sequence, tied to it (`positive`)."""
-    spec = job.spec
+def negative_sequence(spec: JobSpec, adapter_uid: int | None) -> SequenceState:
+    """A guided job's second row: its negative prompt, under the job's cache salt and adapter."""
     assert spec.guidance is not None
     ids = spec.guidance.negative_prompt_ids
-    return JobState(
-        job_id=JobId(f"{job.job_id}-negative"),
-        spec=JobSpec(
-            prompt_ids=ids,
-            max_new_tokens=spec.max_new_tokens,
-            cache_salt=spec.cache_salt,
-            adapter=spec.adapter,
-            priority=spec.priority,
-            tenant=spec.tenant,
-        ),
-        sampler=SamplerState(SamplingSettings(), (), vocab_size),
-        text=TextStream(tokenizer, (), True, (), ""),
-        enqueued_at=job.enqueued_at,
-        order=0,
-        tokens=list(ids),
-        started=True,  # it reports nothing: the job's events are the job's alone
-        adapter=job.adapter,
-        positive=job,
+    return SequenceState(
+        prompt_len=len(ids), prefix_salt=prefix_salt(spec.cache_salt, adapter_uid), tokens=list(ids)
     )
 
 

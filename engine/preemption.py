@@ -23,7 +23,10 @@ from engine.job_state import JobState
 
 def rows(running: Sequence[JobState]) -> Counter[str]:
     """Batch rows each tenant's running jobs hold (a guided job holds two)."""
-    return Counter(j.spec.tenant for j in running)
+    held: Counter[str] = Counter()
+    for j in running:
+        held[j.spec.tenant] += len(j.rows)
+    return held
 
 
 def over_share(queue: FairQueue, held: Counter[str], capacity: int) -> dict[str, float]:
@@ -38,8 +41,7 @@ def over_share(queue: FairQueue, held: Counter[str], capacity: int) -> dict[str,
 
 def first_victim(running: Sequence[JobState], queue: FairQueue, capacity: int) -> JobState | None:
     over = over_share(queue, rows(running), capacity) if len(queue.tenants()) > 1 else {}
-    jobs = (j for j in running if j.positive is None)
-    return max(jobs, key=lambda j: (-j.spec.priority, over.get(j.spec.tenant, 0.0), j.order), default=None)
+    return max(running, key=lambda j: (-j.spec.priority, over.get(j.spec.tenant, 0.0), j.order), default=None)
 
 
 def displaced_by(
@@ -55,16 +57,12 @@ def displaced_by(
         return None
     held = rows(running)
     tenant = head.spec.tenant
-    need = 1 if head.negative is None else 2
+    need = len(head.rows)
     if held[tenant] or need > math.floor(queue.share(tenant, capacity)):
         return None
     over = over_share(queue, held, capacity)
     if not over:
         return None
     richest = max(over, key=lambda t: over[t])
-    candidates = [
-        j
-        for j in running
-        if j.positive is None and j.spec.tenant == richest and j.spec.priority <= head.spec.priority
-    ]
+    candidates = [j for j in running if j.spec.tenant == richest and j.spec.priority <= head.spec.priority]
     return max(candidates, key=lambda j: (-j.spec.priority, j.order), default=None)

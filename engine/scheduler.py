@@ -14,15 +14,14 @@ findable, so its recompute is mostly a prefix hit) and it waits in the queue wit
 Admission fairness (`max_skips`): a job whose prompt does not fit yet may be passed by smaller
 jobs of its tenant and priority behind it at most max_skips times; then the queue waits for it.
 
-Whose turn it is: engine/fair_queue.py (tenants by weighted served tokens, then priority with
-aging, then arrival); who gives way when there is no room: engine/preemption.py. With
-authentication on, one tenant holds at most `max_q_per_tenant` waiting jobs (QueueFullError past
-it), so one tenant's flood cannot fill the queue.
+Whose turn it is, and who may wait: engine/fair_queue.py (tenants by weighted served tokens, then
+priority with aging, then arrival; queue caps); who gives way when there is no room:
+engine/preemption.py.
 
-Guided jobs (classifier-free guidance) run with their negative sequence: a second row with
-its own pages, admitted, preempted and removed together with the job, which counts two rows
-of the batch. Both rows reach their last token in the same forward, since the job samples
-from the two rows' logits: until both can, each keeps its last token back.
+Guided jobs (classifier-free guidance) are one job with two rows (`JobState.rows`): their own and
+their negative sequence, each with its own pages, admitted, preempted and removed as one job that
+counts two rows of the batch. Both rows reach their last token in the same forward, since the job
+samples from the two rows' logits: until both can, each keeps its last token back.
 """
 
 from __future__ import annotations
@@ -30,23 +29,16 @@ from __future__ import annotations
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig"]
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine.cache.cache_manager import CacheManager, CopyPrefix
 from engine.cache.pages import PagePool
-from engine.errors import QueueFullError
 from engine.fair_queue import FairQueue
 from engine.job_state import JobState
 from engine.jobs import JobStage
 from engine.preemption import displaced_by, first_victim, rows
+from engine.scheduled_chunk import ScheduledChunk
 from engine.scheduler_config import SchedulerConfig
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    job: JobState
-    num_tokens: int  # new tokens of this job in the forward, starting at job.computed
-    draft: tuple[int, ...] = ()  # speculative tokens after the job's last token (verified in this forward)
+from engine.sequence import SequenceState
 
 
 class Scheduler:
@@ -58,65 +50,47 @@ class Scheduler:
         self._admitted = 0
 
     def submit(self, job: JobState) -> None:
-        if len(self.queue) >= self.config.max_q_size:
-            raise QueueFullError(
-                f"the queue is full ({self.config.max_q_size} jobs waiting); try again later"
-            )
-        tenant = job.spec.tenant
-        if tenant and self.queue.waiting(tenant) >= self.config.max_q_per_tenant:
-            raise QueueFullError(
-                f"this tenant has {self.config.max_q_per_tenant} jobs waiting, the most one tenant may "
-                "queue (--max-queue-per-tenant); try again later"
-            )
-        self.queue.joined(tenant)
-        self.queue.push(job)
+        self.queue.enter(job, self.config.max_q_size, self.config.max_q_per_tenant)
 
     def remove(self, job: JobState) -> None:
-        """Take a job out (finish or cancel) and give its pages back (its negative sequence's too);
-        it is FINISHED from here on, even if giving the pages back fails."""
+        """Take a job out (finish or cancel) and give its rows' pages back; it is FINISHED from here
+        on, even if giving the pages back fails."""
         if job.stage is not JobStage.FINISHED:
             self.queue.left(job.spec.tenant)
         job.stage = JobStage.FINISHED
-        if job.negative is not None:
-            job.negative.stage = JobStage.FINISHED
-            if job.negative in self.running:
-                self.running.remove(job.negative)
         if job in self.running:
             self.running.remove(job)
         elif job in self.queue:
             self.queue.remove(job)
-        try:
-            if job.negative is not None:
-                self._release(job.negative)
-        finally:
-            self._release(job)
+        self._release_rows(job)
 
     # -- the generator's reports: progress and pages are written here only ----------------------
 
-    def begin_chunk(self, job: JobState, copy_prefix: CopyPrefix) -> None:
-        """Before a scheduled chunk of `job` runs: the cache copies a partial prefix hit found at
-        admission; the stage follows progress."""
-        self.cache.begin(job, copy_prefix)
+    def begin_chunk(self, chunk: ScheduledChunk, copy_prefix: CopyPrefix) -> None:
+        """Before a scheduled chunk runs: the cache copies its row's partial prefix hit found at
+        admission; the job's stage follows its own row's progress."""
+        self.cache.begin(chunk.seq, copy_prefix)
+        job = chunk.job
         job.stage = JobStage.DECODE if job.computed >= job.prompt_len else JobStage.PREFILL
 
     def set_draft_budget(self, job: JobState, tokens: int) -> None:
         """Draft tokens `job` may verify with its next decode step (0: it does not speculate)."""
         job.draft_budget = tokens
 
-    def advance(self, job: JobState, computed: int) -> list[int]:
-        """`job`'s K/V now hold its first `computed` tokens (a forward ran; after speculation,
+    def advance(self, seq: SequenceState, computed: int) -> list[int]:
+        """A row's K/V now hold its first `computed` tokens (a forward ran; after speculation,
         the verified ones only: a rejected tail is overwritten later, and no page holding it is
         registered before then). Newly filled pages are registered; returns the token positions
         where a page was swapped for an identical registered one (a drafter keyed by pages rewinds)."""
-        job.computed = computed
-        return self.cache.commit(job)
+        seq.computed = computed
+        return self.cache.commit(seq)
 
-    def truncate(self, job: JobState, keep: int, copy_prefix: CopyPrefix) -> bool:
-        """Make `job`'s K/V hold at most its first `keep` tokens and its pages writable past them
-        (the cache manager's `truncate`). No page to copy into: the job is preempted (False), and its
-        re-admission recomputes what it keeps (mostly prefix hits)."""
-        job.computed = min(job.computed, keep)
-        if self.cache.truncate(job, keep, copy_prefix):
+    def truncate(self, job: JobState, seq: SequenceState, keep: int, copy_prefix: CopyPrefix) -> bool:
+        """Make a row of `job` hold at most its first `keep` tokens' K/V and its pages writable past
+        them (the cache manager's `truncate`). No page to copy into: the job is preempted (False),
+        and its re-admission recomputes what it keeps (mostly prefix hits)."""
+        seq.computed = min(seq.computed, keep)
+        if self.cache.truncate(seq, keep, copy_prefix):
             return True
         self.preempt(job)
         return False
@@ -133,21 +107,22 @@ class Scheduler:
         budget = self.config.max_chunk_size
         chunks: list[ScheduledChunk] = []
         for job in self.running:
-            self.cache.settle(job)
+            for seq in job.rows:
+                self.cache.settle(seq)
         # 0. A waiting job that outranks a running one, or whose tenant is short of its share of the
         #    batch, takes a running job's place if there is no room for it.
         self._admit_by_preemption(on_preempt)
         # 1. Decode steps, highest priority and oldest first: each may need one more page; the pool
         #    running dry preempts the lowest-priority, newest job (never one already scheduled).
         #    A speculating job asks for room for its drafts too (verified in the same step).
-        decoding = (j for j in self.running if j.positive is None and self._decoding(j))
+        decoding = (j for j in self.running if self._decoding(j))
         for job in sorted(decoding, key=lambda j: (-j.spec.priority, j.order)):
             if budget < 1 or job.stage is JobStage.QUEUED:  # preempted for an older job's page
                 continue
             negative = job.negative
             if negative is None:
                 take = min(1 + job.draft_budget, budget)
-                if not self._ensure_pages(job, job.computed + take, on_preempt):
+                if not self._ensure_pages(job, job, job.computed + take, on_preempt):
                     continue
                 chunks.append(ScheduledChunk(job, take))
                 self.queue.charge(job.spec.tenant, take)
@@ -156,24 +131,24 @@ class Scheduler:
             if budget < 2:  # both rows or neither
                 continue
             if not (
-                self._ensure_pages(job, job.computed + 1, on_preempt)
-                and self._ensure_pages(negative, negative.computed + 1, on_preempt)
+                self._ensure_pages(job, job, job.computed + 1, on_preempt)
+                and self._ensure_pages(job, negative, negative.computed + 1, on_preempt)
             ):
                 continue
-            chunks += (ScheduledChunk(job, 1), ScheduledChunk(negative, 1))
+            chunks += (ScheduledChunk(job, 1), ScheduledChunk(job, 1, negative=True))
             self.queue.charge(job.spec.tenant, 2)
             budget -= 2
         # 2. Prefill chunks of running jobs (their prompt pages were taken at admission).
         for job in self.running:
             if budget < 1:
                 break
-            if job.positive is not None or self._decoding(job):  # scheduled above (budget allowing)
+            if self._decoding(job):  # scheduled above (budget allowing)
                 continue
             budget = self._add_chunks(job, budget, chunks)
         # 3. Admit queued jobs, in turn (engine/fair_queue.py), while the budget, the batch and the
         #    pool allow.
         waiting: list[JobState] = []
-        while budget >= 1 and len(self.running) < self.config.max_batch_size:
+        while budget >= 1 and self._rows() < self.config.max_batch_size:
             head = self.queue.peek(rows(self.running))
             if head is None:
                 break
@@ -207,8 +182,12 @@ class Scheduler:
 
     @staticmethod
     def _decoding(job: JobState) -> bool:
-        """Whether the job (with its negative sequence, if guided) takes a plain decode step."""
-        return job.decoding and (job.negative is None or job.negative.decoding)
+        """Whether the job (each of its rows) takes a plain decode step."""
+        return all(seq.decoding for seq in job.rows)
+
+    def _rows(self) -> int:
+        """Batch rows the running jobs hold (a guided job holds two)."""
+        return sum(len(j.rows) for j in self.running)
 
     def _add_chunks(self, job: JobState, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Add the prefill chunk(s) of a running job within `budget` (charged to its tenant); returns
@@ -225,9 +204,9 @@ class Scheduler:
             # computes all but its last token.
             neg = min(neg - 1, budget)
             own = min(own - 1, budget - neg)
-        for seq, take in ((job, own), (negative, neg)):
+        for is_negative, take in ((False, own), (True, neg)):
             if take > 0:
-                chunks.append(ScheduledChunk(seq, take))
+                chunks.append(ScheduledChunk(job, take, negative=is_negative))
         self.queue.charge(job.spec.tenant, own + neg)
         return budget - own - neg
 
@@ -250,65 +229,66 @@ class Scheduler:
             on_preempt(victim)
 
     def _admit_unit(self, job: JobState) -> bool:
-        """Admit a job, and with it its negative sequence (both or neither), if the batch has the rows
-        and the pool the pages."""
-        negative = job.negative
-        if len(self.running) + (1 if negative is None else 2) > self.config.max_batch_size:
+        """Make `job` running, all its rows or none, if the batch has the rows and the cache manager
+        finds each row its pages (prefix hits first)."""
+        if self._rows() + len(job.rows) > self.config.max_batch_size:
             return False
-        if not self._admit(job):
-            return False
-        if negative is None or self._admit(negative):
-            return True
-        self.running.remove(job)  # no room for the negative sequence: the job waits too
-        self._release(job)
-        job.stage = JobStage.QUEUED
-        return False
-
-    def _admit(self, job: JobState) -> bool:
-        """Make `job` running if the cache manager finds its pages room (prefix hits first)."""
-        held = self.cache.admit(job)
-        if held is None:
-            return False
-        job.computed = held
+        held: list[int] = []
+        for seq in job.rows:
+            h = self.cache.admit(seq)
+            if h is None:  # no room for this row: the rows admitted so far give their pages back
+                for admitted in job.rows[: len(held)]:
+                    self._release(admitted)
+                return False
+            held.append(h)
+        for seq, h in zip(job.rows, held, strict=True):
+            seq.computed = h
         if not job.started:
-            job.cached_tokens = held
+            job.cached_tokens = held[0]
         job.stage = JobStage.PREFILL
         job.order = self._admitted
         self._admitted += 1
         self.running.append(job)
         return True
 
-    def _ensure_pages(self, job: JobState, total_tokens: int, on_preempt: Callable[[JobState], None]) -> bool:
-        """Make `job` hold pages for `total_tokens`, preempting others (or itself) while the pool is dry."""
-        while not self.cache.grow(job, total_tokens):
+    def _ensure_pages(
+        self, job: JobState, seq: SequenceState, total_tokens: int, on_preempt: Callable[[JobState], None]
+    ) -> bool:
+        """Make a row of `job` hold pages for `total_tokens`, preempting others (or the job itself)
+        while the pool is dry."""
+        while not self.cache.grow(seq, total_tokens):
             victim = self._victim()
             assert victim is not None, "a job asking for pages is running"
             self._preempt(victim)
             on_preempt(victim)
-            if victim is job or victim is job.positive:
+            if victim is job:
                 return False
         return True
 
     def preempt(self, job: JobState) -> None:
-        """Send a running job (and its negative sequence, or the job a negative sequence serves)
-        back to the queue, before the jobs of its priority, its pages released (its output kept)."""
+        """Send a running job (all its rows) back to the queue, before the jobs of its priority,
+        its pages released (its output kept)."""
         if job in self.running:
             self._preempt(job)
 
     def _preempt(self, job: JobState) -> None:
-        job = job.positive or job
-        for seq in (job, job.negative):
-            if seq is None:
-                continue
-            if seq in self.running:
-                self.running.remove(seq)
-            self._release(seq)
-            seq.stage = JobStage.QUEUED
-            # Its budget was planned for a decode step it will not take: re-admitted, it prefills first.
-            seq.draft_budget = 0
-            seq.preemptions += 1
+        self.running.remove(job)
+        self._release_rows(job)
+        job.stage = JobStage.QUEUED
+        # Its budget was planned for a decode step it will not take: re-admitted, it prefills first.
+        job.draft_budget = 0
+        job.preemptions += 1
         self.queue.push(job)
 
-    def _release(self, job: JobState) -> None:
-        self.cache.free(job)
-        job.computed = 0
+    def _release_rows(self, job: JobState) -> None:
+        """Give back every row's pages (each row's, even if one fails)."""
+        first, *rest = job.rows
+        try:
+            for seq in rest:
+                self._release(seq)
+        finally:
+            self._release(first)
+
+    def _release(self, seq: SequenceState) -> None:
+        self.cache.free(seq)
+        seq.computed = 0

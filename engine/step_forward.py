@@ -15,7 +15,7 @@ import torch
 
 from engine.forward_batch import SequenceInput
 from engine.runner import ModelRunner
-from engine.scheduler import ScheduledChunk
+from engine.scheduled_chunk import ScheduledChunk
 from engine.step_failure import StepFailure
 
 logger = logging.getLogger(__name__)

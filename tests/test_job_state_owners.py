@@ -1,6 +1,7 @@
-"""One writer per piece of job state. Every field of JobState has one module that may change it
-after the job is built (or none: set at construction only), and the cache manager's own state is
-written by the cache manager alone:
+"""One writer per piece of job state. Every field of JobState (its own, and its rows' SequenceState
+fields: a guided job's second row is a SequenceState too) has one module that may change it after
+the job is built (or none: set at construction only), and the cache manager's own state is written
+by the cache manager alone:
 
 - the scheduler writes a job's progress (as vLLM v1's scheduler alone moves num_computed_tokens);
 - the cache manager writes where its K/V live (page table, registrations, prefix-cache state) and
@@ -41,7 +42,7 @@ OWNERS: dict[str, set[str]] = {
         "first_token_at",
     },
     "engine/speculation/speculation_step.py": {"accepted_drafts", "rejected_drafts"},
-    "engine/generator.py": {"started", "negative", "scheduled_at"},
+    "engine/generator.py": {"started", "scheduled_at"},
 }
 # Fields no module changes once the job is built.
 FIXED = {
@@ -53,8 +54,10 @@ FIXED = {
     "constraint",
     "heal",
     "adapter",
-    "positive",
+    "negative",
     "embeds",
+    "prompt_len",
+    "prefix_salt",
 }
 # The page pool's methods that hand out, take back or re-key pages: the cache manager's alone.
 POOL_WRITES = {

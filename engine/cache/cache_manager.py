@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from engine.cache.pages import PagePool
 from engine.cache.prefix_hash import common_prefix_len, extend_chain
 from engine.ids import PageId
-from engine.job_state import JobState, PrefixCopy
+from engine.sequence import PrefixCopy, SequenceState
 
 CopyPrefix = Callable[[PageId, PageId, int], None]  # (source, target, tokens): the cache's K/V copy
 
@@ -42,11 +42,11 @@ class CacheManager:
         self.pool = pool
         self.prefix_cache = prefix_cache  # off: every sequence computes its whole prompt
         # Sequences holding pages, in admission order (a partial prefix may come from their pages).
-        self._holders: dict[JobState, None] = {}
+        self._holders: dict[SequenceState, None] = {}
         # Chain hash of a full prompt page -> the admitted sequence computing it. An entry leaves when
         # its page is registered or its sequence lets its pages go, so this holds at most the
         # admitted sequences' uncomputed prompt pages.
-        self._inflight: dict[int, JobState] = {}
+        self._inflight: dict[int, SequenceState] = {}
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -54,7 +54,7 @@ class CacheManager:
         """Prompt pages admitted sequences are computing that waiting ones may wait for."""
         return len(self._inflight)
 
-    def holders(self) -> Iterator[JobState]:
+    def holders(self) -> Iterator[SequenceState]:
         return iter(self._holders)
 
     def holds(self) -> list[PageId]:
@@ -66,7 +66,7 @@ class CacheManager:
         sequences already running can grow without a preemption at once."""
         return self.pool.available() - len(self._holders)
 
-    def awaits_inflight(self, seq: JobState) -> bool:
+    def awaits_inflight(self, seq: SequenceState) -> bool:
         """Whether an admitted sequence is computing a page this one could otherwise take from the cache."""
         if not self.prefix_cache:
             return False
@@ -81,7 +81,7 @@ class CacheManager:
 
     # -- writes ----------------------------------------------------------------------------------
 
-    def admit(self, seq: JobState) -> int | None:
+    def admit(self, seq: SequenceState) -> int | None:
         """Give `seq` pages for all its tokens, prefix hits first, if they fit the spare pages; the
         number of leading tokens its pages already hold (whole-page hits plus a partial copy), or
         None, taking nothing and counting no lookup, if they do not fit."""
@@ -125,7 +125,7 @@ class CacheManager:
         self._holders[seq] = None
         return held
 
-    def grow(self, seq: JobState, total_tokens: int) -> bool:
+    def grow(self, seq: SequenceState, total_tokens: int) -> bool:
         """Make `seq` hold pages for `total_tokens`; False, taking nothing, if the pool is dry."""
         need = seq.pages_for(total_tokens, self.pool.page_size) - len(seq.pages)
         if need <= 0:
@@ -136,7 +136,7 @@ class CacheManager:
         seq.pages.extend(got)
         return True
 
-    def begin(self, seq: JobState, copy_prefix: CopyPrefix) -> None:
+    def begin(self, seq: SequenceState, copy_prefix: CopyPrefix) -> None:
         """Before `seq`'s first scheduled chunk runs: the partial prefix hit found at admission is
         copied and its source page let go; in-flight entries of pages registered since are dropped."""
         if seq.prefix_copy is not None:
@@ -146,13 +146,13 @@ class CacheManager:
             finally:
                 self.pool.release([copy.source])
 
-    def settle(self, seq: JobState) -> None:
+    def settle(self, seq: SequenceState) -> None:
         """Drop `seq`'s in-flight entries for pages it has registered (waiting sequences take them
         from the pool now)."""
         if seq.inflight and seq.inflight[0][0] < seq.registered:
             self._forget_inflight(seq, seq.registered)
 
-    def commit(self, seq: JobState) -> list[int]:
+    def commit(self, seq: SequenceState) -> list[int]:
         """`seq`'s K/V now hold its first `seq.computed` tokens: every newly filled page becomes
         findable, or is swapped for an identical registered page. Returns the token positions where
         a page was swapped (a drafter keyed by pages rewinds there)."""
@@ -172,7 +172,7 @@ class CacheManager:
             seq.registered += 1
         return swapped
 
-    def truncate(self, seq: JobState, keep: int, copy_prefix: CopyPrefix) -> bool:
+    def truncate(self, seq: SequenceState, keep: int, copy_prefix: CopyPrefix) -> bool:
         """Make `seq`'s pages writable past its first `keep` tokens. Pages registered in the pool are
         read-only: one the sequence holds alone is unregistered, a shared one is copied (the kept
         slots) into a fresh page. False if there is no page to copy into: the caller preempts it."""
@@ -196,7 +196,7 @@ class CacheManager:
         del seq.page_hashes[first:]
         return kept
 
-    def free(self, seq: JobState) -> None:
+    def free(self, seq: SequenceState) -> None:
         """Give back every page `seq` holds (full ones stay findable) and its prefix-copy hold."""
         if seq.prefix_copy is not None:  # admitted but never staged: drop the hold on the source
             self.pool.release([seq.prefix_copy.source])
@@ -211,14 +211,14 @@ class CacheManager:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _full_page_hashes(self, seq: JobState) -> list[int]:
+    def _full_page_hashes(self, seq: SequenceState) -> list[int]:
         """Chain hashes of the sequence's full pages that a prefix match may cover (all but the last
         token). Kept on the sequence and only extended: one waiting for room is not re-hashed each step."""
         ps = self.pool.page_size
         extend_chain(seq.page_hashes, seq.tokens, ps, seq.prefix_salt, (len(seq.tokens) - 1) // ps)
         return seq.page_hashes
 
-    def _forget_inflight(self, seq: JobState, below: int | None = None) -> None:
+    def _forget_inflight(self, seq: SequenceState, below: int | None = None) -> None:
         """Drop the sequence's in-flight entries for pages before `below` (None: all of them)."""
         keep = []
         for i, h in seq.inflight:
@@ -228,7 +228,7 @@ class CacheManager:
                 del self._inflight[h]
         seq.inflight = keep
 
-    def _partial_donor(self, seq: JobState, matched: list[PageId]) -> tuple[PageId, int] | None:
+    def _partial_donor(self, seq: SequenceState, matched: list[PageId]) -> tuple[PageId, int] | None:
         """The page holding the most of `seq`'s tokens after its whole-page hits `matched`, computed
         on the very same pages before them, and how many; None if none holds even one."""
         ps = self.pool.page_size

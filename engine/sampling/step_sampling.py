@@ -35,7 +35,9 @@ class StepSampling:
     def start_masks(self, staged: Staged) -> Future[Masks] | None:
         """Start computing the token masks of the constrained jobs that sample after this forward."""
         jobs = [
-            c.job for c, seq in staged if seq.want_logits and not c.draft and c.job.constraint is not None
+            c.job
+            for c, seq in staged
+            if seq.want_logits and not c.draft and not c.negative and c.job.constraint is not None
         ]
         if not jobs:
             return None

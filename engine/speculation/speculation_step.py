@@ -20,7 +20,8 @@ from engine.jobs import JobEvent
 from engine.model.llama import LlamaModel
 from engine.output.token_intake import CARRY_ON, Outcome, TokenIntake
 from engine.sampling.sampler import Sampler
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.scheduled_chunk import ScheduledChunk
+from engine.scheduler import Scheduler
 from engine.speculation.speculation_config import SpeculationConfig
 from engine.speculation.speculative import (
     Draft,
@@ -85,7 +86,6 @@ class SpeculationStep:
             and not job.healing  # its next token is held to the prompt's taken-back text
             # A guided job's draft would need its negative sequence to verify alongside: it does not speculate.
             and job.negative is None
-            and job.positive is None
             # Pseudo ids stand under prompt embeddings: no drafter may read or propose them.
             and not job.embeds
             # A draft model runs without the job's adapter, so its drafts would mostly be rejected:
