@@ -11,6 +11,9 @@ CACHE_TOKENS = 32768  # the KV cache of `serve` and `generate`: pages = CACHE_TO
 MAX_BATCH_SIZE = 64  # running jobs at once
 MAX_CHUNK_SIZE = 2048  # tokens per forward: decode tokens plus prefill chunks
 MAX_QUEUE = 1024  # jobs waiting for admission
+# KV events the page pool keeps for replay (engine/cache/kv_events.py): at 64-token pages, 4096 events
+# cover the registrations and evictions of a few full turns of the default 512-page cache.
+KV_EVENT_CAPACITY = 4096
 # Waiting jobs one named tenant may hold (with authentication on): a quarter of the queue, so one
 # tenant's flood leaves room for others' requests (`--max-queue-per-tenant`).
 MAX_QUEUE_PER_TENANT = MAX_QUEUE // 4

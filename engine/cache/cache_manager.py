@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from engine.cache.kv_events import KvEvent
 from engine.cache.pages import PagePool
 from engine.cache.prefix_hash import common_prefix_len, extend_chain
 from engine.ids import PageId
@@ -53,6 +54,11 @@ class CacheManager:
     def inflight_pages(self) -> int:
         """Prompt pages admitted sequences are computing that waiting ones may wait for."""
         return len(self._inflight)
+
+    def events(self, since: int) -> list[tuple[int, KvEvent]] | None:
+        """The prefix cache's KV events numbered `since` and after (engine/cache/kv_events.py): pages
+        that became findable or stopped being so; None if the log no longer holds them all."""
+        return self.pool.kv_events(since)
 
     def holders(self) -> Iterator[SequenceState]:
         return iter(self._holders)

@@ -30,9 +30,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.cache.kv_events import AllBlocksCleared, BlocksRemoved, BlockStored, KvEvent, KvEventLog
 from engine.cache.pool_invariants import PoolView, check_pool_invariants
 from engine.cache.prefix_hash import chain_hash, salt_root
 from engine.cache.prefix_lookup import ROOT_SERIAL, PageKey, Registration, find_chain, find_partial
+from engine.defaults import KV_EVENT_CAPACITY
 from engine.ids import PageId
 
 __all__ = ["PageKey", "PagePool", "PageState", "PoolStats", "chain_hash"]
@@ -64,7 +66,7 @@ class PoolStats:
 class PagePool:
     """Ref counts, prefix index and LRU of the KV cache's pages. Every operation is O(pages touched)."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, event_capacity: int = KV_EVENT_CAPACITY) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"page count and page size must be positive, got {num_pages} and {page_size}")
         self._num_pages = num_pages
@@ -84,6 +86,10 @@ class PagePool:
         self._prefix_hit_tokens = 0
         self._dedup_hits = 0
         self._evictions = 0
+        # What becomes findable and what stops being so (engine/cache/kv_events.py); a new pool
+        # holds nothing, which is the first thing a subscriber hears.
+        self._events = KvEventLog(event_capacity)
+        self._events.append(AllBlocksCleared())
 
     @property
     def num_pages(self) -> int:
@@ -94,6 +100,10 @@ class PagePool:
         return self._page_size
 
     # -- queries -------------------------------------------------------------------------
+
+    def kv_events(self, since: int) -> list[tuple[int, KvEvent]] | None:
+        """KV events numbered `since` and after; None if the log no longer holds them all."""
+        return self._events.since(since)
 
     def available(self) -> int:
         """Pages `allocate` can hand out now: FREE + CACHED."""
@@ -283,6 +293,7 @@ class PagePool:
         self._next_serial += 1
         self._index[h] = page
         self._children.setdefault(parent_serial, OrderedDict())[page] = None
+        self._events.append(BlockStored(h, parent_hash, page_tokens))
         return page
 
     def release(self, pages: Sequence[PageId]) -> None:
@@ -377,6 +388,7 @@ class PagePool:
         reg = self._reg.pop(page, None)
         if reg is None:
             return
+        self._events.append(BlocksRemoved((reg.key.hash,)))
         if self._index.get(reg.key.hash) == page:
             del self._index[reg.key.hash]
         siblings = self._children.get(reg.parent_serial)
