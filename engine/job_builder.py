@@ -48,9 +48,8 @@ class JobBuilder:
             spec = dataclasses.replace(spec, prompt_ids=heal.prompt_ids)
         embeds = self._embedding_spans(spec) if spec.embeddings else ()
         tokens = list(spec.prompt_ids)
-        for (
-            e
-        ) in spec.embeddings:  # their positions take pseudo ids, which the prefix cache hashes like tokens
+        # Prompt embeddings' positions take pseudo ids, which the prefix cache hashes like tokens.
+        for e in spec.embeddings:
             tokens[e.position : e.end] = span_token_ids(e)
         return JobState(
             job_id=job_id,

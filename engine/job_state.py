@@ -10,6 +10,7 @@ so nothing leaks from one job to another.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -74,7 +75,7 @@ class JobState(SequenceState):
             self.spec.cache_salt, None if self.adapter is None else self.adapter.uid
         )
 
-    @property
+    @cached_property  # read several times per job per step; `negative` never changes
     def rows(self) -> tuple[SequenceState, ...]:
         """The job's rows of the batch: itself, and its negative sequence when guided."""
         return (self,) if self.negative is None else (self, self.negative)

@@ -183,7 +183,7 @@ class Scheduler:
     @staticmethod
     def _decoding(job: JobState) -> bool:
         """Whether the job (each of its rows) takes a plain decode step."""
-        return all(seq.decoding for seq in job.rows)
+        return job.decoding and (job.negative is None or job.negative.decoding)
 
     def _rows(self) -> int:
         """Batch rows the running jobs hold (a guided job holds two)."""

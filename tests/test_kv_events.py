@@ -9,7 +9,6 @@ index was announced, and every announced page that is no longer findable was rem
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
@@ -19,9 +18,9 @@ from engine.cache.prefix_hash import chain_hash, salt_root
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
 from engine.jobs import JobSpec
-from engine.model.loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel
 from engine.scheduler import SchedulerConfig
-from tests.tiny_llama import TINY_VOCAB, save_tiny_llama
+from tests.tiny_llama import TINY_VOCAB
 
 PS = 4
 
@@ -84,19 +83,6 @@ def test_replay_from_a_number_gives_the_same_events_and_a_subscriber_too_far_beh
     assert log.since(1) is None  # event 1 is gone: start again from a snapshot
     with pytest.raises(ValueError, match="at least one event"):
         KvEventLog(0)
-
-
-_TINY: LoadedModel | None = None
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    global _TINY  # noqa: PLW0603 - one tiny model for the module
-    if _TINY is None:
-        folder: Path = tmp_path_factory.mktemp("tiny")
-        save_tiny_llama(folder, with_tokenizer=True, max_position_embeddings=1024)
-        _TINY = load_model(folder, progress=False)
-    return _TINY
 
 
 def test_the_events_follow_what_the_prefix_index_holds_through_evictions(tiny: LoadedModel) -> None:
