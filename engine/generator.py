@@ -28,6 +28,7 @@ from pathlib import Path
 from engine.adapters.adapter_registry import AdapterInfo, AdapterRegistry
 from engine.adapters.lora_adapter import LoraAdapter
 from engine.cache.kv_cache import PagedKVCache
+from engine.cache.kv_events import BlockStored, KvEvent
 from engine.cache.pages import PagePool
 from engine.completion import Completion, finished_event, run_to_completion
 from engine.errors import (
@@ -188,6 +189,11 @@ class DynamicGenerator:
             raise JobNotFoundError(f"no job {job_id}")
         self._pending_events.append(self._finish(job, StopReason.CANCELLED, None, None, ""))
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end a job (the model's and the tokenizer's), unless it ignores EOS."""
+        return self._eos
+
     def has_work(self) -> bool:
         return not self.scheduler.idle() or bool(self._pending_events)
 
@@ -207,6 +213,22 @@ class DynamicGenerator:
             rejected_draft_tokens=self.speculation.rejected,
             failed_jobs=self._failed_jobs,
         )
+
+    def kv_events(self, since: int) -> list[tuple[int, KvEvent]] | None:
+        """The prefix cache's KV events numbered `since` and after; None if some are gone."""
+        return self.scheduler.cache.events(since)
+
+    def kv_events_next(self) -> int:
+        """The number the next KV event will get."""
+        return self.scheduler.cache.events_next()
+
+    def kv_snapshot(self) -> list[BlockStored]:
+        """Every findable page as its BlockStored, parents first."""
+        return self.scheduler.cache.snapshot()
+
+    def flush_prefix_cache(self) -> int:
+        """Drop the cached prefix pages no job holds; returns how many."""
+        return self.scheduler.cache.flush()
 
     def check_invariants(self) -> None:
         sequences = [s for j in self.jobs.values() for s in j.rows]

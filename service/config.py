@@ -78,6 +78,7 @@ class ServiceConfig:
     # balancer's health checks take the replica out before it starts refusing (0: refuse at once).
     drain_delay_seconds: float = 0.0
     replica_id: str = ""  # named in JobFinished and ModelInfo; "" = "<hostname>:<port>"
+    served_model_name: str = ""  # the model's name behind a gateway (the OpenAI `model`); "" = the file's
     watchdog_seconds: float = 3.0  # no engine heartbeat this long: health NOT_SERVING
     hang_seconds: float = 30.0  # no heartbeat this long: kill and restart
     # No engine loop pass this long (heartbeats still coming): a wedged loop, killed and restarted.
@@ -303,6 +304,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "SIGTERM: keep admitting this long while health says NOT_SERVING (for balancers' checks)",
     )
     opt("replica_id", str, d.replica_id, "this replica's name in results (default: <hostname>:<port>)")
+    opt(
+        "served_model_name",
+        str,
+        d.served_model_name,
+        "the model's name in the gateway's worker contract, which OpenAI clients send as `model` "
+        "(default: the model file's name)",
+    )
     opt("hang_seconds", float, d.hang_seconds, "engine silent this long: restart it")
     opt("loop_stall_seconds", float, d.loop_stall_seconds, "engine loop stuck this long: restart it")
     opt("engine_call_timeout_seconds", float, d.engine_call_timeout_seconds, "engine answer timeout")

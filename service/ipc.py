@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from engine.cache.kv_events import AllBlocksCleared, BlocksRemoved, BlockStored, KvEvent
 from engine.jobs import JobEvent, JobFinished, JobSpec, JobStarted, PrefillProgress, TokensGenerated
 
 _HEADER = struct.Struct(">cQ")
@@ -31,6 +32,7 @@ class Tag(enum.Enum):
     CANCEL = b"C"  # payload: job id (ascii); no answer (the job's JobFinished follows)
     INFO = b"I"  # no payload; answered by INFO_REPLY
     ADAPTER = b"L"  # payload: JSON AdapterCommand; answered by ADAPTERS or REJECTED
+    FLUSH = b"F"  # no payload; the cached prefix pages no job holds are dropped; answered by FLUSHED
     QUIT = b"Q"
     # engine -> front end
     READY = b"R"  # payload: JSON Ready; the model is loaded and warmed up
@@ -41,6 +43,8 @@ class Tag(enum.Enum):
     ADAPTERS = b"D"  # payload: the AdapterViews asked for (the loaded one, none, or all)
     STATS = b"M"  # payload: JSON EngineStats
     HEARTBEAT = b"H"  # payload: JSON Heartbeat, from a thread of its own every HEARTBEAT_INTERVAL
+    KV_EVENTS = b"K"  # payload: the prefix cache's new KV events, in order (pack_kv_events)
+    FLUSHED = b"U"  # payload: JSON {"dropped": pages}
 
 
 class ErrorCode(enum.Enum):
@@ -95,6 +99,24 @@ def pack_events(events: Sequence[JobEvent]) -> bytes:
 
 def unpack_events(data: bytes) -> list[JobEvent]:
     return [_EVENT_DECODERS[kind].decode(raw) for kind, raw in _EVENT_LIST.decode(data)]
+
+
+_KV_KINDS: tuple[type[BlockStored] | type[BlocksRemoved] | type[AllBlocksCleared], ...] = (
+    BlockStored,
+    BlocksRemoved,
+    AllBlocksCleared,
+)
+_KV_KIND = {kind: i for i, kind in enumerate(_KV_KINDS)}
+_KV_DECODERS = [msgspec.msgpack.Decoder(kind) for kind in _KV_KINDS]
+
+
+def pack_kv_events(events: Sequence[KvEvent]) -> bytes:
+    """The KV events an iteration produced (or a snapshot: AllBlocksCleared, then every findable page)."""
+    return _ENCODE.encode([(_KV_KIND[type(e)], e) for e in events])
+
+
+def unpack_kv_events(data: bytes) -> list[KvEvent]:
+    return [_KV_DECODERS[kind].decode(raw) for kind, raw in _EVENT_LIST.decode(data)]
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def test_a_salted_chain_starts_at_its_salt() -> None:
     (a,) = pool.allocate(1) or []
     pool.register_full(a, None, [1, 2, 3, 4], salt="tenant-a")
     root = salt_root("tenant-a")
-    assert events(pool, 1) == [BlockStored(chain_hash(root, (1, 2, 3, 4)), root, (1, 2, 3, 4))]
+    assert events(pool, 1) == [BlockStored(chain_hash(root, (1, 2, 3, 4)), root, (1, 2, 3, 4), salted=True)]
 
 
 def test_a_deduplicated_page_stores_nothing_new_and_eviction_and_unregister_remove() -> None:

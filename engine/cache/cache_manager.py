@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from engine.cache.kv_events import KvEvent
+from engine.cache.kv_events import BlockStored, KvEvent
 from engine.cache.pages import PagePool
 from engine.cache.prefix_hash import common_prefix_len, extend_chain
 from engine.ids import PageId
@@ -59,6 +59,15 @@ class CacheManager:
         """The prefix cache's KV events numbered `since` and after (engine/cache/kv_events.py): pages
         that became findable or stopped being so; None if the log no longer holds them all."""
         return self.pool.kv_events(since)
+
+    def events_next(self) -> int:
+        """The number the next KV event will get."""
+        return self.pool.kv_events_next()
+
+    def snapshot(self) -> list[BlockStored]:
+        """Every findable page as its BlockStored, parents first: the state `events` builds up, for a
+        reader that fell too far behind to replay it."""
+        return self.pool.registered_blocks()
 
     def holders(self) -> Iterator[SequenceState]:
         return iter(self._holders)
@@ -214,6 +223,11 @@ class CacheManager:
         seq.registered = 0
         if pages:
             self.pool.release(pages)
+
+    def flush(self) -> int:
+        """Drop every findable page no sequence holds (FlushCache); held pages stay, so nothing
+        running loses its K/V. Returns how many were dropped (each leaves as a BlocksRemoved)."""
+        return self.pool.drop_cached()
 
     # -- helpers ---------------------------------------------------------------------------------
 

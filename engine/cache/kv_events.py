@@ -23,6 +23,7 @@ class BlockStored:
     block_hash: int
     parent_hash: int | None  # None: a first page without a salt
     token_ids: tuple[int, ...]
+    salted: bool = False  # stored under a cache salt or an adapter: only such requests can hit it
 
 
 @dataclass(frozen=True, slots=True)

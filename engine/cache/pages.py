@@ -105,6 +105,10 @@ class PagePool:
         """KV events numbered `since` and after; None if the log no longer holds them all."""
         return self._events.since(since)
 
+    def kv_events_next(self) -> int:
+        """The number the next KV event will get."""
+        return self._events.next_seq
+
     def available(self) -> int:
         """Pages `allocate` can hand out now: FREE + CACHED."""
         return len(self._free) + len(self._lru)
@@ -293,7 +297,7 @@ class PagePool:
         self._next_serial += 1
         self._index[h] = page
         self._children.setdefault(parent_serial, OrderedDict())[page] = None
-        self._events.append(BlockStored(h, parent_hash, page_tokens))
+        self._events.append(BlockStored(h, parent_hash, page_tokens, bool(salt)))
         return page
 
     def release(self, pages: Sequence[PageId]) -> None:
@@ -345,6 +349,25 @@ class PagePool:
                 f"page {page} has ref count {ref}; only a page held by one table can be changed in place"
             )
         self._drop_registration(page)
+
+    def drop_cached(self) -> int:
+        """Forget every findable page no table holds (they become FREE); held pages stay findable.
+        Returns how many were dropped."""
+        dropped = list(self._lru)
+        self._lru.clear()
+        for page in dropped:
+            self._drop_registration(page)
+            self._free.append(page)
+        return len(dropped)
+
+    def registered_blocks(self) -> list[BlockStored]:
+        """Every findable page as the BlockStored that announced it, parents before children (a
+        snapshot for a subscriber that can no longer replay the log)."""
+        regs = sorted(
+            (reg for page, reg in self._reg.items() if self._index.get(reg.key.hash) == page),
+            key=lambda reg: reg.serial,
+        )
+        return [BlockStored(r.key.hash, r.key.parent_hash, r.key.tokens, bool(r.salt)) for r in regs]
 
     # -- checking ------------------------------------------------------------------------
 

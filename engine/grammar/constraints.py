@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import torch
+from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from engine.errors import InvalidRequestError
 from engine.grammar.response_format import GrammarKind, ResponseFormat
@@ -163,7 +164,9 @@ class GrammarCompiler:
                     grammar = llguidance.LLMatcher.grammar_from_regex(fmt.source)
                 case GrammarKind.LARK:
                     grammar = llguidance.LLMatcher.grammar_from_lark(fmt.source)
-        except (ValueError, TypeError) as exc:
+                case GrammarKind.GBNF:
+                    grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(fmt.source))
+        except (ValueError, TypeError, GbnfToLarkError) as exc:
             raise InvalidRequestError(f"response_format: invalid {fmt.kind.value}: {exc}") from exc
         problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if problem:

@@ -19,6 +19,7 @@ class GrammarKind(enum.Enum):
     JSON_SCHEMA = "json_schema"  # a JSON Schema document (the output is one JSON value)
     REGEX = "regex"  # the whole output matches the regular expression
     LARK = "lark"  # a Lark grammar (llguidance's dialect: `start` is the root rule)
+    GBNF = "gbnf"  # a GBNF grammar (`root ::= ...`, the EBNF dialect of llama.cpp and vLLM's grammars)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from multiprocessing.connection import Connection
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from engine.adapters.adapter_folder import AdapterPathError
 from engine.adapters.adapter_registry import AdapterInfo
+from engine.cache.kv_events import AllBlocksCleared, KvEvent
 from engine.device import describe_device
 from engine.errors import (
     AdapterExistsError,
@@ -27,6 +29,7 @@ from engine.jobs import JobId
 from kernels.cpu_features import cpu_features
 from service.engine.adapter_loads import AdapterLoads
 from service.engine.build import build_engine
+from service.engine.tokenizer_folder import write_model_files
 from service.engine_config import EngineConfig
 from service.ipc import (
     Accepted,
@@ -43,6 +46,7 @@ from service.ipc import (
     Tag,
     pack_adapters,
     pack_events,
+    pack_kv_events,
 )
 from service.pipe_sender import PipeSender
 from service.speculation_flags import speculation_options
@@ -93,7 +97,11 @@ class EngineLoop:
         # model's tokenizer from this folder, far faster than parsing the model file again.
         tokenizer_dir = Path(runtime_dir) / "tokenizer"
         loaded.tokenizer.save(tokenizer_dir)
+        write_model_files(
+            tokenizer_dir, loaded.model.config, self.generator.eos_token_ids, self.generator.max_seq_len
+        )
         self._last_stats = 0.0
+        self._kv_next = 0  # the first KV event not yet sent
         ready = Ready(
             loaded.path.name,
             str(tokenizer_dir),
@@ -137,10 +145,25 @@ class EngineLoop:
                 events = gen.iterate()
                 if events:
                     self._send(Tag.EVENTS, 0, pack_events(events))
+            self._send_kv_events()
             now = time.monotonic()
             if now - self._last_stats >= STATS_INTERVAL:
                 self._last_stats = now
                 self._send(Tag.STATS, 0, self._stats().to_bytes())
+
+    def _send_kv_events(self) -> None:
+        """The prefix cache's new KV events, after the job events of the same iteration (a job's
+        pages are announced no later than its last token). One that fell out of the log (more in
+        one pass than it holds) is replaced by a snapshot: cleared, then every findable page."""
+        gen = self.generator
+        events = gen.kv_events(self._kv_next)
+        if events is None:
+            snapshot: list[KvEvent] = [AllBlocksCleared(), *gen.kv_snapshot()]
+            self._kv_next = gen.kv_events_next()
+            self._send(Tag.KV_EVENTS, 0, pack_kv_events(snapshot))
+        elif events:
+            self._kv_next = events[-1][0] + 1
+            self._send(Tag.KV_EVENTS, 0, pack_kv_events([e for _, e in events]))
 
     def _stats(self) -> EngineStats:
         s = self.generator.stats()
@@ -165,6 +188,10 @@ class EngineLoop:
                     self.generator.cancel(JobId(msg.payload.decode("ascii")))
             case Tag.INFO:
                 self._send(Tag.INFO_REPLY, msg.request, self._info().to_bytes())
+            case Tag.FLUSH:
+                dropped = self.generator.flush_prefix_cache()
+                self._send_kv_events()  # the removals reach subscribers before the answer
+                self._send(Tag.FLUSHED, msg.request, json.dumps({"dropped": dropped}).encode())
             case Tag.ADAPTER:
                 self._adapter(msg)
             case Tag.QUIT:

@@ -66,8 +66,12 @@ def _response_format(req: pb.GenerateRequest) -> ResponseFormat | None:
             return ResponseFormat(GrammarKind.REGEX, f.regex)
         case "lark_grammar":
             return ResponseFormat(GrammarKind.LARK, f.lark_grammar)
+        case "gbnf_grammar":
+            return ResponseFormat(GrammarKind.GBNF, f.gbnf_grammar)
         case _:
-            raise InvalidRequestError("response_format: set one of json_schema, regex or lark_grammar")
+            raise InvalidRequestError(
+                "response_format: set one of json_schema, regex, lark_grammar or gbnf_grammar"
+            )
 
 
 def sampling_settings(s: pb.SamplingSettings) -> SamplingSettings:

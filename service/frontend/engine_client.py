@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import multiprocessing as mp
 import queue
 import shutil
@@ -41,6 +42,7 @@ from service.config import ServiceConfig
 from service.engine.process import run as engine_main
 from service.frontend.codec import adapter_info, event_to_proto, model_info
 from service.frontend.event_buffer import EngineDownError, EventBuffer
+from service.frontend.kv_event_relay import KvEventRelay
 from service.frontend.limits import ModelBounds
 from service.frontend.prompts import PromptTokenizer
 from service.frontend.restart_policy import RestartPolicy, RestartTracker
@@ -58,6 +60,7 @@ from service.ipc import (
     Tag,
     unpack_adapters,
     unpack_events,
+    unpack_kv_events,
 )
 
 log = structlog.get_logger("dyngen.engine_client")
@@ -125,6 +128,7 @@ class EngineClient:
         # Named in every JobFinished and ModelInfo; the server sets "<hostname>:<port>" once bound.
         self.replica = config.replica_id
         self.model_name = ""
+        self.tokenizer_dir: str | None = None  # the engine's saved tokenizer folder, from its READY
         # The model's vocabulary, context, cache and embedding sizes, from the engine's READY (None before).
         self.bounds: ModelBounds | None = None
         self.prompts: PromptTokenizer | None = None
@@ -161,6 +165,8 @@ class EngineClient:
         # NOT_FOUND with that reason until it is loaded again or unloaded.
         self.adapter_lost: dict[str, str] = {}
         self.on_adapter_gone: list[Callable[[str], None]] = []  # an adapter's engine name left the engine
+        # The prefix cache's KV events, numbered across engine restarts (SubscribeKvEvents).
+        self.kv_events = KvEventRelay()
 
     # -- process lifetime ----------------------------------------------------------------------
 
@@ -270,6 +276,7 @@ class EngineClient:
             return
         proc.outbox.put(None)
         self._set_ready(False)
+        self.kv_events.engine_stopped()
         if self._stopping and not self.jobs:
             return
         log.warning("engine_down", exit_code=proc.process.exitcode, open_jobs=len(self.jobs))
@@ -317,6 +324,8 @@ class EngineClient:
             case Tag.EVENTS:
                 for event in unpack_events(msg.payload):
                     self._job_event(event_to_proto(event))
+            case Tag.KV_EVENTS:
+                self.kv_events.publish(unpack_kv_events(msg.payload))
             case Tag.STATS:
                 self.stats = EngineStats.from_bytes(msg.payload)
                 for stats_listener in self.on_stats:
@@ -344,6 +353,7 @@ class EngineClient:
             return
         proc.ready_at = time.monotonic()
         self.model_name = ready.model
+        self.tokenizer_dir = ready.tokenizer_dir
         self.bounds = ModelBounds(
             ready.vocab_size, ready.context_length, ready.cache_tokens, ready.hidden_size, ready.page_size
         )
@@ -542,6 +552,11 @@ class EngineClient:
                 self.adapter_lost[name] = str(exc) or type(exc).__name__
                 self._adapter_gone(name)
                 log.error("adapter_not_reloaded", adapter=name, path=path, error=self.adapter_lost[name])
+
+    async def flush_cache(self) -> int:
+        """Drop the cached prefix pages no job holds; how many were dropped. Raises EngineBusyError
+        or EngineDownError."""
+        return int(json.loads((await self._call(Tag.FLUSH, b"")).payload)["dropped"])
 
     async def info(self) -> pb.ModelInfo:
         return model_info(EngineInfo.from_bytes((await self._call(Tag.INFO, b"")).payload), self.replica)

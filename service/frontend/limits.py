@@ -112,7 +112,8 @@ def check_request(req: pb.GenerateRequest, limits: Limits) -> None:
         which = req.response_format.WhichOneof("format")
         if which is None:
             raise RequestError(
-                "response_format: set one of json_schema, regex or lark_grammar", "response_format"
+                "response_format: set one of json_schema, regex, lark_grammar or gbnf_grammar",
+                "response_format",
             )
         source = getattr(req.response_format, which)
         _limit(len(source), limits.max_response_format_chars, f"response_format.{which}", "length")

@@ -20,12 +20,16 @@ from grpc_reflection.v1alpha import reflection
 from service.config import ServiceConfig
 from service.frontend.auth import AuthConfigError, Authenticator, TokenInterceptor
 from service.frontend.engine_client import EngineClient
+from service.frontend.engine_load import EngineLoadTracker
 from service.frontend.limits import Limits
 from service.frontend.metrics import Metrics
 from service.frontend.servicer import SERVICE_NAME, GeneratorService, generic_handler
+from service.frontend.worker_servicer import WORKER_SERVICE_NAME, WorkerService, worker_handler
 from service.logs import configure_logging
 
 log = structlog.get_logger("dyngen.server")
+
+SERVED = ("", SERVICE_NAME, WORKER_SERVICE_NAME)  # the names grpc.health.v1 answers for
 
 
 def _read(path: str) -> bytes:
@@ -104,7 +108,7 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
             if up and not service.draining and not leaving.is_set()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in ("", SERVICE_NAME):
+        for name in SERVED:
             task = loop.create_task(health_servicer.set(name, status))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -120,12 +124,16 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
 
     interceptors = [TokenInterceptor(auth)] if auth.tokens else []
     server = grpc.aio.server(options=_options(config), interceptors=interceptors)
-    server.add_generic_rpc_handlers((generic_handler(service),))
+    worker = WorkerService(
+        service, EngineLoadTracker(engine, config.max_batch_size), config.served_model_name
+    )
+    server.add_generic_rpc_handlers((generic_handler(service), worker_handler(worker)))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
+                WORKER_SERVICE_NAME,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -134,7 +142,7 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     engine.replica = config.replica_id or f"{socket.gethostname()}:{port}"
-    for name in ("", SERVICE_NAME):
+    for name in SERVED:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.metrics_port:
         metrics.serve(config.metrics_host or config.host, config.metrics_port)
@@ -173,7 +181,7 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
 
     # Leave the balancer first: NOT_SERVING at once, still admitting while its health checks see it.
     leaving.set()
-    for name in ("", SERVICE_NAME):
+    for name in SERVED:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.drain_delay_seconds > 0:
         log.info("leaving", delay_seconds=config.drain_delay_seconds)

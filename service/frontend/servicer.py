@@ -134,7 +134,7 @@ class GeneratorService:
             self.drain.finished()
 
     @staticmethod
-    async def _fail(
+    async def fail(
         context: grpc.aio.ServicerContext[Req, Resp],
         code: grpc.StatusCode,
         text: str,
@@ -146,17 +146,17 @@ class GeneratorService:
         await context.abort(code, text, failure.trailing_metadata())
         raise AssertionError("abort returned")  # abort always raises
 
-    async def _parsed(self, request: Msg | Malformed, context: grpc.aio.ServicerContext[Req, Resp]) -> Msg:
+    async def parsed(self, request: Msg | Malformed, context: grpc.aio.ServicerContext[Req, Resp]) -> Msg:
         if isinstance(request, Malformed):
-            await self._fail(
+            await self.fail(
                 context, grpc.StatusCode.INVALID_ARGUMENT, request.message, ErrorReason.MALFORMED_REQUEST
             )
         return request
 
-    async def _tenant(self, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
+    async def tenant_of(self, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
         tenant = self.auth.tenant(context.invocation_metadata(), context.auth_context())
         if tenant is None:
-            await self._fail(
+            await self.fail(
                 context,
                 grpc.StatusCode.UNAUTHENTICATED,
                 "no valid credentials for this call",
@@ -164,7 +164,7 @@ class GeneratorService:
             )
         return tenant
 
-    async def _engine_failed(
+    async def engine_failed(
         self,
         exc: EngineRejectedError | EngineBusyError | EngineDownError,
         context: grpc.aio.ServicerContext[Req, Resp],
@@ -182,21 +182,21 @@ class GeneratorService:
             )
             # A full queue clears as jobs finish: come back when one more has.
             retry = self.drain.retry_after() if reason is ErrorReason.QUEUE_FULL else None
-            await self._fail(context, code, exc.rejection.message, reason, field, retry)
+            await self.fail(context, code, exc.rejection.message, reason, field, retry)
         if isinstance(exc, EngineBusyError):
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
-        await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
+            await self.fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
+        await self.fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
 
     async def _job_id(self, job_id: str, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
         try:
             check_job_id(job_id)
         except RequestError as exc:
-            await self._invalid(context, exc)
+            await self.invalid(context, exc)
         return job_id
 
-    async def _open_stream(self, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
+    async def open_stream(self, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
         if self.open_streams >= self.max_streams:
-            await self._fail(
+            await self.fail(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.open_streams} streams are open, the server's limit; try again later",
@@ -205,12 +205,12 @@ class GeneratorService:
             )
         self.open_streams += 1
 
-    async def _invalid(self, context: grpc.aio.ServicerContext[Req, Resp], exc: RequestError) -> NoReturn:
+    async def invalid(self, context: grpc.aio.ServicerContext[Req, Resp], exc: RequestError) -> NoReturn:
         """INVALID_ARGUMENT for a limit the request broke, naming its field."""
-        await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
+        await self.fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.reason, exc.field)
 
-    async def _engine_down(self, context: grpc.aio.ServicerContext[Req, Resp]) -> NoReturn:
-        await self._fail(
+    async def engine_down(self, context: grpc.aio.ServicerContext[Req, Resp]) -> NoReturn:
+        await self.fail(
             context, grpc.StatusCode.UNAVAILABLE, "the engine is not running", ErrorReason.ENGINE_UNAVAILABLE
         )
 
@@ -220,7 +220,7 @@ class GeneratorService:
         """The prompt's ids, after its limits: INVALID_ARGUMENT for a broken limit or a refused chat."""
         prompts = self.engine.prompts
         if prompts is None:
-            await self._engine_down(context)
+            await self.engine_down(context)
         try:
             if isinstance(request, pb.GenerateRequest):
                 check_request(request, self.limits)
@@ -228,7 +228,7 @@ class GeneratorService:
                 check_tokenize_request(request, self.limits)
             return await prompts.token_ids_async(request)
         except RequestError as exc:
-            await self._invalid(context, exc)
+            await self.invalid(context, exc)
 
     async def _negative_ids(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Req, Resp]
@@ -237,13 +237,13 @@ class GeneratorService:
         and within the context and the cache on its own (field-precise refusals before the job's)."""
         prompts, bounds = self.engine.prompts, self.engine.bounds
         if prompts is None or bounds is None:
-            await self._engine_down(context)
+            await self.engine_down(context)
         try:
             ids = await prompts.negative_ids_async(request.guidance)
             check_negative_prompt_ids(ids, max_new_tokens(request), bounds)
             return ids
         except RequestError as exc:
-            await self._invalid(context, exc)
+            await self.invalid(context, exc)
 
     async def _check_embeddings(
         self, request: pb.GenerateRequest, ids: list[int], context: grpc.aio.ServicerContext[Req, Resp]
@@ -253,11 +253,11 @@ class GeneratorService:
         prompt within the context and the cache with max_new_tokens."""
         bounds = self.engine.bounds
         if bounds is None:
-            await self._engine_down(context)
+            await self.engine_down(context)
         try:
             check_prompt_embeddings(request, ids, max_new_tokens(request), bounds)
         except RequestError as exc:
-            await self._invalid(context, exc)
+            await self.invalid(context, exc)
 
     async def _job(
         self,
@@ -270,16 +270,16 @@ class GeneratorService:
         (JobSpec.check): the engine checks only that its adapter is loaded and the queue has room."""
         bounds = self.engine.bounds
         if bounds is None:
-            await self._engine_down(context)
+            await self.engine_down(context)
         negative = await self._negative_ids(request, context) if request.HasField("guidance") else None
         adapter = self.adapters.engine_name(tenant, request.adapter) if request.adapter else None
         try:
             spec = job_spec(request, ids, negative, tenant, cache_salt(tenant, request.cache_salt), adapter)
             check_spec(spec, bounds)
         except InvalidRequestError as exc:
-            await self._invalid(context, RequestError(str(exc), embedding_field(str(exc))))
+            await self.invalid(context, RequestError(str(exc), embedding_field(str(exc))))
         except RequestError as exc:
-            await self._invalid(context, exc)
+            await self.invalid(context, exc)
         return spec
 
     async def _check_priority_jobs(
@@ -290,7 +290,7 @@ class GeneratorService:
         if request.priority <= 0 or not self.auth.enabled:
             return
         if self.engine.priority_jobs(tenant) >= self.max_priority_jobs:
-            await self._fail(
+            await self.fail(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"priority > 0: this tenant has {self.max_priority_jobs} such jobs queued or running, "
@@ -299,7 +299,7 @@ class GeneratorService:
                 retry_after=self.drain.retry_after(),
             )
 
-    async def _submit(
+    async def submit(
         self,
         request: pb.GenerateRequest,
         tenant: str,
@@ -307,18 +307,18 @@ class GeneratorService:
         streamed: bool,
     ) -> JobChannel:
         if self.draining:
-            await self._fail(
+            await self.fail(
                 context, grpc.StatusCode.UNAVAILABLE, "the server is shutting down", ErrorReason.DRAINING
             )
         if not self.engine.ready:
-            await self._engine_down(context)
+            await self.engine_down(context)
         ids = await self._token_ids(request, context)
         if request.embeddings:
             await self._check_embeddings(request, ids, context)
         if request.adapter:
             lost = self.engine.adapter_lost.get(self.adapters.own_name(tenant, request.adapter))
             if lost is not None:
-                await self._fail(
+                await self.fail(
                     context,
                     grpc.StatusCode.NOT_FOUND,
                     f"adapter {request.adapter!r} could not be loaded again after the engine restarted "
@@ -335,9 +335,9 @@ class GeneratorService:
             job.affinity = _affinity(request, context)
             return job
         except (EngineRejectedError, EngineBusyError, EngineDownError) as exc:
-            await self._engine_failed(exc, context)
+            await self.engine_failed(exc, context)
 
-    async def _events(
+    async def job_events(
         self, job: JobChannel, context: grpc.aio.ServicerContext[Req, Resp]
     ) -> AsyncIterator[pb.GenerateEvent]:
         # Any way out of here (finished, caller gone, deadline, engine down) releases the job,
@@ -346,7 +346,7 @@ class GeneratorService:
             while True:
                 item = await job.events.get()
                 if isinstance(item, EngineDownError):
-                    await self._fail(
+                    await self.fail(
                         context, grpc.StatusCode.UNAVAILABLE, str(item), ErrorReason.ENGINE_UNAVAILABLE
                     )
                 if item.HasField("finished"):
@@ -366,7 +366,7 @@ class GeneratorService:
                     )
                     if f.stop_reason == pb.STOP_REASON_ERROR:
                         code = _BY_NUMBER.get(f.error_code, grpc.StatusCode.INTERNAL)
-                        await self._fail(
+                        await self.fail(
                             context, code, f.error or "the job failed in the engine", ErrorReason.JOB_FAILED
                         )
                     yield item
@@ -384,9 +384,9 @@ class GeneratorService:
         request: pb.GenerateRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.EnqueueResponse],
     ) -> pb.EnqueueResponse:
-        req = await self._parsed(request, context)
-        tenant = await self._tenant(context)
-        job = await self._submit(req, tenant, context, streamed=False)
+        req = await self.parsed(request, context)
+        tenant = await self.tenant_of(context)
+        job = await self.submit(req, tenant, context, streamed=False)
         return pb.EnqueueResponse(job_id=job.job_id, prompt_tokens=job.prompt_tokens)
 
     async def Stream(
@@ -394,25 +394,25 @@ class GeneratorService:
         request: pb.StreamRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.StreamRequest, pb.GenerateEvent],
     ) -> AsyncIterator[pb.GenerateEvent]:
-        req = await self._parsed(request, context)
+        req = await self.parsed(request, context)
         job_id = await self._job_id(req.job_id, context)
-        tenant = await self._tenant(context)
+        tenant = await self.tenant_of(context)
         try:
             job = self.engine.attach(job_id, tenant)
         except ValueError as exc:
-            await self._fail(
+            await self.fail(
                 context, grpc.StatusCode.FAILED_PRECONDITION, str(exc), ErrorReason.JOB_ALREADY_STREAMED
             )
         if job is None:
-            await self._fail(
+            await self.fail(
                 context,
                 grpc.StatusCode.NOT_FOUND,
                 "no such job (unknown, or already ended)",
                 ErrorReason.JOB_NOT_FOUND,
             )
-        await self._open_stream(context)
+        await self.open_stream(context)
         try:
-            async for event in self._events(job, context):
+            async for event in self.job_events(job, context):
                 yield event
         finally:
             self.open_streams -= 1
@@ -422,12 +422,12 @@ class GeneratorService:
         request: pb.GenerateRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateEvent],
     ) -> AsyncIterator[pb.GenerateEvent]:
-        req = await self._parsed(request, context)
-        tenant = await self._tenant(context)
-        await self._open_stream(context)
+        req = await self.parsed(request, context)
+        tenant = await self.tenant_of(context)
+        await self.open_stream(context)
         try:
-            job = await self._submit(req, tenant, context, streamed=True)
-            async for event in self._events(job, context):
+            job = await self.submit(req, tenant, context, streamed=True)
+            async for event in self.job_events(job, context):
                 yield event
         finally:
             self.open_streams -= 1
@@ -437,12 +437,12 @@ class GeneratorService:
         request: pb.CancelRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.CancelRequest, pb.CancelResponse],
     ) -> pb.CancelResponse:
-        req = await self._parsed(request, context)
+        req = await self.parsed(request, context)
         job_id = await self._job_id(req.job_id, context)
-        tenant = await self._tenant(context)
+        tenant = await self.tenant_of(context)
         job = self.engine.lookup(job_id, tenant)
         if job is None or job.finished:
-            await self._fail(
+            await self.fail(
                 context, grpc.StatusCode.NOT_FOUND, "no running job with that id", ErrorReason.JOB_NOT_FOUND
             )
         self.engine.cancel(job)
@@ -453,20 +453,20 @@ class GeneratorService:
         request: pb.GetModelInfoRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
-        await self._parsed(request, context)
-        await self._tenant(context)
+        await self.parsed(request, context)
+        await self.tenant_of(context)
         try:
             return await self.engine.info()
         except (EngineBusyError, EngineDownError) as exc:
-            await self._engine_failed(exc, context)
+            await self.engine_failed(exc, context)
 
     async def Tokenize(
         self,
         request: pb.TokenizeRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.TokenizeRequest, pb.TokenizeResponse],
     ) -> pb.TokenizeResponse:
-        req = await self._parsed(request, context)
-        await self._tenant(context)
+        req = await self.parsed(request, context)
+        await self.tenant_of(context)
         return pb.TokenizeResponse(token_ids=await self._token_ids(req, context))
 
     async def _adapter_call(
@@ -475,13 +475,13 @@ class GeneratorService:
         try:
             return await self.engine.adapters(command)
         except (EngineRejectedError, EngineBusyError, EngineDownError) as exc:
-            await self._engine_failed(exc, context)
+            await self.engine_failed(exc, context)
 
     async def _adapter_name(self, name: str, field: str, context: grpc.aio.ServicerContext[Req, Resp]) -> str:
         try:
             check_adapter_name(name, field)
         except RequestError as exc:
-            await self._invalid(context, exc)
+            await self.invalid(context, exc)
         return name
 
     async def LoadAdapter(
@@ -489,18 +489,18 @@ class GeneratorService:
         request: pb.LoadAdapterRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.LoadAdapterRequest, pb.AdapterInfo],
     ) -> pb.AdapterInfo:
-        req = await self._parsed(request, context)
-        tenant = await self._tenant(context)
+        req = await self.parsed(request, context)
+        tenant = await self.tenant_of(context)
         name = await self._adapter_name(req.name, "name", context)
         if self.adapter_dir is None:
-            await self._fail(
+            await self.fail(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "run-time adapter loading is off: the server was started without --adapter-dir",
                 ErrorReason.ADAPTER_LOADING_OFF,
             )
         if not req.path:
-            await self._fail(
+            await self.fail(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "path: the adapter's folder is required (a name inside the server's adapter folder)",
@@ -510,7 +510,7 @@ class GeneratorService:
         try:
             check_relative_path(req.path)
         except AdapterPathError as exc:
-            await self._fail(
+            await self.fail(
                 context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), ErrorReason.ADAPTER_PATH_REFUSED, "path"
             )
         engine_name = self.adapters.own_name(tenant, name)
@@ -530,7 +530,7 @@ class GeneratorService:
             return  # a second load of a held name is ALREADY_EXISTS, from the engine
         held = self.adapters.held(tenant)
         if held >= self.max_adapters_per_tenant:
-            await self._fail(
+            await self.fail(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this tenant holds {held} adapters, the server's limit per tenant "
@@ -543,12 +543,12 @@ class GeneratorService:
         request: pb.UnloadAdapterRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.UnloadAdapterRequest, pb.UnloadAdapterResponse],
     ) -> pb.UnloadAdapterResponse:
-        req = await self._parsed(request, context)
-        tenant = await self._tenant(context)
+        req = await self.parsed(request, context)
+        tenant = await self.tenant_of(context)
         name = await self._adapter_name(req.name, "name", context)
         engine_name = self.adapters.unloadable_name(tenant, name)
         if engine_name is None:
-            await self._fail(
+            await self.fail(
                 context,
                 grpc.StatusCode.NOT_FOUND,
                 f"no adapter {name!r} of yours is loaded (the server's own cannot be unloaded by a tenant)",
@@ -563,13 +563,13 @@ class GeneratorService:
         request: pb.ListAdaptersRequest | Malformed,
         context: grpc.aio.ServicerContext[pb.ListAdaptersRequest, pb.ListAdaptersResponse],
     ) -> pb.ListAdaptersResponse:
-        await self._parsed(request, context)
-        tenant = await self._tenant(context)
+        await self.parsed(request, context)
+        tenant = await self.tenant_of(context)
         reply = await self._adapter_call(AdapterCommand(AdapterOp.LIST), context)
         return pb.ListAdaptersResponse(adapters=self.adapters.visible(tenant, reply.adapters))
 
 
-def _serialize(message: object) -> bytes:
+def serialize(message: object) -> bytes:
     assert isinstance(message, Message)
     return message.SerializeToString()
 
@@ -580,47 +580,47 @@ def generic_handler(service: GeneratorService) -> grpc.GenericRpcHandler:
         "Enqueue": grpc.unary_unary_rpc_method_handler(
             service.Enqueue,
             lenient(pb.GenerateRequest),
-            _serialize,
+            serialize,
         ),
         "Stream": grpc.unary_stream_rpc_method_handler(
             service.Stream,
             lenient(pb.StreamRequest),
-            _serialize,
+            serialize,
         ),
         "Cancel": grpc.unary_unary_rpc_method_handler(
             service.Cancel,
             lenient(pb.CancelRequest),
-            _serialize,
+            serialize,
         ),
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.Generate,
             lenient(pb.GenerateRequest),
-            _serialize,
+            serialize,
         ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             service.GetModelInfo,
             lenient(pb.GetModelInfoRequest),
-            _serialize,
+            serialize,
         ),
         "Tokenize": grpc.unary_unary_rpc_method_handler(
             service.Tokenize,
             lenient(pb.TokenizeRequest),
-            _serialize,
+            serialize,
         ),
         "LoadAdapter": grpc.unary_unary_rpc_method_handler(
             service.LoadAdapter,
             lenient(pb.LoadAdapterRequest),
-            _serialize,
+            serialize,
         ),
         "UnloadAdapter": grpc.unary_unary_rpc_method_handler(
             service.UnloadAdapter,
             lenient(pb.UnloadAdapterRequest),
-            _serialize,
+            serialize,
         ),
         "ListAdapters": grpc.unary_unary_rpc_method_handler(
             service.ListAdapters,
             lenient(pb.ListAdaptersRequest),
-            _serialize,
+            serialize,
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

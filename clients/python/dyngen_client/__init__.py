@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
     from dyngen_client.request import (
         Chat,
+        GbnfGrammar,
         Guidance,
         JsonSchema,
         LarkGrammar,
@@ -51,6 +52,7 @@ _WHERE = {
     "Chat": "request",
     "Guidance": "request",
     "JsonSchema": "request",
+    "GbnfGrammar": "request",
     "LarkGrammar": "request",
     "Prompt": "request",
     "PromptEmbedding": "request",
@@ -73,6 +75,7 @@ __all__ = [
     "ErrorReason",
     "Event",
     "FieldViolation",
+    "GbnfGrammar",
     "Guidance",
     "JsonSchema",
     "LarkGrammar",

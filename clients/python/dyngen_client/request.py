@@ -89,7 +89,14 @@ class LarkGrammar:
     grammar: str
 
 
-ResponseFormat = JsonSchema | Regex | LarkGrammar
+@dataclass(frozen=True)
+class GbnfGrammar:
+    """Structured output: the text is a sentence of this GBNF grammar (`root` is the root rule)."""
+
+    grammar: str
+
+
+ResponseFormat = JsonSchema | Regex | LarkGrammar | GbnfGrammar
 
 DEFAULT_GUIDANCE_SCALE = 1.5  # both CLIs' --guidance-scale (the wire has none: scale is required)
 
@@ -228,6 +235,8 @@ class Request:
                 req.response_format.regex = pattern
             case LarkGrammar(grammar=grammar):
                 req.response_format.lark_grammar = grammar
+            case GbnfGrammar(grammar=grammar):
+                req.response_format.gbnf_grammar = grammar
             case None:
                 pass
         match self.prompt:

@@ -613,6 +613,7 @@ class ResponseFormat(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _builtins.int
     REGEX_FIELD_NUMBER: _builtins.int
     LARK_GRAMMAR_FIELD_NUMBER: _builtins.int
+    GBNF_GRAMMAR_FIELD_NUMBER: _builtins.int
     json_schema: _builtins.str
     """A JSON Schema, as JSON text. The output is one JSON value of it, on one line with ", "
     and ": " separators; properties not listed are allowed unless additionalProperties is
@@ -622,18 +623,21 @@ class ResponseFormat(_message.Message):
     """A regular expression (Rust regex syntax) that the whole output matches."""
     lark_grammar: _builtins.str
     """A Lark grammar (llguidance's dialect, which reads plain Lark); `start` is the root rule."""
+    gbnf_grammar: _builtins.str
+    """A GBNF grammar (the EBNF dialect of llama.cpp's and vLLM's grammars); `root` is the root rule."""
     def __init__(
         self,
         *,
         json_schema: _builtins.str = ...,
         regex: _builtins.str = ...,
         lark_grammar: _builtins.str = ...,
+        gbnf_grammar: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "json_schema", b"json_schema", "lark_grammar", b"lark_grammar", "regex", b"regex"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "gbnf_grammar", b"gbnf_grammar", "json_schema", b"json_schema", "lark_grammar", b"lark_grammar", "regex", b"regex"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "json_schema", b"json_schema", "lark_grammar", b"lark_grammar", "regex", b"regex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "gbnf_grammar", b"gbnf_grammar", "json_schema", b"json_schema", "lark_grammar", b"lark_grammar", "regex", b"regex"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_format: _TypeAlias = _typing.Literal["json_schema", "regex", "lark_grammar"]  # noqa: Y015
+    _WhichOneofReturnType_format: _TypeAlias = _typing.Literal["json_schema", "regex", "lark_grammar", "gbnf_grammar"]  # noqa: Y015
     _WhichOneofArgType_format: _TypeAlias = _typing.Literal["format", b"format"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_format) -> _WhichOneofReturnType_format | None: ...
 
