@@ -1,4 +1,4 @@
-"""`dyngen cluster`: N `dyngen serve` replicas and HAProxy in front of them, on one machine.
+"""`dyngen cluster`: N `dyngen serve` replicas and HAProxy (or the SMG gateway) in front, on one machine.
 
 For a local try of the scale-out path (docs/SCALING.md) and for its tests; in production the
 replicas are separate machines or pods and HAProxy (or Envoy) is the operator's (deploy/).
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from service.haproxy_config import DEFAULT_BALANCE_FACTOR, Backend, BalancerConfig, render
+from service.smg_gateway import POLICIES, GatewayError, SmgGateway
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,13 +48,17 @@ class Cluster:
         workdir: Path | None = None,
         replica_stderr: int | None = None,
         balance_factor: int = DEFAULT_BALANCE_FACTOR,
+        gateway: str | None = None,
     ) -> None:
         if replicas < 1:
             raise ClusterError(f"replicas must be >= 1, got {replicas}")
+        # `gateway`: an SMG policy; the SMG gateway (OpenAI API over HTTP) replaces HAProxy.
+        self.gateway_policy = gateway
+        self.gateway: SmgGateway | None = None
         haproxy = shutil.which("haproxy")
-        if haproxy is None:
+        if haproxy is None and gateway is None:
             raise ClusterError("haproxy is not installed (Debian: apt-get install haproxy)")
-        self.haproxy_bin = haproxy
+        self.haproxy_bin = haproxy or "haproxy"
         self.host = host
         self.serve_flags = tuple(serve_flags)
         self.backends = tuple(Backend(f"replica-{i}", host, free_port(host)) for i in range(replicas))
@@ -72,6 +77,9 @@ class Cluster:
 
     @property
     def target(self) -> str:
+        """HAProxy's gRPC address, or the gateway's OpenAI base URL."""
+        if self.gateway_policy is not None:
+            return f"http://{self.host}:{self.config.front_port}/v1"
         return f"{self.host}:{self.config.front_port}"
 
     def replica_target(self, i: int) -> str:
@@ -101,6 +109,18 @@ class Cluster:
         return 0 if p is None else p.wait(timeout)
 
     def start_balancer(self) -> None:
+        if self.gateway_policy is not None:
+            workers = [self.replica_target(i) for i in range(len(self.backends))]
+            self.gateway = SmgGateway(
+                workers,
+                self.config.front_port,
+                free_port(self.host),
+                self.gateway_policy,
+                self.host,
+                self.workdir / "smg.log",
+            )
+            self.gateway.start()
+            return
         cfg = self.workdir / "haproxy.cfg"
         cfg.write_text(render(self.config))
         check = subprocess.run(
@@ -128,6 +148,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
+        if self.gateway is not None:
+            self.gateway.stop()
         if self.balancer is not None and self.balancer.poll() is None:
             self.balancer.terminate()
             try:
@@ -158,6 +180,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="bounded-load hashing: a replica past this %% of the average streams spills to the next (0: off)",
     )
     parser.add_argument(
+        "--gateway",
+        choices=POLICIES,
+        default=None,
+        help="the SMG gateway with this routing policy in front (OpenAI API over HTTP on --port) "
+        "instead of HAProxy; cache_aware follows the replicas' KV events",
+    )
+    parser.add_argument(
         "serve_flags", nargs=argparse.REMAINDER, help="after --: flags for every `dyngen serve` replica"
     )
 
@@ -174,9 +203,10 @@ def run_cluster(args: argparse.Namespace) -> int:
             args.check_interval_ms,
             args.host,
             balance_factor=args.balance_factor,
+            gateway=args.gateway,
         )
         cluster.start()
-    except ClusterError as exc:
+    except (ClusterError, GatewayError) as exc:
         print(f"dyngen: error: {exc}", file=sys.stderr)
         return 2
     stopping = False
@@ -188,15 +218,17 @@ def run_cluster(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     replicas = ", ".join(f"{b.name} {b.host}:{b.port}" for b in cluster.backends)
-    print(f"dyngen cluster: HAProxy on {cluster.target} -> {replicas}", file=sys.stderr, flush=True)
+    front = "HAProxy" if args.gateway is None else f"the SMG gateway ({args.gateway})"
+    print(f"dyngen cluster: {front} on {cluster.target} -> {replicas}", file=sys.stderr, flush=True)
     try:
         while not stopping:
             for i, p in enumerate(cluster.processes):
                 if p is not None and p.poll() is not None:
                     print(f"dyngen cluster: replica-{i} exited ({p.returncode}); restarting", file=sys.stderr)
                     cluster.start_replica(i)
-            if cluster.balancer is not None and cluster.balancer.poll() is not None:
-                print("dyngen cluster: haproxy exited; stopping", file=sys.stderr)
+            front_process = cluster.gateway.process if cluster.gateway is not None else cluster.balancer
+            if front_process is not None and front_process.poll() is not None:
+                print("dyngen cluster: the balancer exited; stopping", file=sys.stderr)
                 break
             time.sleep(0.5)
     finally:

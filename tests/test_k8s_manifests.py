@@ -26,7 +26,15 @@ def _documents() -> list[dict[str, object]]:
 
 def test_manifests_validate_strictly() -> None:
     docs = _documents()
-    assert {str(d["kind"]) for d in docs} == {"Deployment", "Service", "ConfigMap"}
+    assert {str(d["kind"]) for d in docs} == {
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "NetworkPolicy",
+    }
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES, strict=True)  # raises on any problem
 
@@ -60,3 +68,20 @@ def test_haproxy_accepts_the_config_map(tmp_path: Path) -> None:
         ["haproxy", "-c", "-q", "-f", str(cfg)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_gateway_deployment_is_a_valid_smg_command() -> None:
+    """The smg container's arguments parse and validate with the pinned gateway's own parser, and it
+    discovers the dyngen pods on their gRPC port."""
+    from smg.launch_router import parse_router_args  # type: ignore[import-untyped]
+
+    deployments = [d for d in _documents() if d["kind"] == "Deployment"]
+    (gateway,) = (d for d in deployments if d["metadata"]["name"] == "dyngen-smg")  # type: ignore[index]
+    container = gateway["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    assert container["command"] == ["smg"]
+    launch, *args = container["args"]
+    assert launch == "launch"
+    router = parse_router_args(args)
+    router._validate_router_args()
+    assert router.policy == "cache_aware"
+    assert router.service_discovery_port == 50051

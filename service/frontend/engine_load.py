@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
@@ -49,6 +50,7 @@ class EngineLoadTracker:
         self._started: set[str] = set()
         self._generated: deque[tuple[float, int]] = deque()  # (monotonic second, tokens)
         self._stats: EngineStats | None = None
+        self.on_change: list[Callable[[], None]] = []  # a job started or finished
         engine.on_event.append(self._on_event)
         engine.on_forget.append(self._started.discard)
         engine.on_stats.append(self._on_stats)
@@ -56,6 +58,9 @@ class EngineLoadTracker:
     def _on_event(self, job: JobChannel, event: pb.GenerateEvent) -> None:
         if event.HasField("started"):
             self._started.add(job.job_id)
+            self._changed()
+        elif event.HasField("finished"):
+            self._changed()
         elif event.HasField("delta") and event.delta.token_ids:
             now = time.monotonic()
             second = float(int(now))
@@ -63,6 +68,10 @@ class EngineLoadTracker:
                 self._generated[-1] = (second, self._generated[-1][1] + len(event.delta.token_ids))
             else:
                 self._generated.append((second, len(event.delta.token_ids)))
+
+    def _changed(self) -> None:
+        for listener in self.on_change:
+            listener()
 
     def _on_stats(self, stats: EngineStats) -> None:
         self._stats = stats

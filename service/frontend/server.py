@@ -181,6 +181,7 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
 
     # Leave the balancer first: NOT_SERVING at once, still admitting while its health checks see it.
     leaving.set()
+    service.leaving = True
     for name in SERVED:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.drain_delay_seconds > 0:

@@ -125,7 +125,8 @@ class GeneratorService:
         # With authentication on: one tenant's jobs of priority > 0 queued or running at once.
         self.max_priority_jobs = max_priority_jobs
         self.open_streams = 0
-        self.draining = False
+        self.draining = False  # refusing new jobs (SIGTERM, after the drain delay)
+        self.leaving = False  # SIGTERM seen: health says NOT_SERVING while jobs are still admitted
 
     # -- shared steps --------------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class GeneratorService:
             context, grpc.StatusCode.UNAVAILABLE, "the engine is not running", ErrorReason.ENGINE_UNAVAILABLE
         )
 
-    async def _token_ids(
+    async def token_ids(
         self, request: pb.GenerateRequest | pb.TokenizeRequest, context: grpc.aio.ServicerContext[Req, Resp]
     ) -> list[int]:
         """The prompt's ids, after its limits: INVALID_ARGUMENT for a broken limit or a refused chat."""
@@ -312,7 +313,7 @@ class GeneratorService:
             )
         if not self.engine.ready:
             await self.engine_down(context)
-        ids = await self._token_ids(request, context)
+        ids = await self.token_ids(request, context)
         if request.embeddings:
             await self._check_embeddings(request, ids, context)
         if request.adapter:
@@ -467,7 +468,7 @@ class GeneratorService:
     ) -> pb.TokenizeResponse:
         req = await self.parsed(request, context)
         await self.tenant_of(context)
-        return pb.TokenizeResponse(token_ids=await self._token_ids(req, context))
+        return pb.TokenizeResponse(token_ids=await self.token_ids(req, context))
 
     async def _adapter_call(
         self, command: AdapterCommand, context: grpc.aio.ServicerContext[Req, Resp]

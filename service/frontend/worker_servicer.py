@@ -58,10 +58,12 @@ class WorkerService:
         self.jobs = jobs
         self.engine = jobs.engine
         self.load = load
+        load.on_change.append(self.engine.kv_events.notify_load)  # a load record when jobs start or end
         self.served_model_name = served_model_name
         self.started_at = time.monotonic()
         self.last_request_at = 0.0  # wall clock of the last Generate
         self.requests: dict[str, JobChannel] = {}  # request_id -> its job, while its Generate runs
+        self.reserved: set[str] = set()  # request_ids whose Generate has not got its job yet
         self.kv_subscribers = 0
         self._bundle: tuple[str, TokenizerBundle] | None = None
 
@@ -83,7 +85,7 @@ class WorkerService:
         except RequestError as exc:
             await jobs.invalid(context, exc)
         rid = req.request_id
-        if rid in self.requests:
+        if rid in self.requests or rid in self.reserved:
             await jobs.fail(
                 context,
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -91,10 +93,21 @@ class WorkerService:
                 ErrorReason.INVALID_ARGUMENT,
                 "request_id",
             )
+        if rid:
+            self.reserved.add(rid)  # before any await: a second call with this id is refused above
         self.last_request_at = time.time()
-        await jobs.open_stream(context)
         job: JobChannel | None = None
         try:
+            await jobs.open_stream(context)
+        except BaseException:
+            self.reserved.discard(rid)
+            raise
+        try:
+            if inner.WhichOneof("prompt") == "text" and not inner.HasField("max_new_tokens"):
+                # The contract's unset max_tokens runs to the end of the context: count the prompt.
+                ids = await jobs.token_ids(inner, context)
+                inner.token_ids.ids[:] = ids
+                inner.max_new_tokens = max(1, min(bounds.context_length, bounds.cache_tokens) - len(ids))
             job = await jobs.submit(inner, tenant, context, streamed=True)
             if rid:
                 self.requests[rid] = job
@@ -119,6 +132,7 @@ class WorkerService:
                         yield complete(event.finished, output_ids, logprobs)
         finally:
             jobs.open_streams -= 1
+            self.reserved.discard(rid)
             if job is not None and self.requests.get(rid) is job:
                 del self.requests[rid]
 
@@ -156,7 +170,7 @@ class WorkerService:
     ) -> vpb.HealthCheckResponse:
         await self.jobs.parsed(request, context)
         await self.jobs.tenant_of(context)
-        if self.jobs.draining:
+        if self.jobs.draining or self.jobs.leaving:
             return vpb.HealthCheckResponse(healthy=False, message="the server is shutting down")
         if not self.engine.ready:
             return vpb.HealthCheckResponse(
@@ -191,16 +205,19 @@ class WorkerService:
         await self.jobs.tenant_of(context)
         info = await self._info(context)
         tok = await self._tokenizer(context)
+        bounds = self.engine.bounds
+        # What one request can hold: the model's context, or the KV cache if smaller.
+        limit = min(info.context_length, bounds.cache_tokens) if bounds is not None else info.context_length
         reply = vpb.GetModelInfoResponse(
             model_path=info.model,
             is_generation=True,
-            max_context_length=info.context_length,
+            max_context_length=limit,
             vocab_size=info.vocab_size,
             served_model_name=self.served_model_name or info.model,
             model_type="llama",
             architectures=["LlamaForCausalLM"],
             eos_token_ids=tok.eos_token_ids,
-            max_req_input_len=max(0, info.context_length - 1),
+            max_req_input_len=max(0, limit - 1),
         )
         if tok.bos_token_id is not None:
             reply.bos_token_id = tok.bos_token_id
@@ -347,11 +364,12 @@ class WorkerService:
         try:
             version = relay.version
             if replay is None:
-                for batch in self._snapshot(relay, page_size):
+                # The snapshot and its cursor together, before any yield lets a batch in between.
+                snapshot, cursor = self._snapshot(relay, page_size), relay.last_seq
+                for batch in snapshot:
                     serial += 1
                     batch.load.CopyFrom(engine_load(self.load.sample(), serial, False))
                     yield batch
-                cursor = relay.last_seq
             else:
                 cursor = start - 1
                 for b in replay:
