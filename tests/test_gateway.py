@@ -90,6 +90,16 @@ def test_a_streamed_chat_completion_carries_the_same_text(oai: openai.OpenAI) ->
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_n_choices(oai: openai.OpenAI) -> None:
+    poem: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Write a short poem about the sea."}
+    ]
+    r = oai.chat.completions.create(model=MODEL, messages=poem, n=3, temperature=1.0, max_tokens=12, seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1  # three samples, not one thrice
+    assert r.usage is not None and 3 <= r.usage.completion_tokens <= 3 * 12  # summed over the choices
+
+
 def test_a_completion(oai: openai.OpenAI) -> None:
     r = oai.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8)
     assert r.choices[0].text.strip()
@@ -144,8 +154,8 @@ def test_stop_max_tokens_and_seed(oai: openai.OpenAI) -> None:
 
 def test_bad_requests_are_the_gateways_errors_and_the_replicas_serve_on(oai: openai.OpenAI) -> None:
     # SMG ignores a request's unknown top-level fields (as OpenAI's own API does for extra
-    # body keys); an unknown value is refused by the gateway itself, and what only the engine
-    # knows (one sample per request) by the worker, as a 400 naming the field.
+    # body keys); an unknown value or one out of range is a 400 naming the field, whether the
+    # gateway's validation or the worker's refusal (INVALID_ARGUMENT) catches it.
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(  # type: ignore[call-overload]
             model=MODEL,
@@ -154,9 +164,12 @@ def test_bad_requests_are_the_gateways_errors_and_the_replicas_serve_on(oai: ope
         )
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="no-such-model", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError) as info:  # the gateway's own bound on n (10)
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, n=11, max_tokens=4)
+    assert "n: Validation error" in str(info.value)
     with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=MODEL, messages=QUESTION, n=2, max_tokens=4)
-    assert "sampling_params.n" in str(info.value)
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=-1.0)
+    assert "temperature" in str(info.value)
     ok = oai.chat.completions.create(
         model=MODEL,
         messages=QUESTION,

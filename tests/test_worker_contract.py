@@ -326,6 +326,32 @@ def test_greedy_ids_streamed_and_not_equal_dyngen_generate(worker: Worker, clien
     assert own.stop_reason == "max_new_tokens"
 
 
+def test_n_samples_are_jobs_of_their_own_seeds(worker: Worker) -> None:
+    """n = 3 at temperature 1 with seed s: three completes, indexed 0-2, sample i being exactly what
+    one request with seed s + i gives; streamed, every chunk names its sample and each ends."""
+
+    def sampled(seed: int, n: int = 1, stream: bool = False) -> vpb.GenerateRequest:
+        return tokenized(PROMPT, "", stream, temperature=1.0, max_tokens=6, ignore_eos=True, seed=seed, n=n)
+
+    whole = worker.generate(sampled(41, 3))
+    ends = sorted((r.complete for r in whole if r.HasField("complete")), key=lambda c: c.index)
+    assert [c.index for c in ends] == [0, 1, 2]
+    for i, end in enumerate(ends):
+        alone = complete_of(worker.generate(sampled(41 + i)))
+        assert list(end.output_ids) == list(alone.output_ids)
+        assert end.completion_tokens == 6 and end.finish_reason == "length"
+    assert len({tuple(c.output_ids) for c in ends}) > 1
+
+    streamed = worker.generate(sampled(41, 2, stream=True))
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    for r in streamed:
+        if r.HasField("chunk"):
+            ids[r.chunk.index].extend(r.chunk.token_ids)
+    assert sorted(r.complete.index for r in streamed if r.HasField("complete")) == [0, 1]
+    assert streamed[-1].HasField("complete")
+    assert [ids[0], ids[1]] == [list(e.output_ids) for e in ends[:2]]
+
+
 def test_a_stop_token_ends_the_job_and_is_named(worker: Worker) -> None:
     ids = list(complete_of(worker.generate(greedy(PROMPT, 12))).output_ids)
     # The first token that is new at its position: the job must stop right before it.
@@ -447,7 +473,7 @@ def test_bad_requests_are_refused_naming_the_field_and_the_server_serves_on(
         assert field in (error.details() or ""), (field, error.details())
         assert [v.field for v in error_details(error).field_violations] == [field]
 
-    field_refusal(tokenized(ok, max_tokens=2, n=2), "sampling_params.n")
+    field_refusal(tokenized(ok, max_tokens=2, n=17), "sampling_params.n")
     field_refusal(tokenized(ok, max_tokens=2, prompt_logprobs=1), "sampling_params.prompt_logprobs")
     field_refusal(tokenized(ok, max_tokens=2, structural_tag="{}"), "sampling_params.structural_tag")
     field_refusal(tokenized(ok, max_tokens=2, logprobs=-1), "sampling_params.logprobs")
@@ -864,6 +890,9 @@ class StandInEngine:
     def __init__(self) -> None:
         self.kv_events = KvEventRelay()
         self.bounds = ModelBounds(SERVICE_SPEC.vocab_size, 4096, 16384, SERVICE_SPEC.hidden_size, PAGE)
+
+    def release(self, job: object) -> None:
+        pass
 
 
 class StandInJobs:

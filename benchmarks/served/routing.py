@@ -6,8 +6,11 @@ One pair of `dyngen serve` replicas (the shipped model, 1 torch thread each: two
 2-core machine), HAProxy in front with the clients' affinity key (service/cluster.py), and two SMG
 gateways in front of the same replicas, one per policy (service/smg_gateway.py). Each run flushes
 both replicas' prefix caches first (the worker contract's FlushCache) and sends the same
-multi-tenant workload: 6 tenants, each its own ~1k-token system prompt (W2's shared prefix after a
-tenant line) x W2's questions, in a random order, at Poisson arrival times of `--rate` requests/s.
+multi-tenant workload: `--tenants` (6), each its own ~1.1k-token system prompt (W2's shared prefix
+after a tenant line) x W2's questions, in a random order, at Poisson arrival times of `--rate`
+requests/s. Each replica's KV cache holds about 3.5 of those prompts (`--cache-tokens` 4096), so
+where a tenant's requests land decides whether its prompt stays cached: a router that spreads
+every tenant over both replicas makes each hold all six, and they evict each other.
 The gateway runs speak the OpenAI API (streamed, the official client); HAProxy's speak dyngen.v1.
 
 Reported per run: prefix hit rate (cached / prompt tokens, from each reply's usage), time to first
@@ -40,7 +43,6 @@ from service.cluster import Cluster, free_port
 from service.smg_gateway import SmgGateway
 
 MODEL = "smollm2"
-TENANTS = 6
 PROBES = 20  # one-token requests per front end for its added latency
 
 
@@ -74,14 +76,14 @@ class Run:
 Conversation = tuple[tuple[str, str], ...]
 
 
-def _workload(requests: int, seed: int) -> list[Conversation]:
+def _workload(requests: int, seed: int, tenants: int) -> list[Conversation]:
     w2 = load_workloads()["W2"]
     shared = str(w2["system_message"])
     questions = [str(q) for q in w2["user_messages"]]
     rng = random.Random(seed)
     return [
         (
-            ("system", f"You answer for tenant {rng.randrange(TENANTS)} of {TENANTS}.\n{shared}"),
+            ("system", f"You answer for tenant {rng.randrange(tenants)} of {tenants}.\n{shared}"),
             ("user", rng.choice(questions)),
         )
         for _ in range(requests)
@@ -228,18 +230,17 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1.5, help="mean arrivals per second (Poisson)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    flags = [
-        "--torch-threads",
-        "1",
-        "--quant",
-        "auto",
+    parser.add_argument("--tenants", type=int, default=6, help="distinct system prompts")
+    parser.add_argument(
         "--cache-tokens",
-        "16384",
-        "--served-model-name",
-        MODEL,
-    ]
-    convs = _workload(args.requests, args.seed)
+        type=int,
+        default=4096,
+        help="each replica's KV cache (4096: about 3.5 system prompts)",
+    )
+    args = parser.parse_args()
+    flags = ["--torch-threads", "1", "--quant", "auto", "--served-model-name", MODEL]
+    flags += ["--cache-tokens", str(args.cache_tokens)]
+    convs = _workload(args.requests, args.seed, args.tenants)
     with Cluster(2, flags) as cluster:
         replicas = [cluster.replica_target(i) for i in range(2)]
         for i, target in enumerate(replicas):
@@ -280,8 +281,8 @@ def main() -> None:
                 g.stop()
     print(f"CPU: {cpu_features().summary()}")
     print(
-        f"2 replicas (1 torch thread each, --quant auto, 16384 cache tokens); {args.requests} requests, "
-        f"{TENANTS} tenants' system prompts, Poisson {args.rate}/s, {args.new_tokens} new tokens each"
+        f"2 replicas (1 torch thread each, --quant auto, {args.cache_tokens} cache tokens); {args.requests} "
+        f"requests, {args.tenants} tenants' system prompts, Poisson {args.rate}/s, {args.new_tokens} new tokens each"
     )
     print()
     print("| front end | prefix hit rate | TTFT p50 ms | TTFT p99 ms | output tok/s | wall s |")

@@ -28,6 +28,7 @@ from service.frontend.limits import ModelBounds, RequestError
 
 CONTRACT_TEMPERATURE = 1.0  # the contract's temperature when a request leaves it unset
 MAX_REQUEST_ID_CHARS = 256
+MAX_SAMPLES = 16  # sampling_params.n: each sample is a job of its own
 
 FINISH_REASONS = {
     pb.STOP_REASON_EOS: "stop",
@@ -135,8 +136,8 @@ def generate_request(req: vpb.GenerateRequest, bounds: ModelBounds) -> pb.Genera
     if req.HasField("data_parallel_rank") and req.data_parallel_rank != 0:
         raise _refuse("data_parallel_rank", f"this worker has one rank (0), got {req.data_parallel_rank}")
     sp = req.sampling_params
-    if sp.n > 1:
-        raise _refuse("sampling_params.n", f"one sample per request; got n={sp.n} (send n requests)")
+    if sp.n > MAX_SAMPLES:
+        raise _refuse("sampling_params.n", f"at most {MAX_SAMPLES} samples per request, got {sp.n}")
     if sp.HasField("prompt_logprobs"):
         raise _refuse("sampling_params.prompt_logprobs", "the engine does not compute prompt logprobs")
     out = pb.GenerateRequest(identifier=req.request_id)
@@ -162,6 +163,22 @@ def generate_request(req: vpb.GenerateRequest, bounds: ModelBounds) -> pb.Genera
     return out
 
 
+def sample_requests(req: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
+    """The jobs of `n` samples: the request itself, or `n` copies whose seeds, if set, follow on
+    from the request's (seed, seed + 1, ...) so the samples differ and each repeats. They share the
+    prompt's pages (the prefix cache), so n samples prefill it once."""
+    if n == 1:
+        return [req]
+    out = []
+    for i in range(n):
+        sample = pb.GenerateRequest()
+        sample.CopyFrom(req)
+        if req.sampling.HasField("seed"):
+            sample.sampling.seed = (req.sampling.seed + i) & 0xFFFF_FFFF_FFFF_FFFF
+        out.append(sample)
+    return out
+
+
 # -- responses ----------------------------------------------------------------------------------
 
 
@@ -175,13 +192,14 @@ def output_logprobs(deltas: Sequence[pb.TextDelta]) -> vpb.OutputLogProbs:
     return out
 
 
-def chunk(delta: pb.TextDelta, started: pb.JobStarted) -> vpb.GenerateResponse:
-    """One streamed delta: its new token ids (the contract's chunks are deltas)."""
+def chunk(delta: pb.TextDelta, started: pb.JobStarted, index: int = 0) -> vpb.GenerateResponse:
+    """One streamed delta of sample `index`: its new token ids (the contract's chunks are deltas)."""
     c = vpb.GenerateStreamChunk(
         token_ids=delta.token_ids,
         prompt_tokens=started.prompt_tokens,
         completion_tokens=len(delta.token_ids),
         cached_tokens=started.cached_tokens,
+        index=index,
     )
     if delta.logprobs:
         c.output_logprobs.CopyFrom(output_logprobs([delta]))
@@ -189,10 +207,12 @@ def chunk(delta: pb.TextDelta, started: pb.JobStarted) -> vpb.GenerateResponse:
 
 
 def complete(
-    finished: pb.JobFinished, output_ids: Sequence[int], logprobs: vpb.OutputLogProbs | None
+    finished: pb.JobFinished, output_ids: Sequence[int], logprobs: vpb.OutputLogProbs | None, index: int = 0
 ) -> vpb.GenerateResponse:
-    """The job's end: why (finish_reason, the matched stop), its counts and, not streamed, its tokens."""
+    """Sample `index`'s end: why (finish_reason, the matched stop), its counts and, not streamed,
+    its tokens."""
     c = vpb.GenerateComplete(
+        index=index,
         output_ids=output_ids,
         finish_reason=FINISH_REASONS.get(finished.stop_reason, "stop"),
         prompt_tokens=finished.prompt_tokens,

@@ -40,6 +40,7 @@ from service.frontend.worker_codec import (
     generate_request,
     kv_event,
     output_logprobs,
+    sample_requests,
     scheduler_load,
 )
 
@@ -62,7 +63,7 @@ class WorkerService:
         self.served_model_name = served_model_name
         self.started_at = time.monotonic()
         self.last_request_at = 0.0  # wall clock of the last Generate
-        self.requests: dict[str, JobChannel] = {}  # request_id -> its job, while its Generate runs
+        self.requests: dict[str, list[JobChannel]] = {}  # request_id -> its samples' jobs, while it runs
         self.reserved: set[str] = set()  # request_ids whose Generate has not got its job yet
         self.kv_subscribers = 0
         self._bundle: tuple[str, TokenizerBundle] | None = None
@@ -96,7 +97,7 @@ class WorkerService:
         if rid:
             self.reserved.add(rid)  # before any await: a second call with this id is refused above
         self.last_request_at = time.time()
-        job: JobChannel | None = None
+        samples: list[JobChannel] = []
         try:
             await jobs.open_stream(context)
         except BaseException:
@@ -108,33 +109,70 @@ class WorkerService:
                 ids = await jobs.token_ids(inner, context)
                 inner.token_ids.ids[:] = ids
                 inner.max_new_tokens = max(1, min(bounds.context_length, bounds.cache_tokens) - len(ids))
-            job = await jobs.submit(inner, tenant, context, streamed=True)
+            for sample in sample_requests(inner, max(1, req.sampling_params.n)):
+                samples.append(await jobs.submit(sample, tenant, context, streamed=True))
             if rid:
-                self.requests[rid] = job
-            started = pb.JobStarted()
-            output_ids: list[int] = []
-            deltas: list[pb.TextDelta] = []
-            async for event in jobs.job_events(job, context):
+                self.requests[rid] = samples
+            started = [pb.JobStarted() for _ in samples]
+            output_ids: list[list[int]] = [[] for _ in samples]
+            deltas: list[list[pb.TextDelta]] = [[] for _ in samples]
+            async for i, event in self._merged(samples, context):
                 match event.WhichOneof("event"):
                     case "started":
-                        started = event.started
+                        started[i] = event.started
                     case "delta" if req.stream:
                         if event.delta.token_ids:
-                            yield chunk(event.delta, started)
+                            yield chunk(event.delta, started[i], i)
                     case "delta":
-                        output_ids.extend(event.delta.token_ids)
+                        output_ids[i].extend(event.delta.token_ids)
                         if inner.return_logprobs:
-                            deltas.append(event.delta)
+                            deltas[i].append(event.delta)
                     case "finished":
                         logprobs = (
-                            output_logprobs(deltas) if inner.return_logprobs and not req.stream else None
+                            output_logprobs(deltas[i]) if inner.return_logprobs and not req.stream else None
                         )
-                        yield complete(event.finished, output_ids, logprobs)
+                        yield complete(event.finished, output_ids[i], logprobs, i)
         finally:
             jobs.open_streams -= 1
             self.reserved.discard(rid)
-            if job is not None and self.requests.get(rid) is job:
+            if samples and self.requests.get(rid) is samples:
                 del self.requests[rid]
+            for job in samples:
+                self.engine.release(job)  # a sample whose stream never started is cancelled here
+
+    async def _merged(
+        self, samples: list[JobChannel], context: grpc.aio.ServicerContext[Req, Resp]
+    ) -> AsyncIterator[tuple[int, pb.GenerateEvent]]:
+        """The samples' events as they come, each with its sample's index; one sample's failure
+        (its status already set on the call) ends the call. One sample: its events, no task."""
+        if len(samples) == 1:
+            async for event in self.jobs.job_events(samples[0], context):
+                yield 0, event
+            return
+        queue: asyncio.Queue[tuple[int, pb.GenerateEvent | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, job: JobChannel) -> None:
+            try:
+                async for event in self.jobs.job_events(job, context):
+                    queue.put_nowait((i, event))
+                queue.put_nowait((i, None))
+            except BaseException as exc:  # handed to the handler, which raises it
+                queue.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(samples)]
+        try:
+            running = len(samples)
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def Abort(
         self,
@@ -145,11 +183,12 @@ class WorkerService:
         tenant = await self.jobs.tenant_of(context)
         unknown: list[str] = []
         for rid in req.request_ids:
-            job = self.requests.get(rid)
-            if job is None or job.owner != tenant:
+            samples = self.requests.get(rid)
+            if samples is None or samples[0].owner != tenant:
                 unknown.append(rid)
             else:
-                self.engine.cancel(job)
+                for job in samples:
+                    self.engine.cancel(job)
         if unknown:
             shown = ", ".join(repr(r[:64]) for r in unknown[:8])
             await self.jobs.fail(
