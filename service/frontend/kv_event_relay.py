@@ -2,7 +2,8 @@
 
 The engine numbers its events from 0 in each process; a gateway keeps a cursor across them. So the
 front end numbers the batches itself (from 1, one batch per engine message), keeps the last
-`capacity` of them for replay, and keeps the live blocks they describe (hash -> its BlockStored,
+`capacity` of them (and no more than about `max_events` events: each holds a page's tokens) for
+replay, and keeps the live blocks they describe (hash -> its BlockStored,
 parents first) for a subscriber that cannot replay: one that asks for the current state (cursor 0),
 fell out of the history, or holds a cursor from before this server started. Such a subscriber gets
 a snapshot instead, an AllBlocksCleared followed by every live block, after which the live batches
@@ -26,8 +27,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.cache.kv_events import AllBlocksCleared, BlocksRemoved, BlockStored, KvEvent
+from engine.defaults import KV_EVENT_CAPACITY
 
 RELAY_CAPACITY = 1024  # batches kept for replay
+RELAY_EVENTS = KV_EVENT_CAPACITY  # and at most about this many events in them (each holds a page's tokens)
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,13 @@ class RelayBatch:
 
 
 class KvEventRelay:
-    def __init__(self, capacity: int = RELAY_CAPACITY) -> None:
-        if capacity <= 0:
-            raise ValueError(f"the relay keeps at least one batch, got capacity {capacity}")
-        self._batches: deque[RelayBatch] = deque(maxlen=capacity)
+    def __init__(self, capacity: int = RELAY_CAPACITY, max_events: int = RELAY_EVENTS) -> None:
+        if capacity <= 0 or max_events <= 0:
+            raise ValueError(f"the relay keeps at least one batch and event, got {capacity} and {max_events}")
+        self._batches: deque[RelayBatch] = deque()
+        self._capacity = capacity
+        self._max_events = max_events
+        self._events = 0  # events in the kept batches
         self._next = 1
         self._next_event_id = 1
         self._live: dict[int, BlockStored] = {}
@@ -67,6 +73,12 @@ class KvEventRelay:
             return None
         batch = RelayBatch(self._next, time.time(), tuple(kept), self._next_event_id)
         self._batches.append(batch)
+        self._events += len(kept)
+        # The newest batch always stays, whatever its size; older ones go past either bound.
+        while len(self._batches) > 1 and (
+            len(self._batches) > self._capacity or self._events > self._max_events
+        ):
+            self._events -= len(self._batches.popleft().events)
         self._next += 1
         self._next_event_id += len(kept)
         self._notify()
