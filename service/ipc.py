@@ -13,7 +13,7 @@ import enum
 import json
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -248,6 +248,8 @@ class Ready:
     hidden_size: int  # the model's embedding width (the front end checks prompt embeddings' rows)
     device: str  # where the model runs (engine/device.py describe_device)
     page_size: int  # the KV cache's page size in tokens (a job's fit is counted in pages)
+    # Seconds each part of the start took in the engine process (imports, model, warmup, tokenizer).
+    start_seconds: dict[str, float] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -267,6 +269,7 @@ class Ready:
             int(obj["hidden_size"]),
             str(obj["device"]),
             int(obj["page_size"]),
+            {str(k): float(v) for k, v in dict(obj.get("start_seconds", {})).items()},
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from engine.cache.kv_events import AllBlocksCleared, BlocksRemoved, BlockStored, KvEvent
 from engine.jobs import (
     JobEvent,
     JobFinished,
@@ -24,13 +25,16 @@ from service.ipc import (
     EngineStats,
     ErrorCode,
     Message,
+    Ready,
     Rejection,
     Submit,
     Tag,
     pack_adapters,
     pack_events,
+    pack_kv_events,
     unpack_adapters,
     unpack_events,
+    unpack_kv_events,
 )
 
 
@@ -63,6 +67,14 @@ def test_messages_round_trip() -> None:
     assert unpack_adapters(pack_adapters(views)) == views
     s = EngineStats(1, 2, 3, 4, 5, 6, 7, 8)
     assert EngineStats.from_bytes(s.to_bytes()) == s
+    ready = Ready("m.gguf", "/tmp/t", 4096, "lin", "cpu", "kv", 512, 16384, 64, "cpu", 64, {"imports": 1.5})
+    assert Ready.from_bytes(ready.to_bytes()) == ready
+    kv: list[KvEvent] = [
+        AllBlocksCleared(),
+        BlockStored(2**64 - 1, None, (1, 2), salted=True),
+        BlocksRemoved((3,)),
+    ]
+    assert unpack_kv_events(pack_kv_events(kv)) == kv
 
 
 def test_engine_events_become_generate_events() -> None:

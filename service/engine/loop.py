@@ -73,8 +73,12 @@ LOAD_POLL = 0.005  # idle, with an adapter being read: how soon its install is s
 
 
 class EngineLoop:
-    def __init__(self, config: EngineConfig, out: PipeSender, runtime_dir: str) -> None:
+    def __init__(
+        self, config: EngineConfig, out: PipeSender, runtime_dir: str, imports_seconds: float = 0.0
+    ) -> None:
         self.config = config
+        start = {"imports": imports_seconds}  # the start's parts, in the engine_ready log
+        t = time.monotonic()
         self.out = out
         f = config.speculation
         speculation = speculation_options(
@@ -87,12 +91,14 @@ class EngineLoop:
             f.draft_dtype,
         )
         loaded, self.generator = build_engine(config.settings, speculation, progress=False)
+        start["model"], t = time.monotonic() - t, time.monotonic()
         self.loaded = loaded
         # The server's own adapters (--lora), loaded at every start: every tenant sees them.
         self.shared_adapters = frozenset(name for name, _ in config.settings.lora_pairs())
         self.loads = AdapterLoads(self.generator.adapters)
         if config.warmup:
             self.generator.warmup()
+        start["warmup"], t = time.monotonic() - t, time.monotonic()
         # The front end tokenizes (so a huge prompt never stalls decoding here): it loads the
         # model's tokenizer from this folder, far faster than parsing the model file again.
         tokenizer_dir = Path(runtime_dir) / "tokenizer"
@@ -100,6 +106,7 @@ class EngineLoop:
         write_model_files(
             tokenizer_dir, loaded.model.config, self.generator.eos_token_ids, self.generator.max_seq_len
         )
+        start["tokenizer"] = time.monotonic() - t
         self._last_stats = 0.0
         self._kv_next = 0  # the first KV event not yet sent
         ready = Ready(
@@ -114,6 +121,7 @@ class EngineLoop:
             loaded.model.config.hidden_size,
             describe_device(loaded.model.device),
             self.generator.pool.page_size,
+            {k: round(v, 3) for k, v in start.items()},
         )
         self._send(Tag.READY, 0, ready.to_bytes())
 

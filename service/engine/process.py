@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 
 from engine.errors import DyngenError
@@ -16,6 +17,7 @@ from service.pipe_sender import PipeSender
 
 
 def run(config_json: str, commands: Connection, events: Connection, runtime_dir: str) -> None:
+    started = time.monotonic()
     config = EngineConfig.from_json(config_json)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="engine %(levelname)s %(message)s")
     sender = PipeSender(events)
@@ -41,7 +43,7 @@ def run(config_json: str, commands: Connection, events: Connection, runtime_dir:
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
     try:
-        loop = EngineLoop(config, sender, runtime_dir)
+        loop = EngineLoop(config, sender, runtime_dir, imports_seconds=time.monotonic() - started)
     except DyngenError as exc:  # missing model, bad config: one line, not a traceback
         print(f"dyngen: engine error: {exc}", file=sys.stderr)
         sys.exit(2)
