@@ -26,6 +26,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
+from smg_grpc_proto.generated import common_pb2 as cpb
 
 from dyngen_client import AsyncClient, Chat, Client, Request, collect, tls_credentials
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
@@ -387,6 +388,21 @@ def test_tokens_own_jobs_and_salt_the_prefix_cache(tiny_model: Path, tmp_path: P
             assert cached(b) == 0  # bob's identical prompt never sees them
             assert cached(a, salt="other") == 0  # nor does alice's own request under another salt
             assert cached(b) >= PAGE_SIZE  # bob now hits his own
+        # The gateway's worker contract sits behind the same tokens, and a tenant cannot flush the
+        # prefix pages every tenant shares the cache with.
+        with grpc.insecure_channel(s.target) as channel:
+            flush = channel.unary_unary(
+                "/vllm.grpc.engine.VllmEngine/FlushCache",
+                request_serializer=cpb.FlushCacheRequest.SerializeToString,
+                response_deserializer=cpb.FlushCacheResponse.FromString,
+            )
+            for metadata, code in (
+                ((), grpc.StatusCode.UNAUTHENTICATED),
+                ((("authorization", f"Bearer {alice}"),), grpc.StatusCode.PERMISSION_DENIED),
+            ):
+                with pytest.raises(grpc.RpcError) as info:
+                    flush(cpb.FlushCacheRequest(), metadata=metadata, timeout=10)
+                assert info.value.code() == code
         token_file = tmp_path / "alice.token"
         token_file.write_text(alice + "\n")
         cli = [

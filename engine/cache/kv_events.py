@@ -14,6 +14,7 @@ adapter, so equal tokens under two salts are two blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -57,9 +58,10 @@ class KvEventLog:
         self._next += 1
 
     def since(self, seq: int) -> list[tuple[int, KvEvent]] | None:
-        """Events numbered `seq` and after, oldest first; None if some of them are no longer held."""
-        first = self._next - len(self._events)
-        if seq < first:
+        """Events numbered `seq` and after, oldest first; None if some of them are no longer held.
+        Costs the events returned, not the log's length (the engine asks after every iteration)."""
+        if seq < self._next - len(self._events):
             return None
-        skip = min(seq, self._next) - first
-        return [(first + i, e) for i, e in enumerate(self._events) if i >= skip]
+        n = max(0, self._next - seq)
+        newest = list(itertools.islice(reversed(self._events), n))
+        return [(self._next - n + i, e) for i, e in enumerate(reversed(newest))]

@@ -164,6 +164,8 @@ class EngineLoop:
         pages are announced no later than its last token). One that fell out of the log (more in
         one pass than it holds) is replaced by a snapshot: cleared, then every findable page."""
         gen = self.generator
+        if gen.kv_events_next() == self._kv_next:
+            return  # nothing new: most iterations of a decode
         events = gen.kv_events(self._kv_next)
         if events is None:
             snapshot: list[KvEvent] = [AllBlocksCleared(), *gen.kv_snapshot()]

@@ -179,6 +179,11 @@ class ModelBounds:
     page_size: int = 1  # the cache's page size in tokens (a job's fit is counted in pages)
 
     @property
+    def request_tokens(self) -> int:
+        """The most one request may hold, prompt and output: the context, or the cache if smaller."""
+        return min(self.context_length, self.cache_tokens)
+
+    @property
     def limits(self) -> SpecLimits:
         """The engine's own limits: the one rule a job is checked by, on both sides of the pipe."""
         return SpecLimits(

@@ -456,6 +456,10 @@ class GeneratorService:
     ) -> pb.ModelInfo:
         await self.parsed(request, context)
         await self.tenant_of(context)
+        return await self.model_info(context)
+
+    async def model_info(self, context: grpc.aio.ServicerContext[Req, Resp]) -> pb.ModelInfo:
+        """The engine's ModelInfo now; UNAVAILABLE or RESOURCE_EXHAUSTED if it cannot answer."""
         try:
             return await self.engine.info()
         except (EngineBusyError, EngineDownError) as exc:

@@ -54,7 +54,7 @@ def _prompt(req: vpb.GenerateRequest, out: pb.GenerateRequest, bounds: ModelBoun
             if sp.HasField("truncate_prompt_tokens"):
                 keep = sp.truncate_prompt_tokens
                 if keep == -1:  # the model's limit: room for at least one new token
-                    keep = min(bounds.context_length, bounds.cache_tokens) - 1
+                    keep = bounds.request_tokens - 1
                 if keep < 1:
                     raise _refuse("sampling_params.truncate_prompt_tokens", f"must be >= 1 or -1, got {keep}")
                 ids = ids[-keep:]
@@ -147,7 +147,7 @@ def generate_request(req: vpb.GenerateRequest, bounds: ModelBounds) -> pb.Genera
     if sp.HasField("max_tokens"):
         out.max_new_tokens = sp.max_tokens
     elif prompt_len is not None:  # up to the end of the context (or of the cache, if smaller)
-        out.max_new_tokens = max(1, min(bounds.context_length, bounds.cache_tokens) - prompt_len)
+        out.max_new_tokens = max(1, bounds.request_tokens - prompt_len)
     out.min_new_tokens = sp.min_tokens
     out.stop_strings.extend(sp.stop)
     out.stop_token_ids.extend(sp.stop_token_ids)

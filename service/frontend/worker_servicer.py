@@ -108,7 +108,7 @@ class WorkerService:
                 # The contract's unset max_tokens runs to the end of the context: count the prompt.
                 ids = await jobs.token_ids(inner, context)
                 inner.token_ids.ids[:] = ids
-                inner.max_new_tokens = max(1, min(bounds.context_length, bounds.cache_tokens) - len(ids))
+                inner.max_new_tokens = max(1, bounds.request_tokens - len(ids))
             for sample in sample_requests(inner, max(1, req.sampling_params.n)):
                 samples.append(await jobs.submit(sample, tenant, context, streamed=True))
             if rid:
@@ -217,12 +217,6 @@ class WorkerService:
             )
         return vpb.HealthCheckResponse(healthy=True, message="serving")
 
-    async def _info(self, context: grpc.aio.ServicerContext[Req, Resp]) -> pb.ModelInfo:
-        try:
-            return await self.engine.info()
-        except (EngineBusyError, EngineDownError) as exc:
-            await self.jobs.engine_failed(exc, context)
-
     async def _tokenizer(self, context: grpc.aio.ServicerContext[Req, Resp]) -> TokenizerBundle:
         """The engine's tokenizer folder, zipped once per folder (a restarted engine saves the same)."""
         folder = self.engine.tokenizer_dir
@@ -242,11 +236,10 @@ class WorkerService:
     ) -> vpb.GetModelInfoResponse:
         await self.jobs.parsed(request, context)
         await self.jobs.tenant_of(context)
-        info = await self._info(context)
+        info = await self.jobs.model_info(context)
         tok = await self._tokenizer(context)
         bounds = self.engine.bounds
-        # What one request can hold: the model's context, or the KV cache if smaller.
-        limit = min(info.context_length, bounds.cache_tokens) if bounds is not None else info.context_length
+        limit = bounds.request_tokens if bounds is not None else info.context_length
         reply = vpb.GetModelInfoResponse(
             model_path=info.model,
             is_generation=True,
@@ -271,7 +264,7 @@ class WorkerService:
     ) -> vpb.GetServerInfoResponse:
         await self.jobs.parsed(request, context)
         await self.jobs.tenant_of(context)
-        info = await self._info(context)
+        info = await self.jobs.model_info(context)
         return vpb.GetServerInfoResponse(
             active_requests=sum(1 for j in self.engine.jobs.values() if not j.finished),
             is_paused=self.jobs.draining,
@@ -325,6 +318,14 @@ class WorkerService:
     ) -> cpb.FlushCacheResponse:
         await self.jobs.parsed(request, context)
         await self.jobs.tenant_of(context)
+        if self.jobs.auth.enabled:
+            await self.jobs.fail(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                "FlushCache would drop every tenant's cached prefix pages: it is only served without "
+                "authentication (a worker behind a gateway, on a network only the gateway reaches)",
+                ErrorReason.UNAUTHENTICATED,
+            )
         try:
             dropped = await self.engine.flush_cache()
         except (EngineBusyError, EngineDownError) as exc:
@@ -411,9 +412,10 @@ class WorkerService:
                     yield batch
             else:
                 cursor = start - 1
+                sample = self.load.sample()
                 for b in replay:
                     serial += 1
-                    yield self._batch(b, page_size, serial)
+                    yield self._batch(b, page_size, engine_load(sample, serial, False))
                     cursor = b.seq
             sent_load = self.load.sample()
             sent_at = time.monotonic()
@@ -427,11 +429,11 @@ class WorkerService:
                         "this stream fell out of the server's KV event history; subscribe from 0",
                         ErrorReason.INVALID_ARGUMENT,
                     )
+                sample = self.load.sample()
                 for b in new:
                     serial += 1
-                    yield self._batch(b, page_size, serial)
+                    yield self._batch(b, page_size, engine_load(sample, serial, False))
                     cursor = b.seq
-                sample = self.load.sample()
                 idle = time.monotonic() - sent_at >= HEARTBEAT_SECONDS
                 if new:
                     sent_load, sent_at = sample, time.monotonic()
@@ -444,12 +446,13 @@ class WorkerService:
         finally:
             self.kv_subscribers -= 1
 
-    def _batch(self, b: RelayBatch, page_size: int, serial: int) -> cpb.KvEventBatch:
+    @staticmethod
+    def _batch(b: RelayBatch, page_size: int, load: cpb.EngineLoad) -> cpb.KvEventBatch:
         return cpb.KvEventBatch(
             sequence_number=b.seq,
             timestamp=b.timestamp,
             events=[kv_event(e, b.first_event_id + i, page_size) for i, e in enumerate(b.events)],
-            load=engine_load(self.load.sample(), serial, False),
+            load=load,
         )
 
     @staticmethod
