@@ -158,6 +158,8 @@ class DynamicGenerator:
         spec.check(self.limits)  # the front end's rule too (engine/jobs.py)
         adapter = self.adapters.get(spec.adapter) if spec.adapter is not None else None
         job = self.builder.build(spec, job_id or new_job_id(), adapter)
+        if spec.resume_output:  # a job an earlier engine ran: its output so far, taken as its own
+            self.intake.resume(job, spec.resume_output)
         self.scheduler.submit(job)
         self.jobs[job.job_id] = job
         return job.job_id

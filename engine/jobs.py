@@ -163,6 +163,11 @@ class JobSpec:
     # Vectors fed instead of the token embeddings of spans of the prompt (engine/prompt/prompt_embeddings.py);
     # their rows must be of the model's hidden size (checked at enqueue).
     embeddings: tuple[PromptEmbedding, ...] = ()
+    # Output tokens an earlier engine already delivered for this job (it stopped mid-job): the job
+    # continues after them, as if it had sampled them itself, and streams none of them again. They
+    # count toward max_new_tokens, min_new_tokens and the penalties; seeded draws go on from their
+    # positions (engine/sampling/positioned_uniform.py).
+    resume_output: tuple[int, ...] = ()
 
     def validate(self, vocab_size: int, hidden_size: int | None = None) -> None:
         """InvalidRequestError naming the field and its limit; `hidden_size`: prompt embeddings' rows
@@ -203,6 +208,15 @@ class JobSpec:
             )
         for token in self.stop_token_ids:
             _check(0 <= token < vocab_size, f"stop token id {token} is outside [0, {vocab_size})")
+        _check(
+            len(self.resume_output) < self.max_new_tokens,
+            f"resume_output holds {len(self.resume_output)} tokens: max_new_tokens {self.max_new_tokens} "
+            "leaves none to generate",
+        )
+        _check(
+            all(0 <= t < vocab_size for t in self.resume_output),
+            f"resume_output token ids must be in [0, {vocab_size})",
+        )
         _check(len(self.tenant) <= MAX_TENANT_CHARS, f"tenant must be at most {MAX_TENANT_CHARS} characters")
         _check(
             len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,

@@ -68,7 +68,7 @@ def test_rejection_sampling_emits_the_target_distribution(draft_token: int) -> N
     n = 20000
     counts = torch.zeros(6)
     for _ in range(n):
-        accepted, dist = accept_sampled(p, Draft((draft_token,)), state.generator)
+        accepted, dist = accept_sampled(p, Draft((draft_token,)), [state.uniform()])
         first = draft_token if accepted == 1 else sampler.draw(dist, state)
         counts[first] += 1
     expected = p[0] * n
@@ -86,7 +86,7 @@ def test_rejection_sampling_with_a_draft_distribution() -> None:
     counts = torch.zeros(3)
     for _ in range(n):
         x = int(torch.multinomial(q[0], 1, generator=gen))
-        accepted, dist = accept_sampled(p, Draft((x,), q), state.generator)
+        accepted, dist = accept_sampled(p, Draft((x,), q), [state.uniform()])
         counts[x if accepted == 1 else sampler.draw(dist, state)] += 1
     expected = p[0] * n
     assert float(((counts - expected) ** 2 / expected).sum()) < 13.8  # 2 dof, p = 0.001

@@ -145,6 +145,19 @@ class TextStream:
         self._pushed = token
         self._must_rewind = False
 
+    def commit(self) -> None:
+        """The tokens pushed so far were delivered already (a job re-created after an engine restart
+        replays them): they are final. Their held text goes on to the stop strings, as it did when it
+        was delivered, and no rewind reaches back into them; a banned string that would complete
+        across them still rewinds the tokens after them."""
+        if self._bans is None or self._closed:
+            return
+        for h in self._held:
+            if h.piece and self._stops.feed(h.piece)[1] is not None:
+                self._closed = True  # a stop string completed: the job had ended there
+                break
+        self._held = []
+
     def finish(self) -> str:
         """Release the held-back text at the end of a job that no stop string ended so far. That
         text may complete a stop string after all (`finish_stop`): it is cut there."""
@@ -185,13 +198,15 @@ class TextStream:
             state = bans.step(state, ch)
             found = bans.match[state]
             if found >= 0:
-                start = before + i + 1 - len(bans.strings[found])
+                # A match starting in committed text rewinds to the first token after it.
+                start = max(before + i + 1 - len(bans.strings[found]), 0)
                 return BannedMatch(
                     self._pushed - len(self._held) + self._token_at(start), bans.strings[found]
                 )
         self._ban_state = state
         keep_from = before + len(new.piece) - bans.depth[state]
-        n = self._token_at(keep_from) if bans.depth[state] else len(self._held)
+        # keep_from <= 0: the text that may start a banned string reaches into committed text.
+        n = len(self._held) if not bans.depth[state] else self._token_at(keep_from) if keep_from > 0 else 0
         # Textless tokens just before the held run (bytes of a character not yet complete, say)
         # belong with it: the character they start may start a banned string.
         while n > 0 and not self._held[n - 1].piece:

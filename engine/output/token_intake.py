@@ -12,6 +12,7 @@ it calls back into nothing, so a step reads schedule -> run -> sample -> intake 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,22 @@ class TokenIntake:
         negative.tokens.extend(output[same:])
         return keep
 
+    def resume(self, job: JobState, output: Sequence[int]) -> None:
+        """Re-create a job's output state from the tokens an earlier engine delivered: its grammar,
+        penalty counts, token healing and text stream as they were after the last of them, with
+        nothing streamed again. Its first prefill then computes the K/V of prompt and output."""
+        for at, token in enumerate(output):
+            if job.constraint is not None and not job.constraint.try_accept(token):
+                raise InvalidRequestError(f"resume_output[{at}]: token {token} breaks the response_format")
+            job.tokens.append(token)
+            job.sampler.accept(token)
+            if job.healing:
+                job.healing = self._healer.remaining(job.healing, (token,))
+            if job.text.push([token]).banned is not None:
+                raise InvalidRequestError(f"resume_output[{at}]: token {token} completes a banned string")
+        job.text.commit()
+        self.follow_output(job)
+
     def sample_request(
         self, job: JobState, ahead: int = 0, allowed: torch.Tensor | None = None
     ) -> SampleRequest:
@@ -87,15 +104,18 @@ class TokenIntake:
         banned: frozenset[int] = frozenset()
         if position < spec.min_new_tokens:
             banned = spec.stop_token_ids | (frozenset() if spec.ignore_eos else self._eos)
-        if job.position_bans:
-            banned |= job.position_bans.get(position, frozenset())
+        # A redraw after a rewind takes the position's next uniform: the first one chose the token banned now.
+        bans = job.position_bans.get(position, frozenset()) if job.position_bans else frozenset()
+        banned |= bans
         if job.constraint is not None and allowed is None:
             raise RuntimeError("a constrained job must not sample without its token mask")
         if job.healing:
             if ahead:
                 raise RuntimeError("a job still healing its prompt's last word must not verify drafts")
             allowed = self._healer.mask(job.healing)
-        return SampleRequest(job.sampler, banned, spec.return_logprobs, spec.top_logprobs, allowed)
+        return SampleRequest(
+            job.sampler, banned, spec.return_logprobs, spec.top_logprobs, allowed, position, len(bans)
+        )
 
     def accept(
         self,

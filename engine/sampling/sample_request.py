@@ -21,6 +21,14 @@ class SampleRequest:
     top_n: int = 0  # alternatives to report with the logprob
     # The job's grammar: int32 bitmask [ceil(vocab / 32)], bit t set = token t allowed (None: all).
     allowed: torch.Tensor | None = None
+    # Where the token goes: its output position and which draw there (SamplerState.uniform); None
+    # draws the state's next unpositioned uniform.
+    position: int | None = None
+    attempt: int = 0
+
+    def uniform(self) -> float:
+        """This row's uniform for its inverse-CDF draw."""
+        return self.state.uniform(self.position, self.attempt)
 
     @property
     def plain_greedy(self) -> bool:

@@ -16,10 +16,11 @@ Processing order (fixed; HF/vLLM order). Given a row of raw logits x:
 9. min_p (drops tokens whose probability is < min_p * the top probability).
 
 Steps 6-9 shape sampled rows only (greedy rows ignore them); each keeps at least
-one token. The draw is by inverse CDF: one uniform u from the job's own generator
-per sampled row per call, CDF accumulated in float64 in vocabulary order, token =
-first id whose CDF exceeds u * total. So a seeded job's tokens depend on its logits
-and its seed only, whatever shares the batch, and `draw(processed_probs(...)[i])`
+one token. The draw is by inverse CDF: one uniform u per sampled row, a function of the
+job's seed and the token's output position (positioned_uniform.py), CDF accumulated in
+float64 in vocabulary order, token = first id whose CDF exceeds u * total. So a seeded
+job's tokens depend on its logits and its seed only, whatever shares the batch or came
+before (a job re-created at a position draws the same), and `draw(processed_probs(...)[i])`
 picks what `sample` picks.
 
 Input logits are assumed finite. Rows are grouped by the candidates their filters need:
@@ -115,7 +116,7 @@ class Sampler:
     ) -> list[SampleResult]:
         """One token per row; row i of logits (float32 [N, vocab]) belongs to requests[i].
 
-        Each sampled row draws one uniform from its job's generator. Logits are not modified,
+        Each sampled row draws its job's uniform for the row's position. Logits are not modified,
         unless `overwrite`: then the rows with a grammar mask get it in place (no copy of the batch).
         """
         self._check(logits, requests)
@@ -137,16 +138,19 @@ class Sampler:
         assert probs is not None
         return probs
 
-    def draw(self, probs_row: torch.Tensor, state: SamplerState) -> int:
+    def draw(
+        self, probs_row: torch.Tensor, state: SamplerState, position: int | None = None, attempt: int = 0
+    ) -> int:
         """A token from a distribution (a row of processed_probs, or a residual; need not be normalized),
-        with the job's RNG: one uniform, as sample() draws. Greedy jobs take the argmax and draw nothing.
+        with the job's uniform for `position` (SamplerState.uniform), as sample() draws. Greedy jobs take
+        the argmax and draw nothing.
         """
         row = probs_row.reshape(1, -1).to(torch.float32)
         if not float(row.sum()) > 0:
             raise ValueError("draw needs a distribution with positive mass")
         if state.settings.greedy:
             return int(row.argmax(dim=-1).item())
-        return int(inverse_cdf(row, [state])[0].item())
+        return int(inverse_cdf(row, [state.uniform(position, attempt)])[0].item())
 
     def close(self) -> None:
         if self._pool is not None:

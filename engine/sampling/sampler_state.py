@@ -1,5 +1,5 @@
-"""One job's sampling state (engine.sampling.sampler's SamplerState): its settings, its own RNG and the
-token ids its penalties count. Written by the job's token intake (accept, rewind); read by the
+"""One job's sampling state (engine.sampling.sampler's SamplerState): its settings, its random draws
+(keyed by its seed and the output position: positioned_uniform.py) and the token ids its penalties count. Written by the job's token intake (accept, rewind); read by the
 sampler's logit processors."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.jobs import SamplingSettings
+from engine.sampling.positioned_uniform import SEQUENTIAL_STREAM, positioned_uniform, seed_key
 
 NEG_INF = float("-inf")
 MAX_BIAS = 1e30  # a +inf bias is clamped to this, so it forces the token without making inf - inf
@@ -20,20 +21,20 @@ _SANE_LO, _SANE_HI = 1e-20, 1e20
 
 
 class SamplerState:
-    """One job's sampling state: its settings, its own RNG, the tokens its penalties count.
+    """One job's sampling state: its settings, its random draws, the tokens its penalties count.
 
-    Owned by exactly one job and never shared: two jobs with equal settings still
-    draw from two generators.
+    Owned by exactly one job and never shared: two unseeded jobs with equal settings still
+    draw from two streams.
     """
 
     def __init__(self, settings: SamplingSettings, prompt_ids: Sequence[int], vocab_size: int) -> None:
         self.settings = settings
         self.vocab_size = vocab_size
-        # An unseeded job still gets its own generator, seeded from the OS so jobs never share draws.
+        # An unseeded job still gets its own stream, seeded from the OS so jobs never share draws.
         raw_seed = settings.seed if settings.seed is not None else secrets.randbits(64)
-        self.seed = raw_seed % (1 << 64)  # manual_seed takes [0, 2**64)
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(self.seed)
+        self.seed = raw_seed % (1 << 64)
+        self._key = seed_key(self.seed)
+        self._unpositioned = 0  # draws made without a position so far
         self.num_output_tokens = 0
 
         self.tracks_seen = settings.repetition_penalty != 1.0
@@ -72,6 +73,16 @@ class SamplerState:
             and self.bias_ids is None
             and self.banned_ids is None
         )
+
+    def uniform(self, position: int | None = None, stream: int = 0) -> float:
+        """The job's uniform in [0, 1) for output `position`: a function of (seed, position, stream)
+        alone, so a job re-created at a position draws what it would have drawn there. `stream`
+        tells a position's draws apart (0 the token; k its k-th redraw; ACCEPT_STREAM the draft
+        acceptance test). None: the next of a sequence of its own (callers that track no position)."""
+        if position is None:
+            position, stream = self._unpositioned, SEQUENTIAL_STREAM
+            self._unpositioned += 1
+        return positioned_uniform(self._key, position, stream)
 
     def accept(self, token_id: int) -> None:
         """Record an emitted token (call once per token, also for accepted draft tokens)."""

@@ -1,6 +1,6 @@
 """Steps 5-9 of the sampler's order (see engine/sampling/sampler.py) and the draw: temperature, top_k ties,
 top_p, typical and min_p on one group of rows' candidate logits, then one inverse-CDF draw per
-row from its job's generator."""
+row with its job's uniform for the position (SampleRequest.uniform)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.sampling.sample_request import SampleRequest
-from engine.sampling.sampler_state import NEG_INF, SamplerState
+from engine.sampling.sampler_state import NEG_INF
 
 _F32_MAX = torch.finfo(torch.float32).max
 _F32_TINY = torch.finfo(torch.float32).tiny
@@ -81,7 +81,7 @@ def filter_and_draw(
         dense = final if ids is None else torch.zeros(len(rows), vocab_size).scatter_(-1, ids, final)
         probs[rows] = dense
         return
-    pos = inverse_cdf(final, [reqs[i].state for i in rows])
+    pos = inverse_cdf(final, [reqs[i].uniform() for i in rows])
     chosen = pos if ids is None else ids.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
     for i, t in zip(rows, chosen.tolist(), strict=True):
         tokens[i] = t
@@ -112,9 +112,9 @@ def temperatures(rows: Sequence[int], reqs: Sequence[SampleRequest]) -> torch.Te
     return torch.tensor(temps, dtype=torch.float32).unsqueeze(-1)
 
 
-def inverse_cdf(probs: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-    """Per row: the first column whose float64 CDF exceeds u * total, u from that row's job."""
-    u = torch.cat([torch.rand(1, generator=st.generator, dtype=torch.float32) for st in states])
+def inverse_cdf(probs: torch.Tensor, uniforms: Sequence[float]) -> torch.Tensor:
+    """Per row: the first column whose float64 CDF exceeds u * total, u that row's uniform."""
+    u = torch.tensor(uniforms, dtype=torch.float32)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     target = u.to(torch.float64).unsqueeze(-1) * cdf[:, -1:]
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[1] - 1)

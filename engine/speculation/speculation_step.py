@@ -19,6 +19,7 @@ from engine.job_state import JobState
 from engine.jobs import JobEvent
 from engine.model.llama import LlamaModel
 from engine.output.token_intake import CARRY_ON, Outcome, TokenIntake
+from engine.sampling.positioned_uniform import ACCEPT_STREAM
 from engine.sampling.sampler import Sampler
 from engine.scheduled_chunk import ScheduledChunk
 from engine.scheduler import Scheduler
@@ -160,8 +161,10 @@ class SpeculationStep:
             accepted = accept_greedy(choice, draft)
             bonus = int(choice[accepted])
         else:
-            accepted, dist = accept_sampled(probs, Draft(draft), job.sampler.generator)
-            bonus = self._sampler.draw(dist, job.sampler)
+            tests = [job.sampler.uniform(r.position, ACCEPT_STREAM) for r in requests[: len(draft)]]
+            accepted, dist = accept_sampled(probs, Draft(draft), tests)
+            last = requests[accepted]
+            bonus = self._sampler.draw(dist, job.sampler, last.position, last.attempt)
         job.accepted_drafts += accepted
         job.rejected_drafts += drafted - accepted
         self.accepted += accepted

@@ -200,8 +200,9 @@ def accept_greedy(target_choice: Sequence[int], draft: Sequence[int]) -> int:
     return n
 
 
-def accept_sampled(p: torch.Tensor, draft: Draft, generator: torch.Generator) -> tuple[int, torch.Tensor]:
-    """Rejection sampling over draft tokens. p: target distributions [len(draft) + 1, vocab].
+def accept_sampled(p: torch.Tensor, draft: Draft, uniforms: Sequence[float]) -> tuple[int, torch.Tensor]:
+    """Rejection sampling over draft tokens. p: target distributions [len(draft) + 1, vocab];
+    uniforms: one per draft token, for its acceptance test.
 
     Returns (accepted count, the distribution the next token is drawn from): the
     residual max(0, p - q) at the first rejection, or p after the last draft.
@@ -209,7 +210,7 @@ def accept_sampled(p: torch.Tensor, draft: Draft, generator: torch.Generator) ->
     for i, x in enumerate(draft.tokens):
         q_x = 1.0 if draft.probs is None else float(draft.probs[i, x])
         p_x = float(p[i, x])
-        u = float(torch.rand(1, generator=generator))
+        u = uniforms[i]
         if q_x > 0 and u * q_x < p_x:  # u < p(x) / q(x), without dividing
             continue
         if draft.probs is None:
