@@ -21,7 +21,7 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from pathlib import Path
 
@@ -239,8 +239,12 @@ class DynamicGenerator:
 
     # -- one iteration -------------------------------------------------------------------------
 
-    def iterate(self) -> list[JobEvent]:
+    def iterate(self, before_forward: Callable[[list[JobEvent]], None] | None = None) -> list[JobEvent]:
         """Run one forward over this iteration's chunks; return the events it produced.
+
+        `before_forward`: handed the step's events so far before its forward runs, when a job starts
+        in it (the engine process sends them at once, so that even a crash inside the forward leaves
+        the front end knowing which jobs ran); they are not returned again.
 
         A fault while running one job (its forward, sampling, text, stop checks, drafts) fails that
         job alone (StopReason.ERROR); every other job goes on as if it had not happened. The step
@@ -269,6 +273,9 @@ class DynamicGenerator:
         masks = self.sampling.start_masks(staged)
         if masks is not None and self.mask_overlap is MaskOverlap.BEFORE:
             wait([masks])  # no core to spare: the worker would stall the forward's threads
+        if before_forward is not None and any(isinstance(e, JobStarted) for e in events):
+            before_forward(events[:])
+            events.clear()
         outputs, failures = run_forward(self.runner, staged)
         self._contain_all(failures, events)
         sampled: list[StepOutput] = []

@@ -88,6 +88,7 @@ class ServiceConfig:
     restart_backoff_seconds: float = 0.5  # first wait before restarting a failed engine (then doubling)
     max_restart_failures: int = 5  # engines dying before they served a minute, in a row: give up, exit 1
     warmup: bool = EngineConfig.warmup
+    fault_crash_marker: str = EngineConfig.fault_crash_marker
     speculate: str = SpeculationFlags.speculate
     num_draft_tokens: int = SpeculationFlags.num_draft_tokens
     max_ngram: int = SpeculationFlags.max_ngram
@@ -117,6 +118,7 @@ class ServiceConfig:
             torch_threads=self.torch_threads,
             omp_wait_policy=self.omp_wait_policy,
             omp_spin_count=self.omp_spin_count,
+            fault_crash_marker=self.fault_crash_marker,
         )
 
     def to_json(self) -> str:
@@ -316,6 +318,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("engine_call_timeout_seconds", float, d.engine_call_timeout_seconds, "engine answer timeout")
     opt("restart_backoff_seconds", float, d.restart_backoff_seconds, "first engine restart delay")
     opt("max_restart_failures", int, d.max_restart_failures, "failed engine starts in a row before exit 1")
+    opt(
+        "fault_crash_marker",
+        str,
+        d.fault_crash_marker,
+        "tests only: the engine kills itself after a step that ran a job with this request identifier "
+        "(docs/ARCHITECTURE.md, crash resume; off by default)",
+    )
     opt("speculate", str, d.speculate, "speculative decoding: none, ngram or draft_model")
     opt("num_draft_tokens", int, d.num_draft_tokens, "draft tokens verified per step")
     opt("max_ngram", int, d.max_ngram, "longest suffix the n-gram drafter matches")

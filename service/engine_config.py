@@ -117,6 +117,9 @@ class EngineConfig:
     # (GOMP_SPINCOUNT). Unbounded, an idle server kept a core at 100%; 1e6 spins are ~25 ms here,
     # far longer than any gap between a step's parallel regions.
     omp_spin_count: int = 1_000_000
+    # Tests only (--fault-crash-marker): the engine process kills itself (SIGKILL) after any step that
+    # ran a job whose request identifier is this; "" (the default) turns the hook off.
+    fault_crash_marker: str = ""
 
     def to_json(self) -> str:
         out = asdict(self)

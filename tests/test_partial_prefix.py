@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.cache.cache_manager import KEEP_COMPUTED
 from engine.cache.kv_cache import KVCacheKind
 from engine.cache.pages import PagePool, PageState
 from engine.completion import Completion
@@ -122,7 +123,7 @@ def test_a_later_job_copies_the_shared_part_of_a_finished_jobs_page(
     before = gen.stats().forwarded_tokens
     got = gen.generate([spec(second)])[0]
     shared_with_first = next(i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y)
-    assert got.finished.cached_tokens == min(shared_with_first, len(second) - 1)
+    assert got.finished.cached_tokens == min(shared_with_first, len(second) - KEEP_COMPUTED)
     assert gen.stats().forwarded_tokens - before == len(second) - got.finished.cached_tokens + 5
     same_result(got, alone)
     gen.check_invariants()
@@ -141,7 +142,7 @@ def test_jobs_arriving_together_copy_from_the_page_a_running_job_is_filling(
     assert got[0].finished.cached_tokens == 0
     # The others wait for the two shared whole pages, then copy the 5 tokens of the third.
     for r, p in zip(got[1:], ps[1:], strict=True):
-        assert r.finished.cached_tokens >= min(shared, len(p) - 1)
+        assert r.finished.cached_tokens >= min(shared, len(p) - KEEP_COMPUTED)
     for g, w in zip(got, alone, strict=True):
         same_result(g, w)
     gen.check_invariants()

@@ -38,6 +38,9 @@ from engine.sequence import PrefixCopy, SequenceState
 CopyPrefix = Callable[[PageId, PageId, int], None]  # (source, target, tokens): the cache's K/V copy
 
 
+KEEP_COMPUTED = 2  # a sequence's last tokens computed at admission whatever the prefix cache holds
+
+
 class CacheManager:
     def __init__(self, pool: PagePool, prefix_cache: bool = True) -> None:
         self.pool = pool
@@ -101,9 +104,11 @@ class CacheManager:
         number of leading tokens its pages already hold (whole-page hits plus a partial copy), or
         None, taking nothing and counting no lookup, if they do not fit."""
         ps = self.pool.page_size
-        # Everything but the last token may come from the prefix cache (its logits are needed).
+        # Everything but the last two tokens may come from the prefix cache: the last one's logits are
+        # needed, and a lone token would run through the decode kernels where a cold start ran the
+        # prompt's end through the chunk kernels, which round apart (a hit must not change the tokens).
         # A preempted sequence recomputes prompt + output, and its old full pages are likely cached.
-        query = len(seq.tokens) - 1
+        query = max(len(seq.tokens) - KEEP_COMPUTED, 0)
         hashes = self._full_page_hashes(seq) if self.prefix_cache else []
         total = seq.pages_for(len(seq.tokens), ps)
         room = self.spare()
@@ -254,8 +259,8 @@ class CacheManager:
         ps = self.pool.page_size
         k = len(matched)
         start = k * ps
-        # The last token always runs (its logits are needed).
-        want = seq.tokens[start : min(start + ps, len(seq.tokens) - 1)]
+        # The last tokens always run (see admit).
+        want = seq.tokens[start : min(start + ps, len(seq.tokens) - KEEP_COMPUTED)]
         if not want:
             return None
         salt = seq.prefix_salt

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import signal
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -25,7 +27,7 @@ from engine.errors import (
     PromptTooLongError,
     QueueFullError,
 )
-from engine.jobs import JobId
+from engine.jobs import JobEvent, JobId
 from kernels.cpu_features import cpu_features
 from service.engine.adapter_loads import AdapterLoads
 from service.engine.build import build_engine
@@ -150,14 +152,27 @@ class EngineLoop:
                 # A fault of one job is contained by the generator (that job finishes with
                 # StopReason.ERROR); anything escaping it is a bug in the engine itself, and the
                 # process ends so the front end restarts it rather than serve from broken state.
-                events = gen.iterate()
-                if events:
-                    self._send(Tag.EVENTS, 0, pack_events(events))
+                events = gen.iterate(self._send_events)
+                if self.config.fault_crash_marker:
+                    self._fault_hook()
+                self._send_events(events)
             self._send_kv_events()
             now = time.monotonic()
             if now - self._last_stats >= STATS_INTERVAL:
                 self._last_stats = now
                 self._send(Tag.STATS, 0, self._stats().to_bytes())
+
+    def _send_events(self, events: list[JobEvent]) -> None:
+        if events:
+            self._send(Tag.EVENTS, 0, pack_events(events))
+
+    def _fault_hook(self) -> None:
+        """Tests only (--fault-crash-marker): die as a crash would, after a step that ran the marked job
+        and before its results leave, so the job never gets past this step."""
+        marker = self.config.fault_crash_marker
+        if any(j.spec.identifier == marker for j in self.generator.scheduler.running):
+            log.warning("fault hook: a job marked %r ran; the engine kills itself", marker)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _send_kv_events(self) -> None:
         """The prefix cache's new KV events, after the job events of the same iteration (a job's

@@ -11,13 +11,20 @@ answered still gets its job cancelled (the CANCEL follows the SUBMIT down the sa
 Watchdog: the engine sends a heartbeat from a thread of its own. No heartbeat for
 `watchdog_seconds` (the process is stopped, or wedged holding the GIL) turns health
 NOT_SERVING; no heartbeat for `hang_seconds`, or a loop that has not gone round for
-`loop_stall_seconds` (much longer: a slow iteration is not a hang), gets the process killed. A dead engine fails its jobs with EngineDownError and is
-restarted after a backoff (RestartPolicy); a crash loop ends in `failed`.
+`loop_stall_seconds` (much longer: a slow iteration is not a hang), gets the process killed.
+
+A dead (crashed, killed or hung) engine loses no job: each open job keeps its checked JobSpec
+and the token ids its stream got, waits while the engine restarts (RestartPolicy), and is
+submitted again under its own id with that output as JobSpec.resume_output, before the service
+is SERVING again: its stream only pauses. crash_triage.py decides who resumes at once, who is
+tried alone first and who is poisoned. A crash loop (starts that resumed nothing dying young)
+ends in `failed`, and then the open jobs end with EngineDownError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import multiprocessing as mp
@@ -35,12 +42,14 @@ from pathlib import Path
 import structlog
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.ids import new_job_id
-from engine.jobs import JobSpec
+from engine.errors import ErrorKind
+from engine.ids import JobId, new_job_id
+from engine.jobs import JobError, JobFinished, JobSpec, JobTimings, StopReason
 from engine.model.tokenizer import preload_tokenizer_code
 from service.config import ServiceConfig
 from service.engine.process import run as engine_main
 from service.frontend.codec import adapter_info, event_to_proto, model_info
+from service.frontend.crash_triage import Verdict, poison_message, strikes_after_crash, verdict
 from service.frontend.event_buffer import EngineDownError, EventBuffer
 from service.frontend.kv_event_relay import KvEventRelay
 from service.frontend.limits import ModelBounds
@@ -52,6 +61,7 @@ from service.ipc import (
     AdapterOp,
     EngineInfo,
     EngineStats,
+    ErrorCode,
     Heartbeat,
     Message,
     Ready,
@@ -99,11 +109,30 @@ class JobChannel:
     grace_timer: asyncio.TimerHandle | None = None
     affinity: str = ""  # the request's prefix-affinity key (dyngen_client.affinity), for the logs
     priority: int = 0  # GenerateRequest.priority (the servicer caps a tenant's jobs above 0)
+    # What an engine restart needs to resume it (written here alone):
+    spec: JobSpec | None = None  # what it was submitted with
+    delivered: list[int] = field(default_factory=list)  # the output token ids its stream got
+    started_sent: bool = False  # its JobStarted went to its stream (a resumed job's next ones do not)
+    cached_tokens: int = 0  # from that JobStarted
+    ran: bool = False  # the current engine started it
+    progressed: bool = False  # it got a token since it was last submitted
+    strikes: int = 0  # crashes in a row it was a suspect of (crash_triage.py)
+    waiting: bool = False  # its engine died: waiting to be submitted again
+    resumes: int = 0  # times submitted again to a restarted engine
 
 
 StateListener = Callable[[bool], None]
 EventListener = Callable[[JobChannel, pb.GenerateEvent], None]
 StatsListener = Callable[[EngineStats], None]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One engine restart as its open jobs saw it."""
+
+    resumed: int  # jobs submitted again as soon as it was ready
+    poisoned: int  # jobs ended (two crashes in a row as a suspect)
+    outage_seconds: float  # from the old engine's end to the resumed jobs queued on the new one
 
 
 @dataclass
@@ -167,6 +196,11 @@ class EngineClient:
         self.on_adapter_gone: list[Callable[[str], None]] = []  # an adapter's engine name left the engine
         # The prefix cache's KV events, numbered across engine restarts (SubscribeKvEvents).
         self.kv_events = KvEventRelay()
+        self.on_recovered: list[Callable[[Recovery], None]] = []
+        self._down_at: float | None = None  # when the engine with open jobs died
+        self._poisoned: list[str] = []  # short ids poisoned by that crash, for the recovery's log line
+        self._probe: JobChannel | None = None  # the suspect resubmitted alone (crash_triage.py)
+        self._clearing: set[str] = set()  # resumed jobs yet to deliver a token (the next probe waits)
 
     # -- process lifetime ----------------------------------------------------------------------
 
@@ -279,14 +313,24 @@ class EngineClient:
         self.kv_events.engine_stopped()
         if self._stopping and not self.jobs:
             return
-        log.warning("engine_down", exit_code=proc.process.exitcode, open_jobs=len(self.jobs))
-        for job in list(self.jobs.values()):
-            job.events.put(EngineDownError("the engine process stopped"))
-            self._forget(job)
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(EngineDownError("the engine process stopped"))
         self._pending.clear()
+        self._probe = None
+        self._clearing.clear()
+        if self._stopping or not self._first_ready.done():
+            self._drop_open_jobs()
+        else:
+            self._triage()
+        waiting = sum(1 for j in self.jobs.values() if j.waiting)
+        log.warning(
+            "engine_down",
+            exit_code=proc.process.exitcode,
+            open_jobs=len(self.jobs),
+            waiting=waiting,
+            poisoned=self._poisoned,
+        )
         if self._stopping:
             return
         if not self._first_ready.done():
@@ -294,10 +338,13 @@ class EngineClient:
                 EngineDownError(f"the engine failed to start (exit code {proc.process.exitcode})")
             )
             return
+        if waiting and self._down_at is None:
+            self._down_at = time.monotonic()
         served = None if proc.ready_at is None else time.monotonic() - proc.ready_at
-        delay = self._restarts.after_exit(served)
+        delay = self._restarts.after_exit(served, resuming=waiting > 0)
         if delay is None:
             log.error("engine_crash_loop", failures=self._restarts.failures - 1)
+            self._drop_open_jobs()
             self.failed = True
             for failed_listener in self.on_failed:
                 failed_listener()
@@ -311,6 +358,130 @@ class EngineClient:
     def _restart(self) -> None:
         if not self._stopping:
             self.start()
+
+    # -- resuming jobs across engine restarts ---------------------------------------------------
+
+    def _drop_open_jobs(self) -> None:
+        """No engine to resume on (stopping, never started, crash loop): the open jobs end UNAVAILABLE."""
+        for job in list(self.jobs.values()):
+            if not job.finished:
+                job.events.put(EngineDownError("the engine process stopped"))
+                self._forget(job)
+
+    def _triage(self) -> None:
+        """The dead engine's open jobs: cancelled ones end, poison ones end INTERNAL, the rest wait."""
+        self._poisoned = []
+        for job in list(self.jobs.values()):
+            if job.finished or not job.accepted or job.spec is None:
+                continue  # its events wait for its stream; or its first SUBMIT fails with the engine
+            if job.cancel_sent:
+                self._end(job, StopReason.CANCELLED)
+                continue
+            job.strikes = strikes_after_crash(job.ran, job.progressed, job.strikes)
+            job.ran = job.progressed = False
+            if verdict(job.strikes) is Verdict.POISON:
+                self._poisoned.append(short_id(job.job_id))
+                self._end(job, StopReason.ERROR, JobError(ErrorKind.INTERNAL, poison_message(job.job_id)))
+            else:
+                job.waiting = True
+
+    def _end(self, job: JobChannel, reason: StopReason, error: JobError | None = None) -> None:
+        """End a job the engine no longer holds, as the engine would have: its JobFinished."""
+        assert job.spec is not None
+        job.waiting = False
+        timings = JobTimings(0.0, 0.0, 0.0)
+        self._job_event(
+            event_to_proto(
+                JobFinished(
+                    JobId(job.job_id),
+                    job.spec.identifier,
+                    reason,
+                    None,
+                    None,
+                    job.prompt_tokens,
+                    len(job.delivered),
+                    job.cached_tokens,
+                    timings,
+                    error=error,
+                    adapter=job.spec.adapter,
+                )
+            )
+        )
+
+    async def _resume_waiting(self) -> None:
+        """On a ready engine, before new jobs: submit the waiting jobs again (suspects later, alone)."""
+        waiting = [j for j in self.jobs.values() if j.waiting]
+        cleared = sorted((j for j in waiting if verdict(j.strikes) is Verdict.RESUME), key=_arrival)
+        self._clearing = {j.job_id for j in cleared}
+        resumed = await asyncio.gather(*(self._resubmit(j) for j in cleared))
+        outage = 0.0 if self._down_at is None else time.monotonic() - self._down_at
+        recovery = Recovery(sum(resumed), len(self._poisoned), outage)
+        if waiting or self._poisoned:
+            log.info(
+                "engine_recovered",
+                outage_seconds=round(outage, 3),
+                resumed=[short_id(j.job_id) for j, ok in zip(cleared, resumed, strict=True) if ok],
+                poisoned=self._poisoned,
+                probes=[short_id(j.job_id) for j in waiting if j.strikes],
+            )
+            for listener in self.on_recovered:
+                listener(recovery)
+        self._down_at = None
+        self._poisoned = []
+        self._next_probe()
+
+    async def _resubmit(self, job: JobChannel) -> bool:
+        """Submit a waiting job again, its delivered tokens as resume_output; whether it was queued."""
+        spec = job.spec
+        if spec is None or job.job_id not in self.jobs or job.finished:
+            return False
+        if len(job.delivered) >= spec.max_new_tokens:  # all delivered: its end was lost with the engine
+            self._end(job, StopReason.MAX_NEW_TOKENS)
+            return False
+        job.waiting = False  # from here a cancel goes to the engine, behind this SUBMIT
+        resume = dataclasses.replace(spec, resume_output=tuple(job.delivered))
+        try:
+            await self._call(Tag.SUBMIT, Submit(job.job_id, resume).to_bytes(), before_ready=True)
+        except EngineDownError:
+            return False  # it died again: that crash's triage has the job waiting again
+        except (EngineRejectedError, EngineBusyError) as exc:
+            kind = (
+                ErrorKind.NOT_FOUND
+                if isinstance(exc, EngineRejectedError) and exc.rejection.code is ErrorCode.ADAPTER_NOT_FOUND
+                else ErrorKind.INTERNAL
+            )
+            self._end(job, StopReason.ERROR, JobError(kind, f"the job could not resume: {exc}"))
+            self._settled(job)
+            return False
+        job.resumes += 1
+        return True
+
+    def _next_probe(self) -> None:
+        """Submit the next suspect alone, once the resumed jobs have each delivered a token."""
+        proc = self._proc
+        if (
+            self._probe is not None
+            or self._clearing
+            or self._stopping
+            or proc is None
+            or proc.ready_at is None
+        ):
+            return
+        suspects = sorted((j for j in self.jobs.values() if j.waiting and j.strikes), key=_arrival)
+        if suspects:
+            self._probe = suspects[0]
+            self.loop.create_task(self._run_probe(suspects[0]))
+
+    async def _run_probe(self, job: JobChannel) -> None:
+        if not await self._resubmit(job) and self._probe is job:
+            self._settled(job)
+
+    def _settled(self, job: JobChannel) -> None:
+        """The job delivered a token or ended: it holds back probes no longer."""
+        self._clearing.discard(job.job_id)
+        if self._probe is job:
+            self._probe = None
+        self._next_probe()
 
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready
@@ -372,6 +543,9 @@ class EngineClient:
             await self._reload_adapters()
             if proc is not self._proc:
                 return  # it died while reloading
+        await self._resume_waiting()  # before new jobs: they are refused until ready
+        if proc is not self._proc:
+            return
         self._set_ready(not self._stalled)
         if not self._first_ready.done():
             self._first_ready.set_result(None)
@@ -380,8 +554,24 @@ class EngineClient:
         job = self.jobs.get(event.job_id)
         if job is None:
             return  # its stream is gone and the job was cancelled: nobody to tell
-        if event.HasField("finished"):
-            event.finished.replica = self.replica
+        match event.WhichOneof("event"):
+            case "delta":
+                job.delivered.extend(event.delta.token_ids)
+                if not job.progressed:
+                    job.progressed, job.strikes = True, 0
+                    self._settled(job)
+            case "started":
+                job.ran = True
+                if job.started_sent:
+                    return  # a resumed job's: its caller saw it start
+                job.started_sent, job.cached_tokens = True, event.started.cached_tokens
+            case "prefill":
+                if job.resumes:
+                    return  # the resumed job's prefill of its prompt and output: not the caller's
+            case "finished":
+                event.finished.replica = self.replica
+                if job.resumes:
+                    event.finished.cached_tokens = job.cached_tokens  # its first admission's
         for listener in self.on_event:
             listener(job, event)
         job.events.put(event)
@@ -441,7 +631,7 @@ class EngineClient:
             self.cancel(job)
             self._forget(job)
             raise
-        job.accepted = True
+        job.accepted, job.spec = True, spec
         job.prompt_tokens = Accepted.from_bytes(reply.payload).prompt_tokens
         if not streamed and not job.finished:
             job.grace_timer = self.loop.call_later(self.config.stream_grace_seconds, self._grace_expired, job)
@@ -499,9 +689,15 @@ class EngineClient:
         if self.jobs.pop(job.job_id, None) is not None:
             for listener in self.on_forget:
                 listener(job.job_id)
+            if job.job_id in self._clearing or self._probe is job:
+                self._settled(job)
 
     def cancel(self, job: JobChannel) -> None:
-        """Ask the engine to stop the job (once: a job's cancels never pile up in the outbox)."""
+        """Ask the engine to stop the job (once: a job's cancels never pile up in the outbox); a job
+        waiting for a restarted engine ends CANCELLED at once."""
+        if job.waiting and not job.finished:
+            self._end(job, StopReason.CANCELLED)
+            return
         if job.cancel_sent or job.finished or self._proc is None:
             return
         job.cancel_sent = True
@@ -567,3 +763,7 @@ class EngineClient:
         """For tests and operators: end the engine process abruptly (it is restarted)."""
         if self._proc is not None:
             self._proc.process.kill()
+
+
+def _arrival(job: JobChannel) -> float:
+    return job.submitted_at

@@ -8,7 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from service.frontend.engine_client import JobChannel
+from service.frontend.engine_client import JobChannel, Recovery
 from service.ipc import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -27,6 +27,18 @@ class Metrics:
         self.engine_up = Gauge("dyngen_engine_up", "1 when the engine process is serving", registry=r)
         self.engine_restarts = Counter(
             "dyngen_engine_restarts", "engine processes restarted after a crash or hang", registry=r
+        )
+        self.resumed = Counter(
+            "dyngen_jobs_resumed", "open jobs submitted again to a restarted engine", registry=r
+        )
+        self.poisoned = Counter(
+            "dyngen_jobs_poisoned", "jobs ended after two engine crashes in a row as a suspect", registry=r
+        )
+        self.outage = Histogram(
+            "dyngen_engine_outage_seconds",
+            "an engine restart with open jobs: from the old engine's end to their resubmission",
+            buckets=(0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0, 40.0),
+            registry=r,
         )
         self.generated = Counter("dyngen_generated_tokens", "tokens streamed to callers", registry=r)
         self.jobs = Counter("dyngen_jobs_finished", "finished jobs by stop reason", ["reason"], registry=r)
@@ -71,6 +83,11 @@ class Metrics:
         if self._last is not None and now > self._last[0]:
             self.tokens_per_second.set(max(0, s.forwarded_tokens - self._last[1]) / (now - self._last[0]))
         self._last = (now, s.forwarded_tokens)
+
+    def recovered(self, r: Recovery) -> None:
+        self.resumed.inc(r.resumed)
+        self.poisoned.inc(r.poisoned)
+        self.outage.observe(r.outage_seconds)
 
     def adapter_gone(self, name: str) -> None:
         """An adapter was unloaded (or lost in a restart): its label goes, so labels stay bounded."""

@@ -120,6 +120,7 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
     engine.on_forget.append(metrics.forget)
     engine.on_adapter_gone.append(metrics.adapter_gone)
     engine.on_restart.append(metrics.engine_restarts.inc)
+    engine.on_recovered.append(metrics.recovered)
     engine.on_failed.append(stop.set)
 
     interceptors = [TokenInterceptor(auth)] if auth.tokens else []
