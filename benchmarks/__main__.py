@@ -65,6 +65,12 @@ def main() -> None:
     soak.add_argument("--target", default=None, help="soak: host:port of a running server (none: start one)")
     soak.add_argument("--max-new-tokens", type=int, default=256, help="soak: requests draw 1..this")
     soak.add_argument("--serve-args", default="", help="soak: extra `dyngen serve` flags, one string")
+    soak.add_argument(
+        "--kill-every",
+        type=float,
+        default=0.0,
+        help="soak: fault mode, SIGKILL the engine every this many seconds (its open jobs must resume)",
+    )
     args = parser.parse_args()
     if args.workload == "soak":
         import shlex
@@ -79,6 +85,7 @@ def main() -> None:
             args.target,
             args.max_new_tokens,
             shlex.split(args.serve_args),
+            args.kill_every,
         )
         print(text)
         sys.exit(status)

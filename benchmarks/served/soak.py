@@ -32,6 +32,11 @@ ended in the last second, whose cancels may be on their way): a job outlives its
 for the moment its cancel takes, so a median above 0 means orphaned jobs (a caller gone,
 its job still running). Exit status 1 if any unexpected error, RSS growth
 >= 5 % in either process, orphans, or a pool not idle.
+
+Fault mode (`--kill-every S`): the engine process is SIGKILLed every S seconds. Open jobs must
+resume on the restarted engine (an OK stream with a token lost or sent twice is unexpected);
+UNAVAILABLE at admission while it restarts is expected (outcome `restarting`), and only the
+front end's RSS is gated (every engine is young).
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class Outcome(Enum):
     CANCEL_RPC = "cancel_rpc"  # the Cancel RPC ended the job (finish reason CANCELLED)
     DEADLINE = "deadline"  # DEADLINE_EXCEEDED on a deadline request
     QUEUE_FULL = "queue_full"  # RESOURCE_EXHAUSTED at admission
+    RESTARTING = "restarting"  # UNAVAILABLE at admission while the engine restarts (fault mode only)
     CUT = "cut_at_end"  # still open `end_grace` after the end of the run: we cancelled it
     UNEXPECTED = "unexpected"
 
@@ -100,6 +106,7 @@ class SoakSettings:
     end_grace: float = 30.0  # requests still open this long after the end are cancelled (by us)
     idle_timeout: float = 20.0  # after the run: how long the pool may take to become idle
     cut_is_error: bool = False  # a call still open `end_grace` after the end is unexpected (fast models)
+    kill_every: float = 0.0  # fault mode: SIGKILL the engine process this often (seconds; 0 = never)
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,7 @@ class SoakReport:
     # A job is ours only while its call is open (plus the moment its cancel takes), so a value
     # that stays positive or grows means jobs outliving their callers (orphans).
     excess_jobs: list[int] = field(default_factory=list)
+    kills: int = 0  # engine processes this run killed (fault mode)
 
     @property
     def total_requests(self) -> int:
@@ -160,7 +168,8 @@ class SoakReport:
 
     @property
     def passed(self) -> bool:
-        growth = [self.rss_growth(w) for w in ("front_end", "engine")]
+        # In fault mode every engine is young: its RSS says nothing of growth.
+        growth = [self.rss_growth(w) for w in ("front_end", "engine")[: 1 if self.settings.kill_every else 2]]
         return (
             self.unexpected_count == 0
             and self.pool_idle
@@ -302,6 +311,10 @@ def _admission_or_unexpected(kind: str, exc: grpc.aio.AioRpcError, events: int, 
     code = exc.code()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and events == 0:
         return Verdict(Outcome.QUEUE_FULL, code.name)
+    if code == grpc.StatusCode.UNAVAILABLE and events == 0:
+        return Verdict(
+            Outcome.RESTARTING, code.name, 0, f"{kind}: UNAVAILABLE at admission: {exc.details()!r}"
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and kind == "deadline":
         return Verdict(Outcome.DEADLINE, code.name, tokens)
     return Verdict(Outcome.UNEXPECTED, code.name, tokens, f"{kind}: {code.name}: {exc.details()!r}")
@@ -528,6 +541,10 @@ async def soak_async(target: str, settings: SoakSettings, server_pid: int | None
             finally:
                 open_calls -= 1
                 ended.append(time.monotonic())
+            if verdict.outcome is Outcome.RESTARTING and not settings.kill_every:
+                verdict = Verdict(
+                    Outcome.UNEXPECTED, verdict.status, 0, verdict.detail + " (no engine was killed)"
+                )
             report.requests[(plan.kind, verdict.outcome.value)] += 1
             report.statuses[verdict.status] += 1
             report.tokens += verdict.tokens
@@ -535,10 +552,23 @@ async def soak_async(target: str, settings: SoakSettings, server_pid: int | None
                 report.unexpected_count += 1
                 if len(report.unexpected) < 20:
                     report.unexpected.append(f"{verdict.detail} (request: {_short(plan.request)})")
-            if verdict.outcome in (Outcome.QUEUE_FULL, Outcome.UNEXPECTED):
+            if verdict.outcome in (Outcome.QUEUE_FULL, Outcome.RESTARTING, Outcome.UNEXPECTED):
                 await asyncio.sleep(0.05 + 0.1 * maker.rng.random())  # no hot loop on a refusing server
 
+    async def killer() -> None:
+        """Fault mode: SIGKILL the engine every `kill_every` seconds; its open jobs must resume."""
+        while time.monotonic() + settings.kill_every < end:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), settings.kill_every)
+            engine = engine_process(server_pid) if server_pid is not None else None
+            if finished.is_set() or engine is None:
+                return
+            with contextlib.suppress(psutil.Error):
+                engine.kill()
+                report.kills += 1
+
     sampling = asyncio.create_task(sampler())
+    killing = asyncio.create_task(killer()) if settings.kill_every > 0 else None
     try:
         workers = [asyncio.create_task(worker(n)) for n in range(settings.streams)]
         _, late = await asyncio.wait(workers, timeout=end + settings.end_grace - time.monotonic())
@@ -552,6 +582,8 @@ async def soak_async(target: str, settings: SoakSettings, server_pid: int | None
         report.final_info = await wait_pool_idle(stubs[0], settings.idle_timeout)
     finally:
         sampling.cancel()
+        if killing is not None:
+            killing.cancel()
         for c in channels:
             await c.close()
     return report
@@ -641,15 +673,17 @@ def render_report(report: SoakReport, title: str, log_path: Path | None = None) 
     )
     lines += [
         "",
-        f"Engine processes seen: {len(report.engine_pids)} ({sorted(report.engine_pids)})",
+        f"Engine processes seen: {len(report.engine_pids)} ({sorted(report.engine_pids)})"
+        + (f"; {report.kills} killed by this run (every {s.kill_every:g} s)" if s.kill_every else ""),
         f"Engine jobs beyond open calls (sampled; a median > 0 means orphaned jobs): "
         f"{_excess(report.excess_jobs)} -> {'ORPHANS' if report.orphans else 'none'}",
         f"Pool at the end: {pool} -> {'idle' if report.pool_idle else 'NOT IDLE'}",
         f"Unexpected errors: {report.unexpected_count}",
         *(f"  - {u}" for u in report.unexpected),
         f"Result: {'PASS' if report.passed else 'FAIL'} "
-        f"(passes with 0 unexpected errors, RSS growth < {MAX_RSS_GROWTH_PERCENT:.0f} % in both, "
-        "no orphans, pool idle)",
+        f"(passes with 0 unexpected errors, RSS growth < {MAX_RSS_GROWTH_PERCENT:.0f} % in both "
+        "(the front end only with engine kills), no orphans, pool idle; an OK stream whose deltas do not "
+        "hold exactly its JobFinished's new_tokens, a token lost or sent twice, is an unexpected error)",
         *([f"Server log: {log_path}"] if log_path else []),
     ]
     return "\n".join(lines)
@@ -666,9 +700,12 @@ def run(
     target: str | None = None,
     max_new_tokens: int = 256,
     extra_flags: Sequence[str] = (),
+    kill_every: float = 0.0,
 ) -> tuple[str, int]:
     """The soak as `python -m benchmarks soak` runs it: (the report, the exit status)."""
-    settings = SoakSettings(seconds=minutes * 60, streams=streams, seed=seed, max_new_tokens=max_new_tokens)
+    settings = SoakSettings(
+        seconds=minutes * 60, streams=streams, seed=seed, max_new_tokens=max_new_tokens, kill_every=kill_every
+    )
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     if target is None:
