@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.cache import pages
+from engine.cache.cache_manager import KEEP_COMPUTED
 from engine.errors import InvalidRequestError
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.ids import PageId
@@ -152,15 +153,20 @@ def test_a_queued_job_is_hashed_once_and_counted_once(
         gen.iterate()
     s = gen.pool.stats()
     assert s.prefix_lookups == 2  # one per admission, not per failed try
-    assert s.prefix_query_tokens == (60 - 1) + (64 - 1)
+    assert s.prefix_query_tokens == (60 - KEEP_COMPUTED) + (64 - KEEP_COMPUTED)
     assert s.prefix_hit_tokens == 0
-    # The same prompt again: 7 of its 8 pages hit and 7 tokens of the 8th are copied (the last
-    # token is always computed).
+    # The same prompt again: 7 of its 8 pages hit and the 8th is copied but for the last tokens
+    # (always computed).
     again = gen.generate([JobSpec(b_prompt, max_new_tokens=2)])[0]
-    assert again.finished.cached_tokens == 63
+    assert again.finished.cached_tokens == 64 - KEEP_COMPUTED
     s = gen.pool.stats()
-    assert (s.prefix_lookups, s.prefix_query_tokens, s.prefix_hit_tokens) == (3, 59 + 63 + 63, 63)
-    assert gen.stats().prefix_hit_tokens == 63 and a_id not in gen.jobs
+    k = KEEP_COMPUTED
+    assert (s.prefix_lookups, s.prefix_query_tokens, s.prefix_hit_tokens) == (
+        3,
+        60 - k + 2 * (64 - k),
+        64 - k,
+    )
+    assert gen.stats().prefix_hit_tokens == 64 - KEEP_COMPUTED and a_id not in gen.jobs
 
 
 def test_jobs_that_cannot_fit_even_with_every_page_cached_skip_the_lookup(
@@ -249,8 +255,9 @@ def test_cache_salts_never_share_live_pages(tiny: LoadedModel) -> None:
         gen.check_invariants()
     tokens = {i: finished[i].cached_tokens for i in ids}
     assert tokens[ids[0]] == 0 and tokens[ids[1]] == 0 and tokens[ids[3]] == 0
-    # Waited for the first x job's pages, then hit them (48) and copied the 49th from its last page.
-    assert tokens[ids[2]] == 49
+    # Waited for the first x job's pages, then hit them (48) and copied from its last page all but the
+    # tokens every admission computes.
+    assert tokens[ids[2]] == 50 - KEEP_COMPUTED
 
 
 def test_cache_salt_is_bounded(tiny: LoadedModel) -> None:

@@ -252,7 +252,7 @@ def test_a_page_swapped_by_live_dedup_rewinds_the_drafter(
     """Two identical greedy jobs a step apart: the later one's output pages dedup onto the earlier's,
     whose draft-model K/V this job's drafter never computed, so the drafter rewinds to each swapped page."""
     draft = LlamaModel.from_source(open_weight_source(tiny.path), progress=False, num_layers=2)
-    prompt = tuple([5, 6, 7, 8] * 4 + [9])
+    prompt = tuple([5, 6, 7, 8] * 4 + [9, 10])  # its first page a whole prefix hit for the second job
     spec = JobSpec(prompt, max_new_tokens=40, ignore_eos=True)
     plain = DynamicGenerator(tiny.model, tiny.tokenizer, spec_config(DrafterKind.NONE)).generate([spec])[0]
     gen = DynamicGenerator(
