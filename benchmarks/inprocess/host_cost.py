@@ -1,7 +1,8 @@
 """Host cost per step: how much of a `DynamicGenerator.iterate()` is not the model's forward.
 
-The shipped model in float32 runs three steps: a batch-1 decode, a batch-64 decode and a
-mixed step (63 decodes beside one 512-token prefill chunk). `model.forward` is timed
+The shipped model in float32 runs four steps: a batch-1 decode, a batch-64 decode (greedy, and
+sampled with seeds: every row draws), and a mixed step (63 decodes beside one 512-token prefill
+chunk). `model.forward` is timed
 around the call (torch CPU ops are synchronous, so its wall time is the model's); host
 time is the rest of `iterate()`: scheduling, building the forward batch, sampling
 bookkeeping, text streaming and events. Medians over the timed iterations; the machine is
@@ -13,6 +14,7 @@ shared, so `--repeat` runs several rounds and keeps each row's best round.
 from __future__ import annotations
 
 import cProfile
+import dataclasses
 import io
 import pstats
 import statistics
@@ -27,7 +29,7 @@ from benchmarks.workloads import load_workloads
 from engine.cache.kv_cache import PagedKVCache
 from engine.forward_batch import ForwardBatch
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.jobs import JobSpec
+from engine.jobs import JobSpec, SamplingSettings
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
@@ -107,15 +109,24 @@ def _summarise(name: str, samples: list[tuple[float, float]]) -> StepCost:
     return StepCost(name, total * 1e3, forward * 1e3, host * 1e3, len(samples))
 
 
+# The sampled rows' settings: every row draws (the positioned uniforms, the inverse CDF).
+SAMPLED = SamplingSettings(temperature=0.8, top_p=0.95)
+
+
 def _decode_steps(
-    loaded: LoadedModel, prompts: list[list[int]], steps: int, profile: cProfile.Profile | None
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    steps: int,
+    profile: cProfile.Profile | None,
+    sampled: bool = False,
 ) -> list[tuple[float, float]]:
     gen = _generator(loaded, len(prompts))
     timer = _TimedForward(loaded.model.forward, profile)
     gen.model.forward = timer  # type: ignore[method-assign]
     try:
-        for p in prompts:
-            gen.enqueue(JobSpec(tuple(p), max_new_tokens=steps + 40, ignore_eos=True))
+        for i, p in enumerate(prompts):
+            sampling = dataclasses.replace(SAMPLED, seed=i) if sampled else SamplingSettings()
+            gen.enqueue(JobSpec(tuple(p), max_new_tokens=steps + 40, ignore_eos=True, sampling=sampling))
         # Prefill everything and take a few decode steps (one-time setup, warm caches).
         while not all(j.decoding for j in gen.jobs.values()) or gen.scheduler.queue:
             gen.iterate()
@@ -176,6 +187,10 @@ def measure(
             _summarise("decode, batch 1", _decode_steps(loaded, prompts[:1], steps * 2, None)),
             _summarise(
                 "decode, batch 64", _decode_steps(loaded, prompts, steps, profiler if r == 0 else None)
+            ),
+            _summarise(
+                "decode, batch 64, sampled (T 0.8, top_p 0.95, seeded)",
+                _decode_steps(loaded, prompts, steps, None, sampled=True),
             ),
             _summarise("63 decodes + 512-token prefill", _mixed_steps(loaded, prompts, max(3, steps // 4))),
         ]
