@@ -89,6 +89,9 @@ class ServiceConfig:
     max_restart_failures: int = 5  # engines dying before they served a minute, in a row: give up, exit 1
     warmup: bool = EngineConfig.warmup
     fault_crash_marker: str = EngineConfig.fault_crash_marker
+    # Keep a spare engine process with its imports done (about 230 MiB), so a dead engine is replaced
+    # in about the model's load time rather than a whole start.
+    spare_engine: bool = False
     speculate: str = SpeculationFlags.speculate
     num_draft_tokens: int = SpeculationFlags.num_draft_tokens
     max_ngram: int = SpeculationFlags.max_ngram
@@ -318,6 +321,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("engine_call_timeout_seconds", float, d.engine_call_timeout_seconds, "engine answer timeout")
     opt("restart_backoff_seconds", float, d.restart_backoff_seconds, "first engine restart delay")
     opt("max_restart_failures", int, d.max_restart_failures, "failed engine starts in a row before exit 1")
+    opt(
+        "spare_engine",
+        _flag,
+        d.spare_engine,
+        "keep a spare engine process with its imports done (~230 MiB): a crashed or hung engine is "
+        "replaced in about the model's load time, not a whole start",
+    )
     opt(
         "fault_crash_marker",
         str,

@@ -34,6 +34,7 @@ class Tag(enum.Enum):
     ADAPTER = b"L"  # payload: JSON AdapterCommand; answered by ADAPTERS or REJECTED
     FLUSH = b"F"  # no payload; the cached prefix pages no job holds are dropped; answered by FLUSHED
     QUIT = b"Q"
+    START = b"G"  # no payload; a spare engine (imports done, waiting) loads the model and serves
     # engine -> front end
     READY = b"R"  # payload: JSON Ready; the model is loaded and warmed up
     ACCEPTED = b"A"  # payload: JSON {"job_id": ..., "prompt_tokens": ...}

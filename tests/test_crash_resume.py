@@ -56,9 +56,12 @@ def server(adapter_root: Path) -> Iterator[ServerProcess]:
     s = start_server(
         *("--quant", "none", "--dtype", "float32", "--adapter-dir", str(adapter_root)),
         *("--watchdog-seconds", "1", "--hang-seconds", "2", "--fault-crash-marker", MARKER),
+        *("--spare-engine", "true"),
     )
     with s.client() as c:
         c.load_adapter("mine", "mine")  # a run-time load: loaded again on every restarted engine
+    s.wait_log("engine_spare_started")
+    time.sleep(4)  # its imports done: the first kill finds it waiting
     yield s
     assert s.stop() == 0
 

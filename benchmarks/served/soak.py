@@ -368,6 +368,8 @@ async def _cancel(stub: pb_grpc.GeneratorAsyncStub, plan: Plan, timeout: float) 
         return Verdict(Outcome.CANCELLED, status, _tokens(events))
     if status == "RESOURCE_EXHAUSTED" and not events:
         return Verdict(Outcome.QUEUE_FULL, status)
+    if status == "UNAVAILABLE" and not events:  # refused at admission before the cancel took effect
+        return Verdict(Outcome.RESTARTING, status, 0, "cancel: UNAVAILABLE at admission")
     return Verdict(Outcome.UNEXPECTED, status, _tokens(events), f"cancel: {status} after our cancel")
 
 

@@ -13,10 +13,16 @@ from engine.errors import DyngenError
 from engine.model.tokenizer import preload_tokenizer_code
 from engine.onednn_caches import bound_onednn_caches
 from service.engine_config import EngineConfig
+from service.ipc import Message, Tag
 from service.pipe_sender import PipeSender
 
 
-def run(config_json: str, commands: Connection, events: Connection, runtime_dir: str) -> None:
+def run(
+    config_json: str, commands: Connection, events: Connection, runtime_dir: str, spare: bool = False
+) -> None:
+    """The engine process. `spare`: do the imports (most of a start), then wait for START before
+    loading the model: the front end keeps one such process to replace a dead engine in about the
+    model's load time (--spare-engine)."""
     started = time.monotonic()
     config = EngineConfig.from_json(config_json)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="engine %(levelname)s %(message)s")
@@ -42,8 +48,16 @@ def run(config_json: str, commands: Connection, events: Connection, runtime_dir:
 
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
+    imports = time.monotonic() - started
+    if spare:
+        try:
+            if Message.decode(commands.recv_bytes()).tag is not Tag.START:
+                return  # QUIT: never needed
+        except (EOFError, OSError):
+            return  # the front end went away
+        imports = 0.0  # done before it was needed
     try:
-        loop = EngineLoop(config, sender, runtime_dir, imports_seconds=time.monotonic() - started)
+        loop = EngineLoop(config, sender, runtime_dir, imports_seconds=imports)
     except DyngenError as exc:  # missing model, bad config: one line, not a traceback
         print(f"dyngen: engine error: {exc}", file=sys.stderr)
         sys.exit(2)

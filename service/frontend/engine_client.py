@@ -76,6 +76,8 @@ from service.ipc import (
 log = structlog.get_logger("dyngen.engine_client")
 
 WATCH_INTERVAL = 0.25
+SPARE_DELAY_SECONDS = 10.0  # a spare engine is started this long after the serving one is ready
+SPARE_RETRY_SECONDS = 5.0  # a spare engine that died waiting is replaced after this
 
 
 class EngineRejectedError(Exception):
@@ -184,6 +186,7 @@ class EngineClient:
         )
         self._runtime_dir = Path(tempfile.mkdtemp(prefix="dyngen-"))
         self._watchdog: asyncio.Task[None] | None = None
+        self._spare: _Process | None = None  # --spare-engine: imports done, waiting to replace the engine
         self._stalled = False
         self.restarts = 0
         # Engine name -> folder of each adapter loaded through LoadAdapter (not --lora): loaded again
@@ -208,12 +211,31 @@ class EngineClient:
         self._generation += 1
         if self._generation == 1:  # the engine loads for seconds; the front end's tokenizer code meanwhile
             threading.Thread(target=preload_tokenizer_code, name="tokenizer-preload", daemon=True).start()
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.process.is_alive():
+            # Its imports are done: it only loads the model (--spare-engine).
+            now = time.monotonic()
+            spare.generation, spare.started_at, spare.last_heartbeat = self._generation, now, now
+            spare.outbox.put(Message(Tag.START, 0, b"").encode())
+            proc = spare
+        else:
+            if spare is not None:
+                self._end_spare(spare)
+            proc = self._spawn(spare=False)
+        self._proc = proc
+        self._stalled = False
+        if self._watchdog is None:
+            self._watchdog = self.loop.create_task(self._watch())
+        log.info("engine_starting", pid=proc.process.pid, generation=self._generation, spare=proc is spare)
+
+    def _spawn(self, spare: bool) -> _Process:
+        """A new engine process (a spare: imports done, waiting for START), its reader and writer."""
         ctx = mp.get_context("spawn")
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         evt_recv, evt_send = ctx.Pipe(duplex=False)
         process = ctx.Process(
             target=engine_main,
-            args=(self.config.engine_config().to_json(), cmd_recv, evt_send, str(self._runtime_dir)),
+            args=(self.config.engine_config().to_json(), cmd_recv, evt_send, str(self._runtime_dir), spare),
             name="dyngen-engine",
             daemon=True,
         )
@@ -221,14 +243,25 @@ class EngineClient:
         cmd_recv.close()
         evt_send.close()
         now = time.monotonic()
-        proc = _Process(process, cmd_send, evt_recv, queue.SimpleQueue(), self._generation, now, now)
-        self._proc = proc
-        self._stalled = False
+        generation = 0 if spare else self._generation  # a spare's own is set when it takes over
+        proc = _Process(process, cmd_send, evt_recv, queue.SimpleQueue(), generation, now, now)
         threading.Thread(target=self._reader, args=(proc,), name="engine-reader", daemon=True).start()
         threading.Thread(target=self._writer, args=(proc,), name="engine-writer", daemon=True).start()
-        if self._watchdog is None:
-            self._watchdog = self.loop.create_task(self._watch())
-        log.info("engine_starting", pid=process.pid, generation=self._generation)
+        return proc
+
+    def _keep_spare(self) -> None:
+        """With --spare-engine: have a spare engine process waiting (started after the serving one is
+        ready, so that the two never load at once)."""
+        if self.config.spare_engine and self._spare is None and not self._stopping and not self.failed:
+            self._spare = self._spawn(spare=True)
+            log.info("engine_spare_started", pid=self._spare.process.pid)
+
+    def _end_spare(self, spare: _Process) -> None:
+        spare.outbox.put(Message(Tag.QUIT, 0, b"").encode())
+        spare.outbox.put(None)
+        spare.process.join(5)
+        if spare.process.is_alive():
+            spare.process.kill()
 
     async def wait_ready(self) -> None:
         await self._first_ready
@@ -241,6 +274,9 @@ class EngineClient:
         self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._spare is not None:
+            self._end_spare(self._spare)
+            self._spare = None
         proc = self._proc
         if proc is not None:
             proc.outbox.put(Message(Tag.QUIT, 0, b"").encode())
@@ -306,6 +342,12 @@ class EngineClient:
                     self._set_ready(True)
 
     def _engine_gone(self, proc: _Process) -> None:
+        if proc is self._spare:  # a spare that died waiting: another one later
+            self._spare = None
+            proc.outbox.put(None)
+            log.warning("engine_spare_down", exit_code=proc.process.exitcode)
+            self.loop.call_later(SPARE_RETRY_SECONDS, self._keep_spare)
+            return
         if proc.generation != self._generation:
             return
         proc.outbox.put(None)
@@ -547,6 +589,8 @@ class EngineClient:
         if proc is not self._proc:
             return
         self._set_ready(not self._stalled)
+        # Later, not now: its imports would take a core from the resumed jobs' prefill.
+        self.loop.call_later(SPARE_DELAY_SECONDS, self._keep_spare)
         if not self._first_ready.done():
             self._first_ready.set_result(None)
 
