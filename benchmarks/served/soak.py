@@ -632,6 +632,23 @@ def _growth(g: float | None) -> str:
     return "n/a" if g is None else f"{g:+.2f} %"
 
 
+def rss_curve(report: SoakReport, points: int = 10) -> list[str]:
+    """RSS over the run: the median of each tenth (front end, engine), so growth shows its shape."""
+    if not report.samples or report.seconds <= 0:
+        return []
+    width = report.seconds / points
+    lines = ["| minutes | front end | engine |", "| ---: | ---: | ---: |"]
+    for k in range(points):
+        part = [x for x in report.samples if k * width <= x.t < (k + 1) * width]
+        front = [x.front_end for x in part if x.front_end > 0]
+        engine = [x.engine for x in part if x.engine > 0]
+        lines.append(
+            f"| {(k + 1) * width / 60:.1f} | {_mib(statistics.median(front)) if front else 'n/a'} "
+            f"| {_mib(statistics.median(engine)) if engine else 'n/a'} |"
+        )
+    return lines
+
+
 def render_report(report: SoakReport, title: str, log_path: Path | None = None) -> str:
     s = report.settings
     lines = [
@@ -662,10 +679,12 @@ def render_report(report: SoakReport, title: str, log_path: Path | None = None) 
         if values and warm:
             lines.append(
                 f"| {label} | {_mib(warm[0])} | {_mib(values[-1])} | {_mib(max(values))} "
-                f"| {_growth(report.rss_growth(which))} |"
+                f"| {_growth(report.rss_growth(which))}"
+                f"{' (engines killed: not gated)' if which == 'engine' and s.kill_every else ''} |"
             )
         else:
             lines.append(f"| {label} | n/a | n/a | n/a | n/a |")
+    lines += ["", *rss_curve(report)]
     info = report.final_info
     pool = (
         "no GetModelInfo reply"
