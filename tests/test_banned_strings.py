@@ -21,6 +21,7 @@ from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage, HFTokenizer
 from engine.output.text_stream import TextStream
 from engine.scheduler import SchedulerConfig
+from tests.job_events import JobRun, run_jobs
 
 pytestmark = pytest.mark.slow
 
@@ -134,19 +135,9 @@ def _prompt(model: LoadedModel, question: str) -> tuple[int, ...]:
     return tuple(model.tokenizer.encode_chat([ChatMessage("user", question)]))
 
 
-def _run(gen: DynamicGenerator, specs: list[JobSpec]) -> list[tuple[list[TokensGenerated], JobFinished]]:
+def _run(gen: DynamicGenerator, specs: list[JobSpec]) -> list[JobRun]:
     """Run jobs together and keep each one's events."""
-    ids = [gen.enqueue(s) for s in specs]
-    deltas: dict[str, list[TokensGenerated]] = {i: [] for i in ids}
-    done: dict[str, JobFinished] = {}
-    while len(done) < len(ids):
-        for e in gen.iterate():
-            if isinstance(e, TokensGenerated):
-                deltas[e.job_id].append(e)
-            elif isinstance(e, JobFinished):
-                done[e.job_id] = e
-        gen.check_invariants()
-    return [(deltas[i], done[i]) for i in ids]
+    return run_jobs(gen, specs, check_pool=True)
 
 
 def _text(deltas: list[TokensGenerated], fin: JobFinished) -> str:

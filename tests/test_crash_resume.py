@@ -216,36 +216,26 @@ def report(what: str, delays: list[float], server: ServerProcess, mark: int) -> 
     )
 
 
-def test_a_sigkill_only_pauses_every_stream(server: ServerProcess, reference: list[Stream]) -> None:
-    killed: list[tuple[int, float]] = []
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop-hang"])
+def test_a_dead_or_hung_engine_only_pauses_every_stream(
+    server: ServerProcess, reference: list[Stream], sig: signal.Signals
+) -> None:
+    """SIGKILL: the engine is gone at once. SIGSTOP: it hangs, and the watchdog replaces it."""
+    hit: list[tuple[int, float]] = []
 
     def during(streams: list[Stream]) -> None:
         mid_generation(streams)
-        killed.append(kill(server, signal.SIGKILL))
+        hit.append(kill(server, sig))
 
     streams = run_streams(server, requests(), during)
     check_like_reference(streams, reference)
-    mark, when = killed[0]
-    report("SIGKILL", first_tokens_after(streams, when), server, mark)
+    mark, when = hit[0]
+    if sig is signal.SIGSTOP:
+        assert log_count(server, "engine_hung") >= 1
+    report(sig.name, first_tokens_after(streams, when), server, mark)
     record = server.wait_log("engine_recovered", after=mark)
     assert record["poisoned"] == []
     assert len(record["resumed"]) >= 8  # type: ignore[arg-type]
-
-
-def test_a_hung_engine_is_replaced_and_its_streams_resume(
-    server: ServerProcess, reference: list[Stream]
-) -> None:
-    stopped: list[tuple[int, float]] = []
-
-    def during(streams: list[Stream]) -> None:
-        mid_generation(streams)
-        stopped.append(kill(server, signal.SIGSTOP))
-
-    streams = run_streams(server, requests(), during)
-    check_like_reference(streams, reference)
-    mark, when = stopped[0]
-    assert log_count(server, "engine_hung") >= 1
-    report("SIGSTOP (hang)", first_tokens_after(streams, when), server, mark)
 
 
 def test_a_second_sigkill_while_resumed_jobs_run_resumes_them_again(

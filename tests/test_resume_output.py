@@ -16,34 +16,20 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.grammar.response_format import GrammarKind, ResponseFormat
-from engine.jobs import JobFinished, JobSpec, SamplingSettings, TokensGenerated
+from engine.jobs import JobSpec, SamplingSettings, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
 from engine.output.text_stream import TextStream
 from engine.prompt.guidance import Guidance
 from engine.sampling.positioned_uniform import ACCEPT_STREAM, positioned_uniform, seed_key
 from engine.sampling.sampler_state import SamplerState
+from tests.job_events import run_jobs
 
 pytestmark = pytest.mark.slow
-
-Run = tuple[list[TokensGenerated], JobFinished]
 
 
 def _chat(model: LoadedModel, text: str) -> tuple[int, ...]:
     return tuple(model.tokenizer.encode_chat([ChatMessage("user", text)]))
-
-
-def _run(gen: DynamicGenerator, specs: list[JobSpec]) -> list[Run]:
-    ids = [gen.enqueue(s) for s in specs]
-    deltas: dict[str, list[TokensGenerated]] = {i: [] for i in ids}
-    done: dict[str, JobFinished] = {}
-    while len(done) < len(ids):
-        for e in gen.iterate():
-            if isinstance(e, TokensGenerated):
-                deltas[e.job_id].append(e)
-            elif isinstance(e, JobFinished):
-                done[e.job_id] = e
-    return [(deltas[i], done[i]) for i in ids]
 
 
 def _tokens(deltas: list[TokensGenerated]) -> list[int]:
@@ -107,13 +93,13 @@ def test_a_resumed_job_continues_the_uninterrupted_run(
     smollm: LoadedModel, gen: DynamicGenerator, name: str
 ) -> None:
     spec = _specs(smollm)[name]
-    ((deltas, fin),) = _run(gen, [spec])
+    ((deltas, fin),) = run_jobs(gen, [spec])
     assert len(deltas) >= 3, f"{name}: too short to cut ({fin.stop_reason}, {_text(deltas)!r})"
     for cut in sorted({1, len(deltas) - 1}):
         delivered = deltas[:cut]
         resumed = dataclasses.replace(spec, resume_output=tuple(_tokens(delivered)))
         # Beside another job, as a restarted engine runs it with the others it resumes.
-        (rest, rest_fin), _ = _run(gen, [resumed, _specs(smollm)["greedy"]])
+        (rest, rest_fin), _ = run_jobs(gen, [resumed, _specs(smollm)["greedy"]])
         assert _tokens(delivered) + _tokens(rest) == _tokens(deltas), (name, cut)
         assert _text(delivered) + _text(rest) + rest_fin.text == _text(deltas) + fin.text, (name, cut)
         assert (rest_fin.stop_reason, rest_fin.stop_string) == (fin.stop_reason, fin.stop_string), (name, cut)

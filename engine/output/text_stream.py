@@ -205,8 +205,12 @@ class TextStream:
                 )
         self._ban_state = state
         keep_from = before + len(new.piece) - bans.depth[state]
-        # keep_from <= 0: the text that may start a banned string reaches into committed text.
-        n = len(self._held) if not bans.depth[state] else self._token_at(keep_from) if keep_from > 0 else 0
+        if not bans.depth[state]:
+            n = len(self._held)
+        elif keep_from > 0:
+            n = self._token_at(keep_from)
+        else:  # the text that may start a banned string reaches into committed text
+            n = 0
         # Textless tokens just before the held run (bytes of a character not yet complete, say)
         # belong with it: the character they start may start a banned string.
         while n > 0 and not self._held[n - 1].piece:
