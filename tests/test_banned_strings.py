@@ -18,7 +18,7 @@ from engine.grammar.constraints import GrammarKind, ResponseFormat
 from engine.job_state import JobState
 from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReason, TokensGenerated
 from engine.model.loader import LoadedModel
-from engine.model.tokenizer import ChatMessage, HFTokenizer
+from engine.model.tokenizer import ChatMessage, Tokenizer
 from engine.output.text_stream import TextStream
 from engine.scheduler import SchedulerConfig
 from tests.job_events import JobRun, run_jobs
@@ -29,11 +29,11 @@ _ALPHABET = "ab c.\né"
 
 
 @pytest.fixture(scope="module")
-def real(smollm: LoadedModel) -> HFTokenizer:
+def real(smollm: LoadedModel) -> Tokenizer:
     return smollm.tokenizer
 
 
-def _simulate(tok: HFTokenizer, candidates: list[int], bans: list[str], stops: list[str]) -> None:
+def _simulate(tok: Tokenizer, candidates: list[int], bans: list[str], stops: list[str]) -> None:
     """Feed `candidates` as a model would, rewinding at each banned match (the candidate that
     started it is dropped, as a ban would) and check what was streamed against the kept tokens."""
     stream = TextStream(tok, stops, True, bans)
@@ -86,7 +86,7 @@ def _simulate(tok: HFTokenizer, candidates: list[int], bans: list[str], stops: l
     stop=st.booleans(),
 )
 def test_streamed_text_never_holds_a_banned_string(
-    real: HFTokenizer, text: str, bans: list[str], stop: bool
+    real: Tokenizer, text: str, bans: list[str], stop: bool
 ) -> None:
     candidates = real.encode(text, add_special_tokens=False)
     _simulate(real, candidates, bans, ["c."] if stop else [])
@@ -94,14 +94,14 @@ def test_streamed_text_never_holds_a_banned_string(
 
 @settings(max_examples=60, deadline=None)
 @given(ids=st.lists(st.integers(0, 49151), min_size=1, max_size=30), ban_len=st.integers(1, 3))
-def test_random_tokens_and_bans_cut_from_them(real: HFTokenizer, ids: list[int], ban_len: int) -> None:
+def test_random_tokens_and_bans_cut_from_them(real: Tokenizer, ids: list[int], ban_len: int) -> None:
     text = real.decode(ids, skip_special_tokens=True)
     bans = [text[i : i + ban_len] for i in range(0, len(text), 7) if text[i : i + ban_len].strip()][:3]
     if bans:
         _simulate(real, ids, bans, [])
 
 
-def test_held_tokens_are_released_when_the_candidate_fails(real: HFTokenizer) -> None:
+def test_held_tokens_are_released_when_the_candidate_fails(real: Tokenizer) -> None:
     stream = TextStream(real, (), True, ["Paris."])
     head = real.encode("Go to", add_special_tokens=False)
     assert stream.push(head).released == len(head)
@@ -112,7 +112,7 @@ def test_held_tokens_are_released_when_the_candidate_fails(real: HFTokenizer) ->
     assert d.text == " Paris now" and stream.held == 0 and d.released == len(par) + 1
 
 
-def test_rewind_restores_the_stream(real: HFTokenizer) -> None:
+def test_rewind_restores_the_stream(real: Tokenizer) -> None:
     stream = TextStream(real, (), True, ["ab"])
     a = real.encode("a", add_special_tokens=False)
     b = real.encode("b", add_special_tokens=False)
@@ -279,7 +279,7 @@ def test_banned_jobs_under_preemption_match_an_unpressed_run(smollm: LoadedModel
     assert stats.pages_used == 0 and stats.running == 0
 
 
-def test_a_stop_string_completed_in_text_held_for_a_ban_ends_the_stream_at_finish(real: HFTokenizer) -> None:
+def test_a_stop_string_completed_in_text_held_for_a_ban_ends_the_stream_at_finish(real: Tokenizer) -> None:
     """'.' may start the banned '.a', so it is held; at finish it completes the stop string 'c.'."""
     stream = TextStream(real, ["c."], True, [".a"])
     ids = real.encode("c.", add_special_tokens=False)

@@ -26,7 +26,7 @@ PROPERTY_SETTINGS = settings(
 
 
 @pytest.fixture(scope="module")
-def real(smollm: LoadedModel) -> HFTokenizer:
+def real(smollm: LoadedModel) -> Tokenizer:
     return smollm.tokenizer
 
 
@@ -87,7 +87,7 @@ def stable(text: str) -> str:
 
 
 @pytest.mark.slow
-def test_emoji_and_cjk_split_across_tokens(real: HFTokenizer) -> None:
+def test_emoji_and_cjk_split_across_tokens(real: Tokenizer) -> None:
     ids = enc(real, UNICODE_TEXT)
     assert any(real.decode([t]).endswith(FFFD) for t in ids)  # the text really splits characters
     deltas, tail = run(real, ids)
@@ -99,7 +99,7 @@ def test_emoji_and_cjk_split_across_tokens(real: HFTokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_genuine_replacement_character_at_finish_is_emitted(real: HFTokenizer) -> None:
+def test_genuine_replacement_character_at_finish_is_emitted(real: Tokenizer) -> None:
     lead = enc(real, "🎉")[0]  # the first bytes of a 4-byte character, never completed
     ids = [*enc(real, "ok "), lead]
     deltas, tail = run(real, ids)
@@ -110,7 +110,7 @@ def test_genuine_replacement_character_at_finish_is_emitted(real: HFTokenizer) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("garbage", [0, 1, 5, 13, 14, 15, 16, 17, 18, 31, 40])
-def test_long_invalid_byte_runs_then_a_character(real: HFTokenizer, garbage: int) -> None:
+def test_long_invalid_byte_runs_then_a_character(real: Tokenizer, garbage: int) -> None:
     # Lone continuation bytes keep the text ending in U+FFFD, forcing the bounded window to move
     # on; the character after them must still come out whole wherever that move lands.
     continuation = split_byte_ids(real)[1]
@@ -123,7 +123,7 @@ def test_long_invalid_byte_runs_then_a_character(real: HFTokenizer, garbage: int
 @pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(data=st.data(), skip=st.booleans())
-def test_random_token_sequences_match_full_decode(real: HFTokenizer, data: st.DataObject, skip: bool) -> None:
+def test_random_token_sequences_match_full_decode(real: Tokenizer, data: st.DataObject, skip: bool) -> None:
     split = split_byte_ids(real)
     special = sorted({0, 1, 2} | real.eos_token_ids)
     token = st.one_of(st.integers(0, real.vocab_size - 1), st.sampled_from(split), st.sampled_from(special))
@@ -140,7 +140,7 @@ def test_random_token_sequences_match_full_decode(real: HFTokenizer, data: st.Da
 class Counting:
     """Delegates to the real tokenizer, recording how many ids each decode sees."""
 
-    def __init__(self, inner: HFTokenizer) -> None:
+    def __init__(self, inner: Tokenizer) -> None:
         self.inner = inner
         self.sizes: list[int] = []
 
@@ -170,7 +170,7 @@ class Counting:
 
 
 @pytest.mark.slow
-def test_decode_window_stays_small(real: HFTokenizer) -> None:
+def test_decode_window_stays_small(real: Tokenizer) -> None:
     continuation = split_byte_ids(real)[1]
     block = [*enc(real, UNICODE_TEXT + " "), *[continuation] * 50, *[2] * 50]
     ids = block * 40  # ~4,600 tokens
@@ -182,7 +182,7 @@ def test_decode_window_stays_small(real: HFTokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_plain_text_costs_about_one_decode_per_token(real: HFTokenizer) -> None:
+def test_plain_text_costs_about_one_decode_per_token(real: Tokenizer) -> None:
     # Context is cut back only every few tokens: ~1.1 decode calls per token, not 2.
     ids = enc(real, (UNICODE_TEXT + " The quick brown fox jumps over the lazy dog. ") * 20)
     counting = Counting(real)
@@ -196,7 +196,7 @@ def test_plain_text_costs_about_one_decode_per_token(real: HFTokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_stop_string_across_token_boundaries(real: HFTokenizer) -> None:
+def test_stop_string_across_token_boundaries(real: Tokenizer) -> None:
     par, is_, dot = one_token(real, "Par"), one_token(real, "is"), one_token(real, ".")
     ids = [*enc(real, "Answer:"), par, is_, dot, *enc(real, " More text")]
     stream = TextStream(real, ["Paris."], skip_special_tokens=True)
@@ -211,7 +211,7 @@ def test_stop_string_across_token_boundaries(real: HFTokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_stop_string_at_the_very_start(real: HFTokenizer) -> None:
+def test_stop_string_at_the_very_start(real: Tokenizer) -> None:
     ids = enc(real, "Hello world")
     deltas, tail = run(real, ids, stops=["Hello"])
     assert deltas == [TextDelta("", "Hello", 1, 1)]
@@ -219,7 +219,7 @@ def test_stop_string_at_the_very_start(real: HFTokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_several_tokens_at_once_with_the_match_in_the_middle(real: HFTokenizer) -> None:
+def test_several_tokens_at_once_with_the_match_in_the_middle(real: Tokenizer) -> None:
     par, is_, dot = one_token(real, "Par"), one_token(real, "is"), one_token(real, ".")
     head = enc(real, "Answer:")
     ids = [*head, par, is_, dot, *enc(real, " More text")]
@@ -232,7 +232,7 @@ def test_several_tokens_at_once_with_the_match_in_the_middle(real: HFTokenizer) 
 
 
 @pytest.mark.slow
-def test_held_text_is_released_when_the_candidate_fails(real: HFTokenizer) -> None:
+def test_held_text_is_released_when_the_candidate_fails(real: Tokenizer) -> None:
     par = one_token(real, "Par")
     stream = TextStream(real, ["Paris."], skip_special_tokens=True)
     assert stream.push([par]) == TextDelta("", None, 1, 1)
@@ -246,7 +246,7 @@ def test_held_text_is_released_when_the_candidate_fails(real: HFTokenizer) -> No
 
 
 @pytest.mark.slow
-def test_overlapping_candidates(real: HFTokenizer) -> None:
+def test_overlapping_candidates(real: Tokenizer) -> None:
     chars = [one_token(real, c) for c in "xabc"]
     # "ab" completes before "abc" can: it wins, one token at a time or all at once.
     stream = TextStream(real, ["abc", "ab"], skip_special_tokens=True)
@@ -265,7 +265,7 @@ def test_overlapping_candidates(real: HFTokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_multiple_stop_strings_earliest_wins(real: HFTokenizer) -> None:
+def test_multiple_stop_strings_earliest_wins(real: Tokenizer) -> None:
     ids = enc(real, "hello world, goodbye")
     for stops in (["goodbye", "world", "lo w"], ["lo w", "world", "goodbye"]):
         deltas, tail = run(real, ids, stops=stops)
@@ -277,7 +277,7 @@ def test_multiple_stop_strings_earliest_wins(real: HFTokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_stop_string_inside_a_split_character(real: HFTokenizer) -> None:
+def test_stop_string_inside_a_split_character(real: Tokenizer) -> None:
     ids = enc(real, "a 日本語 b")
     deltas, tail = run(real, ids, stops=["本語"])
     assert (joined(deltas), deltas[-1].stop_string, tail) == ("a 日", "本語", "")
@@ -297,7 +297,7 @@ ALPHABET = "ab .é🙂"
     chunks=st.lists(st.integers(1, 4), min_size=1, max_size=4),
 )
 def test_stop_strings_against_an_oracle(
-    real: HFTokenizer, text: str, stops: list[str], chunks: list[int]
+    real: Tokenizer, text: str, stops: list[str], chunks: list[int]
 ) -> None:
     ids = enc(real, text)
     full = real.decode(ids)
@@ -320,7 +320,7 @@ def test_stop_strings_against_an_oracle(
 
 
 @pytest.mark.slow
-def test_stop_string_matches_the_eos_text_when_special_tokens_are_decoded(real: HFTokenizer) -> None:
+def test_stop_string_matches_the_eos_text_when_special_tokens_are_decoded(real: Tokenizer) -> None:
     (eos,) = real.eos_token_ids
     assert real.decode([eos]) == "<|im_end|>"
     ids = [*enc(real, "Hi there"), eos, *enc(real, "more")]
@@ -360,7 +360,7 @@ def test_long_run_of_skipped_special_tokens(tiny: HFTokenizer) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("skip", [True, False])
-def test_special_tokens_inside_a_split_character(real: HFTokenizer, skip: bool) -> None:
+def test_special_tokens_inside_a_split_character(real: Tokenizer, skip: bool) -> None:
     (eos,) = real.eos_token_ids
     lead, *rest = enc(real, "🎉")
     for count in (1, 40):

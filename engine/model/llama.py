@@ -65,7 +65,16 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device or torch.device("cpu")
         self.plan = plan if plan is not None else LinearPlan.uniform(LinearKind.FLOAT)
-        w = load_weights(config, tensors, dtype, self.device, self.plan, stored_int4 or {}, tune_dir, packed)
+        w = load_weights(
+            config,
+            tensors,
+            dtype,
+            self.device,
+            self.plan,
+            {} if stored_int4 is None else stored_int4,  # not `or`: a lazy map's truth reads every weight
+            tune_dir,
+            packed,
+        )
         self.embed = w.embed
         self.final_norm = w.final_norm
         self.lm_head: Linear = w.lm_head

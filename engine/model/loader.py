@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.util
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ import torch
 
 from engine.errors import InvalidRequestError, ModelFormatError, ModelNotFoundError
 from engine.model.derived_files import DerivedFiles
+from engine.model.folder_tokenizer import FolderTokenizer, write_facts
 from engine.model.gguf_reader_share import shared_readers
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
@@ -77,25 +79,39 @@ def open_weight_source(path: Path, derived: DerivedFiles | None = None) -> Weigh
     raise InvalidRequestError(f"{path}: expected a .gguf file or a folder with config.json and *.safetensors")
 
 
-def load_tokenizer(path: Path, extra_eos: Sequence[int], derived: DerivedFiles | None = None) -> HFTokenizer:
+def load_tokenizer(
+    path: Path, extra_eos: Sequence[int], derived: DerivedFiles | None = None
+) -> HFTokenizer | FolderTokenizer:
     """The model's tokenizer; with `derived`, a GGUF file's converted tokenizer is kept there
-    (converting it takes seconds, loading the saved one a tenth of one)."""
+    (converting it takes seconds; loading the saved one without transformers, a tenth of a second)."""
     if derived is None or path.is_dir():
         return HFTokenizer(path, extra_eos)
     if derived.tokenizer.is_dir():
+        fast = FolderTokenizer.open(derived.tokenizer, extra_eos)
+        if fast is not None:
+            return fast
         try:
-            return HFTokenizer(derived.tokenizer, extra_eos)
+            saved = HFTokenizer(derived.tokenizer, extra_eos)
         except ModelFormatError:
             pass  # damaged: convert again
+        else:
+            with contextlib.suppress(OSError):
+                write_facts(saved, derived.tokenizer)  # kept before facts were: the next start is fast
+            return saved
     tokenizer = HFTokenizer(path, extra_eos)
-    derived.publish_folder(derived.tokenizer, tokenizer.save)
+
+    def save(folder: Path) -> None:
+        tokenizer.save(folder)
+        write_facts(tokenizer, folder)
+
+    derived.publish_folder(derived.tokenizer, save)
     return tokenizer
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     model: LlamaModel
-    tokenizer: HFTokenizer
+    tokenizer: HFTokenizer | FolderTokenizer
     path: Path
 
 
@@ -120,8 +136,8 @@ def load_model(
     model_path = path if path is not None else default_model_path()
     derived = DerivedFiles.of(model_path) if keep_derived and model_path.is_file() else None
     # Work that can go beside the weights' goes on threads: a first start's native build (a
-    # compiler process; the linears wait for it) and the tokenizer (mostly importing transformers,
-    # while the weights' work is mostly in torch and numpy, which let go of the interpreter).
+    # compiler process; the linears wait for it) and the tokenizer (on a first start mostly importing
+    # transformers, while the weights' work is mostly in torch and numpy, which let go of the interpreter).
     with ThreadPoolExecutor(2, thread_name_prefix="load") as pool, shared_readers():
         pool.submit(native_library)
         source = open_weight_source(model_path, derived)

@@ -90,6 +90,28 @@ class HFTokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         return self._eos
 
+    def backend_facts(self) -> tuple[int | None, int, bool] | None:
+        """(eos id, vocabulary length, the backend's encode_special_tokens) where encoding and
+        decoding are the backend's own calls with nothing added (folder_tokenizer.py), else None:
+        a class that overrides them, or a decode that cleans up tokenization spaces."""
+        with TRANSFORMERS_IMPORT:
+            from transformers import TokenizersBackend
+
+        cls = type(self._tok)
+        own = ("encode", "_encode_plus", "decode", "_decode", "__len__")
+        if not isinstance(self._tok, TokenizersBackend) or any(
+            getattr(cls, name) is not getattr(TokenizersBackend, name) for name in own
+        ):
+            return None
+        if self._tok.clean_up_tokenization_spaces:
+            return None
+        eos = self._tok.eos_token_id
+        return (
+            (None if eos is None else int(eos)),
+            len(self._tok),
+            bool(self._tok.backend_tokenizer.encode_special_tokens),
+        )
+
     def backend_json(self) -> str:
         backend = copy.copy(self._tok.backend_tokenizer)  # padding and truncation off on a copy only
         backend.no_padding()

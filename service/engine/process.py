@@ -10,7 +10,6 @@ import time
 from multiprocessing.connection import Connection
 
 from engine.errors import DyngenError
-from engine.model.tokenizer import preload_tokenizer_code
 from engine.onednn_caches import bound_onednn_caches
 from service.engine_config import EngineConfig
 from service.ipc import Message, Tag
@@ -40,8 +39,6 @@ def run(
     if config.torch_threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(config.torch_threads)
     bound_onednn_caches()  # else the engine grows with every new matmul shape
-    # The tokenizer's code imports beside torch's (each ~0.7 s; much of torch's is native loading).
-    threading.Thread(target=preload_tokenizer_code, name="tokenizer-preload", daemon=True).start()
     import torch
 
     from service.engine.loop import EngineLoop
