@@ -47,11 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from service.config import config_from_args
             from service.device_check import check_device
-            from service.frontend.server import main as serve_main
+            from service.engine_spawn import EarlyEngine
 
             config = config_from_args(args)
             check_device(config.device)  # before anything starts: one line and exit 2 if it is not there
-            return serve_main(config)
+            # The engine's imports are most of a start: they begin now, beside the front end's.
+            early = EarlyEngine.start(config.engine_config().to_json())
+            from service.frontend.server import main as serve_main
+
+            return serve_main(config, early)
         if args.command == "cluster":
             from service.cluster import run_cluster
 

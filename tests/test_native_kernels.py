@@ -382,7 +382,7 @@ def test_decode_attention_matches_the_torch_path(
     ],
 )
 @pytest.mark.parametrize("half", [False, True])
-def test_chunked_attention_matches_plain_causal_attention(
+def test_chunk_rows_match_plain_causal_attention_and_decoding_alone(
     lib: NativeLibrary, page_size: int, dim: int, chunks: tuple[tuple[int, int], ...], half: bool
 ) -> None:
     torch.manual_seed(page_size + dim)
@@ -397,17 +397,24 @@ def test_chunked_attention_matches_plain_causal_attention(
     tables = order[: len(chunks) * per_seq].view(len(chunks), per_seq).contiguous()
     tokens = sum(n for _, n in chunks)
     q = torch.randn(tokens, heads * dim + 16)[:, : heads * dim].view(tokens, heads, dim)  # rows with a stride
-    got = lib.paged_attention(
-        q,
-        kc,
-        vc,
-        tables,
-        torch.tensor(seq_lens),
-        torch.tensor([n for _, n in chunks]),
-        dim**-0.5,
-    )
-    if got is None:
-        pytest.skip(f"no chunked attention kernel in the {lib.simd} build")
+    # Each chunk token is a row of its own: its sequence's table, the keys up to its position.
+    row_seq = torch.tensor([i for i, (_, n) in enumerate(chunks) for _ in range(n)])
+    row_lens = torch.tensor([c + j + 1 for c, n in chunks for j in range(n)])
+    got = lib.decode_attention(q, kc, vc, None, None, tables, row_lens, dim**-0.5, row_seq)
+    # Bit for bit what each token decoded alone gets: a job's tokens do not depend on its chunking.
+    for r in range(tokens):
+        seq = int(row_seq[r])
+        alone = lib.decode_attention(
+            q[r : r + 1].contiguous(),
+            kc,
+            vc,
+            None,
+            None,
+            tables[seq : seq + 1],
+            row_lens[r : r + 1],
+            dim**-0.5,
+        )
+        assert torch.equal(alone[0], got[r])
     ref = torch.empty(tokens, heads * dim)
     kv_of_head = torch.arange(heads) // (heads // kvh)
     row = 0

@@ -105,9 +105,11 @@ class CacheManager:
         None, taking nothing and counting no lookup, if they do not fit."""
         ps = self.pool.page_size
         # Everything but the last two tokens may come from the prefix cache: the last one's logits are
-        # needed, and a lone token would run through the decode kernels where a cold start ran the
-        # prompt's end through the chunk kernels, which round apart (a hit must not change the tokens).
-        # A preempted sequence recomputes prompt + output, and its old full pages are likely cached.
+        # needed, and a lone token runs as a decode step. The native attention gives a token the same
+        # numbers either way; torch's (bfloat16 models, builds without the native kernels) does not, and
+        # two tokens keep a prompt's end in the chunk path a cold start ran it through (a hit must not
+        # change the tokens). A preempted sequence recomputes prompt + output; its old full pages are
+        # likely cached.
         query = max(len(seq.tokens) - KEEP_COMPUTED, 0)
         hashes = self._full_page_hashes(seq) if self.prefix_cache else []
         total = seq.pages_for(len(seq.tokens), ps)

@@ -228,6 +228,7 @@ class NativeLibrary:
             _P,
             _I,
             _P,
+            _P,
             _I,
             _I,
             _I,
@@ -239,25 +240,6 @@ class NativeLibrary:
         lib.dg_decode_attention.restype = None
         lib.dg_to_half_array.argtypes = [_P, _I, _P]
         lib.dg_to_half_array.restype = None
-        lib.dg_paged_attention.argtypes = [
-            _P,
-            _I,
-            _P,
-            _P,
-            ctypes.c_int,
-            _P,
-            _I,
-            _P,
-            _P,
-            _I,
-            _I,
-            _I,
-            _I,
-            _I,
-            _F,
-            _P,
-        ]
-        lib.dg_paged_attention.restype = ctypes.c_int
         self._lib = lib
         self.block_q4_bytes = int(lib.dg_block_q4_size())
         self.block_q8_bytes = int(lib.dg_block_q8_size())
@@ -446,16 +428,24 @@ class NativeLibrary:
         page_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        row_seq: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One query per sequence: q [B, H, D] float32 against a layer's paged cache
-        [pages, KVH, page_size, D] (float32 or float16, or int8 with [pages, KVH, page_size]
-        float32/float16 scales) -> [B, H * D]."""
+        """Query rows q [B, H, D] float32 against a layer's paged cache [pages, KVH, page_size, D]
+        (float32 or float16, or int8 with [pages, KVH, page_size] float32/float16 scales) -> [B, H * D].
+        Row b sees the first seq_lens[b] keys of page table row_seq[b] (of b without row_seq: one
+        query per sequence, a decode step); each row's result is what it would be alone."""
         b, heads, dim = q.shape
         _, kv_heads, page_size, _ = k_cache.shape
         if q.stride(2) != 1 or q.stride(1) != dim:
             raise ValueError(f"decode_attention: q's heads must be contiguous rows, strides {q.stride()}")
         if page_tables.dtype is not torch.int64 or seq_lens.dtype is not torch.int64:
             raise ValueError("decode_attention: page tables and lengths must be int64")
+        if seq_lens.shape != (b,) or (
+            row_seq is not None and (row_seq.dtype is not torch.int64 or row_seq.shape != (b,))
+        ):
+            raise ValueError("decode_attention: one int64 length (and sequence) per query row")
+        if row_seq is None and page_tables.shape[0] != b:
+            raise ValueError("decode_attention: one page table per query row without row_seq")
         quant = k_scale is not None and v_scale is not None
         want = (torch.int8,) if quant else (torch.float32, torch.float16)
         if k_cache.dtype not in want or v_cache.dtype is not k_cache.dtype:
@@ -481,6 +471,7 @@ class NativeLibrary:
             int(k_cache.dtype == torch.float16),
             _ptr(page_tables),
             int(page_tables.shape[1]),
+            _ptr(row_seq) if row_seq is not None else None,
             _ptr(seq_lens),
             b,
             heads,
@@ -491,55 +482,6 @@ class NativeLibrary:
             _f32(out),
         )
         return out
-
-    def paged_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        page_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor | None:
-        """Causal attention of query chunks over a float32 or float16 paged cache: q [T, H, D] holds each
-        sequence's query_lens[b] new tokens in turn (the last ones of its seq_lens[b]) -> [T, H * D].
-        None where this build has no kernel for it (not a 512-bit build, or D not a multiple of 16)."""
-        tokens, heads, dim = q.shape
-        _, kv_heads, page_size, _ = k_cache.shape
-        if q.stride(2) != 1 or q.stride(1) != dim:
-            raise ValueError(f"paged_attention: q's heads must be contiguous rows, strides {q.stride()}")
-        for t in (page_tables, seq_lens, query_lens):
-            if t.dtype is not torch.int64:
-                raise ValueError("paged_attention: page tables and lengths must be int64")
-        if int(query_lens.sum()) != tokens:
-            raise ValueError(
-                f"paged_attention: query lengths add up to {int(query_lens.sum())}, q has {tokens}"
-            )
-        if k_cache.dtype not in (torch.float32, torch.float16) or v_cache.dtype is not k_cache.dtype:
-            raise ValueError(f"paged_attention: the cache must be float32 or float16, not {k_cache.dtype}")
-        out = torch.empty((tokens, heads * dim), dtype=torch.float32)
-        rc = self._lib.dg_paged_attention(
-            int(q.data_ptr()),
-            q.stride(0),
-            _ptr(k_cache),
-            _ptr(v_cache),
-            int(k_cache.dtype == torch.float16),
-            _ptr(page_tables),
-            int(page_tables.shape[1]),
-            _ptr(seq_lens),
-            _ptr(query_lens),
-            int(seq_lens.shape[0]),
-            heads,
-            kv_heads,
-            dim,
-            page_size,
-            scale,
-            _f32(out),
-        )
-        if rc == -2:
-            raise MemoryError("no memory for the attention's scratch")
-        return out if rc == 0 else None
 
 
 _failure: list[str] = []

@@ -27,10 +27,8 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import multiprocessing as mp
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -47,7 +45,7 @@ from engine.ids import JobId, new_job_id
 from engine.jobs import JobError, JobFinished, JobSpec, JobTimings, StopReason
 from engine.model.tokenizer import preload_tokenizer_code
 from service.config import ServiceConfig
-from service.engine.process import run as engine_main
+from service.engine_spawn import EarlyEngine, new_runtime_dir, spawn_engine
 from service.frontend.codec import adapter_info, event_to_proto, model_info
 from service.frontend.crash_triage import Verdict, poison_message, strikes_after_crash, verdict
 from service.frontend.event_buffer import EngineDownError, EventBuffer
@@ -152,7 +150,11 @@ class _Process:
 
 
 class EngineClient:
-    def __init__(self, config: ServiceConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, config: ServiceConfig, loop: asyncio.AbstractEventLoop, early: EarlyEngine | None = None
+    ) -> None:
+        """`early`: the first engine, already started (`dyngen serve` starts it before the front end's
+        imports); used if it was started with this config's engine settings, else discarded."""
         self.config = config
         self.loop = loop
         self.jobs: dict[str, JobChannel] = {}
@@ -184,7 +186,11 @@ class EngineClient:
                 max_failures=config.max_restart_failures,
             )
         )
-        self._runtime_dir = Path(tempfile.mkdtemp(prefix="dyngen-"))
+        if early is not None and early.config_json != config.engine_config().to_json():
+            early.discard()
+            early = None
+        self._early = early
+        self._runtime_dir = early.runtime_dir if early is not None else new_runtime_dir()
         self._watchdog: asyncio.Task[None] | None = None
         self._spare: _Process | None = None  # --spare-engine: imports done, waiting to replace the engine
         self._stalled = False
@@ -230,21 +236,18 @@ class EngineClient:
 
     def _spawn(self, spare: bool) -> _Process:
         """A new engine process (a spare: imports done, waiting for START), its reader and writer."""
-        ctx = mp.get_context("spawn")
-        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
-        evt_recv, evt_send = ctx.Pipe(duplex=False)
-        process = ctx.Process(
-            target=engine_main,
-            args=(self.config.engine_config().to_json(), cmd_recv, evt_send, str(self._runtime_dir), spare),
-            name="dyngen-engine",
-            daemon=True,
-        )
-        process.start()
-        cmd_recv.close()
-        evt_send.close()
-        now = time.monotonic()
+        early, self._early = self._early, None
+        if early is not None and not spare:
+            spawned = early.engine
+        else:
+            if early is not None:
+                self._early = early  # still the first engine's to take
+            spawned = spawn_engine(self.config.engine_config().to_json(), self._runtime_dir, spare)
         generation = 0 if spare else self._generation  # a spare's own is set when it takes over
-        proc = _Process(process, cmd_send, evt_recv, queue.SimpleQueue(), generation, now, now)
+        at = spawned.started_at
+        proc = _Process(
+            spawned.process, spawned.commands, spawned.events, queue.SimpleQueue(), generation, at, at
+        )
         threading.Thread(target=self._reader, args=(proc,), name="engine-reader", daemon=True).start()
         threading.Thread(target=self._writer, args=(proc,), name="engine-writer", daemon=True).start()
         return proc
@@ -285,6 +288,9 @@ class EngineClient:
             if proc.process.is_alive():
                 proc.process.kill()
                 proc.process.join(5)
+        if self._early is not None:  # stopped before it started any engine
+            self._early.discard()
+            self._early = None
         if self.prompts is not None:
             self.prompts.close()
         shutil.rmtree(self._runtime_dir, ignore_errors=True)

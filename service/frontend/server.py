@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from service.config import ServiceConfig
+from service.engine_spawn import EarlyEngine
 from service.frontend.auth import AuthConfigError, Authenticator, TokenInterceptor
 from service.frontend.engine_client import EngineClient
 from service.frontend.engine_load import EngineLoadTracker
@@ -77,15 +78,23 @@ def _options(config: ServiceConfig) -> list[tuple[str, int]]:
     return options
 
 
-async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit status. `bound` receives the gRPC port."""
+async def serve(
+    config: ServiceConfig, bound: asyncio.Future[int] | None = None, early: EarlyEngine | None = None
+) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit status. `bound` receives the gRPC port; `early` is
+    the first engine if it was started before the front end (`dyngen serve`)."""
     loop = asyncio.get_running_loop()
     try:
-        auth = Authenticator.load(config.auth_tokens_file, mtls=bool(config.tls_client_ca))
-    except AuthConfigError as exc:
-        raise SystemExit(f"dyngen: error: {exc}") from exc
-    creds = _credentials(config)
-    engine = EngineClient(config, loop)
+        try:
+            auth = Authenticator.load(config.auth_tokens_file, mtls=bool(config.tls_client_ca))
+        except AuthConfigError as exc:
+            raise SystemExit(f"dyngen: error: {exc}") from exc
+        creds = _credentials(config)
+    except BaseException:
+        if early is not None:
+            early.discard()
+        raise
+    engine = EngineClient(config, loop, early)
     metrics = Metrics()
     health_servicer = health.aio.HealthServicer()
     tasks: set[asyncio.Task[None]] = set()
@@ -206,6 +215,6 @@ async def serve(config: ServiceConfig, bound: asyncio.Future[int] | None = None)
     return 0
 
 
-def main(config: ServiceConfig) -> int:
+def main(config: ServiceConfig, early: EarlyEngine | None = None) -> int:
     configure_logging()
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, early=early))

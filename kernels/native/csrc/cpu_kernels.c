@@ -1260,16 +1260,25 @@ static inline void dg_prefetch_step(dg_prefetch *pf, int64_t n) {
     }
 }
 
-/* One query token per sequence. q [B, H, D] (row b at q + b * q_stride); the caches are
+/* One query row per task group: q [B, H, D] (row b at q + b * q_stride); the caches are
  * [pages, KVH, page_size, D], float32, float16 (kv_half) or, with scales, int8 with one scale per
- * (page, head, slot), float32 or float16 (scale_half); page_tables [B, max_pages]; out [B, H * D]. Query heads h share
- * K/V head h / (H / KVH). Work is split over (sequence, K/V head); each task walks its page table
- * page by page, scores every query head of the group against one K row read, and sums V rows
- * into each head's output held in registers (a head's D values at a time, up to 128). */
+ * (page, head, slot), float32 or float16 (scale_half); row b reads page table row_seq[b] of
+ * page_tables [*, max_pages] (b itself where row_seq is NULL) and sees its first seq_lens[b] keys;
+ * out [B, H * D]. Query heads h share K/V head h / (H / KVH). Work is split over (row, K/V head);
+ * each task walks its page table page by page, scores every query head of the group against one
+ * K row read, and sums V rows into each head's output held in registers (a head's D values at a
+ * time, up to 128).
+ *
+ * A row's arithmetic depends on nothing but its query, its keys and its length, so a step with
+ * query chunks (prefill, mixed steps, speculative verification) runs each chunk token as a row
+ * of its own (row_seq naming its sequence) and gets, bit for bit, what decoding that token alone
+ * would: a job's tokens do not depend on how its prompt and output were split into steps (a
+ * resumed job, a prefix-cache hit, a verified draft). */
 void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                          const void *k_scale, const void *v_scale, int scale_half, int kv_half,
-                         const int64_t *page_tables, int64_t max_pages, const int64_t *seq_lens, int64_t B,
-                         int64_t H, int64_t KVH, int64_t D, int64_t page_size, float scale, float *out) {
+                         const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
+                         const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
+                         float scale, float *out) {
     const int64_t per_kv = H / KVH;
     const int quant = k_scale != NULL, half = kv_half && !quant;
     const int64_t row_bytes = D * (quant ? 1 : half ? 2 : 4);
@@ -1284,11 +1293,12 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
         const int64_t b = task / KVH, kh = task % KVH;
         const int64_t len = seq_lens[b];
-        const int64_t *table = page_tables + b * max_pages;
+        const int64_t *table = page_tables + (row_seq ? row_seq[b] : b) * max_pages;
         dg_prefetch pf;
+        const int64_t nb = next / KVH;
         if (next < B * KVH)
-            dg_prefetch_start(&pf, k_cache, v_cache, page_tables + next / KVH * max_pages, next % KVH, KVH,
-                              page_size, row_bytes, seq_lens[next / KVH]);
+            dg_prefetch_start(&pf, k_cache, v_cache, page_tables + (row_seq ? row_seq[nb] : nb) * max_pages,
+                              next % KVH, KVH, page_size, row_bytes, seq_lens[nb]);
         else
             dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, row_bytes, 0);
         /* Spread over the current task's blocks of 16 K rows and 16 V rows. */
@@ -1482,172 +1492,6 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
     }
 }
 
-/* ---- paged attention for query chunks (prefill, mixed steps) -----------------------------------
- *
- * Each sequence b brings query_lens[b] new tokens, the last ones of its seq_lens[b]; token i of
- * them sits at position seq_lens[b] - query_lens[b] + i and sees the keys at positions up to its
- * own. A task is (sequence, K/V head, block of up to DG_QB query tokens): its rows are every
- * (token, query head of the group) pair, attended flash-style over the sequence's pages in
- * place: per block of 16 keys, K is transposed once into [D][16] so each score row is D
- * broadcast FMAs with no horizontal sums, then an online softmax and V rows summed into the
- * rows' outputs. Float32 or float16 (kv_half) cache; 512-bit builds only (returns -1 elsewhere, or for a D that is
- * not a multiple of 16 up to 256, and the caller takes the torch path). */
-#if defined(DG_AVX512)
-#define DG_QB 32
-
-/* exp(x) for 16 floats: dg_exp8 on each half. */
-static inline __m512 dg_exp16(__m512 x) {
-    const __m256 lo = dg_exp8(_mm512_castps512_ps256(x));
-    const __m256 hi = dg_exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-}
-
-static _Thread_local struct {
-    float *buf;
-    size_t cap;
-} dg_flash_tls;
-
-/* Scores of up to 8 rows (queries qs, D apart, pre-scaled) against a transposed key block kt [D][16]. */
-#define DG_SCORE_TILE(R)                                                                               \
-    static inline void dg_score_tile_##R(const float *qs, const float *kt, int64_t D, float *sc) {     \
-        __m512 acc[R];                                                                                 \
-        for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                      \
-        for (int64_t d = 0; d < D; d++) {                                                              \
-            const __m512 kv = _mm512_loadu_ps(kt + d * 16);                                            \
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * D + d]), kv, acc[r]); \
-        }                                                                                              \
-        for (int r = 0; r < R; r++) _mm512_storeu_ps(sc + r * 16, acc[r]);                             \
-    }
-DG_SCORE_TILE(1)
-DG_SCORE_TILE(2)
-DG_SCORE_TILE(3)
-DG_SCORE_TILE(4)
-DG_SCORE_TILE(5)
-DG_SCORE_TILE(6)
-DG_SCORE_TILE(7)
-DG_SCORE_TILE(8)
-
-static void dg_flash_task(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int half,
-                          const int64_t *table, int64_t ctx0, int64_t i0, int64_t ni, int64_t tok0, int64_t kh,
-                          int64_t H, int64_t KVH, int64_t D, int64_t page_size, float scale, float *out,
-                          float *buf) {
-    const int64_t per_kv = H / KVH, rows = ni * per_kv, nv = D / 16;
-    float *qs = buf, *o = qs + rows * D, *mx = o + rows * D, *sum = mx + rows, *sc = sum + rows, *kt = sc + rows * 16;
-    /* row r = (token i = r / per_kv, head g = r % per_kv); its position ctx0 + i0 + i */
-    for (int64_t r = 0; r < rows; r++) {
-        const float *src = q + (tok0 + i0 + r / per_kv) * q_stride + (kh * per_kv + r % per_kv) * D;
-        for (int64_t d = 0; d < D; d++) qs[r * D + d] = src[d] * scale;
-        for (int64_t d = 0; d < D; d++) o[r * D + d] = 0.0f;
-        mx[r] = -INFINITY, sum[r] = 0.0f;
-    }
-    const int64_t n_keys = ctx0 + i0 + ni; /* the last row sees them all */
-    for (int64_t kb = 0, count = 0; kb < n_keys; kb += count) {
-        /* 16 keys never cross a page when page_size is a multiple of 16; else blocks end at pages */
-        const int64_t page = kb / page_size, off = kb % page_size;
-        count = n_keys - kb < 16 ? n_keys - kb : 16;
-        if (page_size - off < count) count = page_size - off;
-        const int64_t slot = (table[page] * KVH + kh) * page_size + off;
-        const float *kr = (const float *)k_cache + slot * D, *vr = (const float *)v_cache + slot * D;
-        const uint16_t *kh16 = (const uint16_t *)k_cache + slot * D, *vh = (const uint16_t *)v_cache + slot * D;
-        if (half) {
-            for (int64_t d = 0; d < D; d++)
-                for (int64_t j = 0; j < 16; j++) kt[d * 16 + j] = j < count ? dg_half(kh16[j * D + d]) : 0.0f;
-        } else {
-            for (int64_t d = 0; d < D; d++)
-                for (int64_t j = 0; j < 16; j++) kt[d * 16 + j] = j < count ? kr[j * D + d] : 0.0f;
-        }
-        /* rows whose position is below kb see none of this block: they come first (rows go by token) */
-        const int64_t first_tok = kb > ctx0 + i0 ? kb - ctx0 - i0 : 0;
-        int64_t r = first_tok * per_kv;
-        for (; r < rows; r += 8) {
-            const int64_t rt = rows - r < 8 ? rows - r : 8;
-            switch (rt) {
-                case 8: dg_score_tile_8(qs + r * D, kt, D, sc); break;
-                case 7: dg_score_tile_7(qs + r * D, kt, D, sc); break;
-                case 6: dg_score_tile_6(qs + r * D, kt, D, sc); break;
-                case 5: dg_score_tile_5(qs + r * D, kt, D, sc); break;
-                case 4: dg_score_tile_4(qs + r * D, kt, D, sc); break;
-                case 3: dg_score_tile_3(qs + r * D, kt, D, sc); break;
-                case 2: dg_score_tile_2(qs + r * D, kt, D, sc); break;
-                default: dg_score_tile_1(qs + r * D, kt, D, sc); break;
-            }
-            for (int64_t t = 0; t < rt; t++) {
-                const int64_t row = r + t, pos = ctx0 + i0 + row / per_kv;
-                const int64_t visible = pos - kb + 1 < count ? pos - kb + 1 : count;
-                if (visible <= 0) continue;
-                const __mmask16 keep = (__mmask16)((1u << visible) - 1u);
-                const __m512 s = _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sc + t * 16));
-                const float m_new = fmaxf(mx[row], _mm512_reduce_max_ps(s));
-                const float alpha = expf(mx[row] - m_new); /* 0 on the first block (mx = -inf) */
-                const __m512 pv = _mm512_maskz_mov_ps(keep, dg_exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-                mx[row] = m_new;
-                sum[row] = sum[row] * alpha + _mm512_reduce_add_ps(pv);
-                float p[16];
-                _mm512_storeu_ps(p, pv);
-                float *orow = o + row * D;
-                const __m512 va = _mm512_set1_ps(alpha);
-                for (int64_t c = 0; c < nv; c++) {
-                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * c), va);
-                    if (half)
-                        for (int64_t j = 0; j < visible; j++)
-                            acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), dg_vload_h(vh + j * D + 16 * c), acc);
-                    else
-                        for (int64_t j = 0; j < visible; j++)
-                            acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vr + j * D + 16 * c), acc);
-                    _mm512_storeu_ps(orow + 16 * c, acc);
-                }
-            }
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        float *dst = out + (tok0 + i0 + r / per_kv) * H * D + (kh * per_kv + r % per_kv) * D;
-        const float inv = 1.0f / sum[r];
-        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
-    }
-}
-#endif
-
-int dg_paged_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_half,
-                       const int64_t *page_tables, int64_t max_pages, const int64_t *seq_lens,
-                       const int64_t *query_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
-                       float scale, float *out) {
-#if defined(DG_AVX512)
-    if (D % 16 || D > 256 || H % KVH) return -1;
-    int64_t tasks = 0;
-    for (int64_t b = 0; b < B; b++) tasks += (query_lens[b] + DG_QB - 1) / DG_QB;
-    int64_t *task_b = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * tasks + 1));
-    if (!task_b) return -2;
-    int64_t *task_i = task_b + tasks, *task_tok = task_i + tasks;
-    for (int64_t b = 0, n = 0, tok = 0; b < B; tok += query_lens[b], b++)
-        for (int64_t i = 0; i < query_lens[b]; i += DG_QB, n++) task_b[n] = b, task_i[n] = i, task_tok[n] = tok;
-    const int64_t per_kv = H / KVH, rows = DG_QB * per_kv;
-    const size_t need = (size_t)(2 * rows * D + 2 * rows + rows * 16 + D * 16);
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks * KVH; t++) {
-        if (need > dg_flash_tls.cap) {
-            float *buf = (float *)malloc(need * sizeof(float));
-            if (!buf) {
-                failed = 1;
-                continue;
-            }
-            free(dg_flash_tls.buf);
-            dg_flash_tls.buf = buf, dg_flash_tls.cap = need;
-        }
-        const int64_t n = t / KVH, kh = t % KVH, b = task_b[n], i0 = task_i[n];
-        const int64_t ni = query_lens[b] - i0 < DG_QB ? query_lens[b] - i0 : DG_QB;
-        dg_flash_task(q, q_stride, k_cache, v_cache, kv_half, page_tables + b * max_pages, seq_lens[b] - query_lens[b], i0,
-                      ni, task_tok[n], kh, H, KVH, D, page_size, scale, out, dg_flash_tls.buf);
-    }
-    free(task_b);
-    return failed ? -2 : 0;
-#else
-    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)kv_half, (void)page_tables, (void)max_pages, (void)seq_lens;
-    (void)query_lens, (void)B, (void)H, (void)KVH, (void)D, (void)page_size, (void)scale, (void)out;
-    return -1;
-#endif
-}
-
 /* ---- one whole decoder layer for a decode step -------------------------------------------------
  *
  * Every sequence brings one token (B rows), activations are float32, the K/V cache float32 or
@@ -1707,8 +1551,8 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
             }
         }
     }
-    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, kv_half, page_tables, max_pages, seq_lens,
-                        B, H, KVH, D, page_size, attn_scale, attn);
+    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, kv_half, page_tables, max_pages, NULL,
+                        seq_lens, B, H, KVH, D, page_size, attn_scale, attn);
     if (dg_linear(o->layout, o->blocks, hidden, o->k, attn, B, delta)) return -1;
     dg_add_rms_norm(x, delta, ffn_norm, h, B, hidden, eps);
     if (dg_linear(gate_up->layout, gate_up->blocks, gate_up->n, gate_up->k, h, B, gu)) return -1;
