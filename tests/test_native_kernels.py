@@ -268,6 +268,23 @@ def test_silu_mul(lib: NativeLibrary) -> None:
     assert torch.allclose(lib.silu_mul(gu), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(("k", "r", "n"), [(96, 4, 100), (576, 16, 1728), (37, 3, 5)])
+def test_lora_rows_add_the_delta_and_each_row_is_its_own(lib: NativeLibrary, k: int, r: int, n: int) -> None:
+    """y += (x A^T) B^T to float32 rounding, and a row's result is the same bit for bit whatever
+    rows come with it (the kernel's whole point: BLAS rounds one row apart from several)."""
+    torch.manual_seed(k + r)
+    x = torch.randn(40, k + 3)[:, :k]  # rows with a stride, as a run's slice of a wider batch
+    a, b = torch.randn(r, k), torch.randn(n, r)
+    start = torch.randn(40, n)
+    y = start.clone()
+    lib.lora_rows_(x, a, b.T.contiguous(), y)
+    assert torch.allclose(y, start + (x @ a.T) @ b.T, rtol=1e-3, atol=1e-3)  # sums of 576 products
+    for lo, hi in ((0, 1), (5, 6), (3, 20), (39, 40)):
+        part = start[lo:hi].clone()
+        lib.lora_rows_(x[lo:hi], a, b.T.contiguous(), part)
+        assert torch.equal(part, y[lo:hi])
+
+
 @pytest.mark.parametrize("n", [1, 7, 16, 33, 49152])
 def test_argmax_rows_answers_as_torch(lib: NativeLibrary, n: int) -> None:
     """Lowest index among equal maxima, the first NaN where a row has one, -inf and -0.0 rows."""

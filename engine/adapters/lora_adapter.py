@@ -22,7 +22,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -74,6 +74,10 @@ class LoraDelta:
 
     a: torch.Tensor  # float32 [R, in_features]
     b: torch.Tensor  # float32 [out_features, R]
+    b_t: torch.Tensor = field(init=False)  # B^T [R, out_features], contiguous: the native row kernel's
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "b_t", self.b.T.contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The delta for rows x [n, in_features], float32 [n, out_features]."""

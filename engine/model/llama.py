@@ -266,7 +266,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(h)
             if lora is not None:
-                lora.apply_(i, "qkv", h, qkv)
+                lora.apply_(i, "qkv", h, qkv, native)
             if native is not None:
                 qkv = qkv.contiguous()
                 native.rotary_(
@@ -299,13 +299,13 @@ class LlamaModel:
             o = attn.attend(q, cache.layer(i))
             out = layer.o(o)
             if lora is not None:
-                lora.apply_(i, "o", o.reshape(tokens, -1), out.view(tokens, -1))
+                lora.apply_(i, "o", o.reshape(tokens, -1), out.view(tokens, -1), native)
             x, h = self._add_norm(x, out, layer.ffn_norm)
             down_lora = lora is not None and lora.touches(i, "down")
             if native is not None:
                 gate_up = layer.gate_up(h).contiguous()
                 if lora is not None:
-                    lora.apply_(i, "gate_up", h, gate_up)
+                    lora.apply_(i, "gate_up", h, gate_up, native)
                 down = layer.down.for_rows(tokens) if isinstance(layer.down, TunedLinear) else layer.down
                 if isinstance(down, BlockLinear) and gate_up.dtype is torch.float32 and not down_lora:
                     delta = down.silu_call(gate_up)  # no [tokens, inter] activations in memory
@@ -315,12 +315,12 @@ class LlamaModel:
             else:
                 gate_up = layer.gate_up(h)
                 if lora is not None:
-                    lora.apply_(i, "gate_up", h, gate_up)
+                    lora.apply_(i, "gate_up", h, gate_up, native)
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
                 delta = layer.down(act)
             if lora is not None and down_lora:
-                lora.apply_(i, "down", act, delta)
+                lora.apply_(i, "down", act, delta, native)
             if i + 1 < len(self.layers):
                 x, h = self._add_norm(x, delta, self.layers[i + 1].attn_norm)
             else:

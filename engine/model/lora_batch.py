@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.adapters.lora_adapter import LoraAdapter
+from kernels.native.native_library import NativeLibrary
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,19 @@ class LoraBatch:
     def touches(self, layer: int, projection: str) -> bool:
         return any(a.delta(layer, projection) is not None for a in self.adapters)
 
-    def apply_(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y [rows, out] += each run's adapter delta of x [rows, in] on the run's rows (in place)."""
+    def apply_(
+        self,
+        layer: int,
+        projection: str,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        native: NativeLibrary | None = None,
+    ) -> None:
+        """y [rows, out] += each run's adapter delta of x [rows, in] on the run's rows (in place).
+        With `native` (float32 rows), each row is computed alone (dg_lora_rows): a row's delta is
+        then the same however many rows its run has, so an adapter job's tokens do not depend on
+        its neighbours or on whether its tokens ran as a prefill or one by one (BLAS's kernel for
+        one row rounds apart from its kernel for several)."""
         for run in self.runs:
             delta = run.adapter.delta(layer, projection)
             if delta is None:
@@ -64,5 +76,7 @@ class LoraBatch:
             xs = x[rows]
             if xs.dtype != torch.float32 or y.dtype != torch.float32:
                 y[rows] += delta(xs).to(y.dtype)
+            elif native is not None and xs.stride(-1) == 1 and y.stride(-1) == 1:
+                native.lora_rows_(xs, delta.a, delta.b_t, y[rows])
             else:
                 y[rows].addmm_(xs @ delta.a.T, delta.b.T)

@@ -211,6 +211,8 @@ class NativeLibrary:
         lib.dg_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P]
         lib.dg_rotary.restype = None
         lib.dg_silu_mul.argtypes = [_P, _I, _I, _P]
+        lib.dg_lora_rows.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I]
+        lib.dg_lora_rows.restype = None
         lib.dg_argmax_rows.argtypes = [_P, _I, _I, _P]
         lib.dg_peak.argtypes = [ctypes.c_int, _I]
         lib.dg_peak.restype = ctypes.c_double
@@ -386,6 +388,22 @@ class NativeLibrary:
         out = torch.empty((rows, width // 2), dtype=torch.float32)
         self._lib.dg_silu_mul(_f32(gate_up), rows, width // 2, _f32(out))
         return out
+
+    def lora_rows_(self, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, y: torch.Tensor) -> None:
+        """y += (x A^T) B^T in place, each row alone (dg_lora_rows): x [m, k] and y [m, n] float32 with
+        unit column stride (rows may be strided views), A [r, k] and B^T [r, n] contiguous float32."""
+        m, k = x.shape
+        r, n = b_t.shape
+        if a.shape != (r, k) or y.shape != (m, n):
+            raise ValueError(
+                f"lora_rows_: shapes x {tuple(x.shape)}, A {tuple(a.shape)}, B^T {(r, n)}, y {tuple(y.shape)}"
+            )
+        for t in (x, a, b_t, y):
+            if t.dtype is not torch.float32 or t.stride(-1) != 1:
+                raise ValueError("lora_rows_: float32 tensors with unit column stride")
+        self._lib.dg_lora_rows(
+            int(x.data_ptr()), x.stride(0), m, k, _ptr(a), r, _ptr(b_t), n, int(y.data_ptr()), y.stride(0)
+        )
 
     def peak_rates(self, seconds: float = 0.2) -> PeakRates:
         """This build's peak arithmetic rates on every thread at once (see dg_peak), each timed

@@ -1492,6 +1492,48 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
     }
 }
 
+/* ---- LoRA deltas, one row at a time ------------------------------------------------------------
+ *
+ * y[i] += (x[i] A^T) B^T for m rows x [m, k] (row i at x + i * x_stride), A [r, k] and BT [r, n]
+ * (B transposed), into y [m, n] (row i at y + i * y_stride): a LoRA adapter's delta, the scale
+ * already in B. Each row is computed alone in one fixed order (k-long dot products with A's rows,
+ * then the r products summed in order per output), so a row's delta is the same however many rows
+ * come with it: BLAS takes another kernel for one row than for several, and they round apart. */
+void dg_lora_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *a, int64_t r,
+                  const float *bt, int64_t n, float *y, int64_t y_stride) {
+#pragma omp parallel for schedule(static) if (m * r * (k + n) >= 1 << 18)
+    for (int64_t i = 0; i < m; i++) {
+        const float *xr = x + i * x_stride;
+        float *yr = y + i * y_stride;
+        float xa[r];
+        for (int64_t j = 0; j < r; j++) {
+            const float *aj = a + j * k;
+            float dot = 0.0f;
+            int64_t t = 0;
+#if defined(DG_VW)
+            dg_vf acc = dg_vzero();
+            for (; t + DG_VW <= k; t += DG_VW) acc = dg_vfma(dg_vload(xr + t), dg_vload(aj + t), acc);
+            dot = dg_vsum(acc);
+#endif
+            for (; t < k; t++) dot += xr[t] * aj[t];
+            xa[j] = dot;
+        }
+        int64_t o = 0;
+#if defined(DG_VW)
+        for (; o + DG_VW <= n; o += DG_VW) {
+            dg_vf acc = dg_vzero();
+            for (int64_t j = 0; j < r; j++) acc = dg_vfma(dg_vset1(xa[j]), dg_vload(bt + j * n + o), acc);
+            dg_vstore(yr + o, dg_vadd(dg_vload(yr + o), acc));
+        }
+#endif
+        for (; o < n; o++) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j < r; j++) sum += xa[j] * bt[j * n + o];
+            yr[o] += sum;
+        }
+    }
+}
+
 /* ---- one whole decoder layer for a decode step -------------------------------------------------
  *
  * Every sequence brings one token (B rows), activations are float32, the K/V cache float32 or
