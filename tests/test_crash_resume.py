@@ -257,6 +257,22 @@ def test_a_second_sigkill_while_resumed_jobs_run_resumes_them_again(
     check_like_reference(streams, reference)
 
 
+def test_a_request_the_engine_died_without_answering_resumes_on_the_next(
+    server: ServerProcess, reference: list[Stream]
+) -> None:
+    """Its SUBMIT is in the pipe when the engine hangs (SIGSTOP, before the watchdog notices) and
+    the engine is replaced: the call neither fails nor runs twice. It waits for the successor as a
+    suspect (the engine may have died admitting it), is tried alone, and gives the uninterrupted
+    run's tokens."""
+    mark = len(server.logs)
+    os.kill(server.engine_pid(), signal.SIGSTOP)
+    (stream,) = run_streams(server, requests()[:1], lambda _: None)
+    check_like_reference([stream], reference[:1])
+    assert any(r.get("event") == "engine_hung" for r in list(server.logs)[mark:])
+    record = server.wait_log("engine_recovered", after=mark)
+    assert record["poisoned"] == [] and record["resumed"] == [] and len(record["probes"]) == 1  # type: ignore[arg-type]
+
+
 def test_a_request_that_kills_the_engine_is_isolated(server: ServerProcess, reference: list[Stream]) -> None:
     greedy = requests()[:4]
     marker = Request(Chat.user("Anything."), max_new_tokens=N, identifier=MARKER)

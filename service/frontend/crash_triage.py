@@ -2,8 +2,9 @@
 which are not run again.
 
 A job is a suspect of a crash when the dead engine had started it (its JobStarted arrived: the
-engine sends it before the step's forward) and it delivered no token since it was last submitted:
-the crash came while it was running its prefill or its first step. Each crash as a suspect is a
+engine sends it before the step's forward) or had yet to answer its SUBMIT, and it delivered no
+token since it was last submitted: the crash came while it was being admitted, or running its
+prefill or its first step. Each crash as a suspect is a
 strike; delivering a token clears them. A job with one strike (a PROBE) is resubmitted alone, once
 the jobs resumed beside it have each delivered a token (or ended), so that a second crash names it
 alone. Two strikes in a row make it POISON: it ends with INTERNAL and is never replayed, so a

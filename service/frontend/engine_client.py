@@ -48,7 +48,7 @@ from service.config import ServiceConfig
 from service.engine_spawn import EarlyEngine, new_runtime_dir, spawn_engine
 from service.frontend.codec import adapter_info, event_to_proto, model_info
 from service.frontend.crash_triage import Verdict, poison_message, strikes_after_crash, verdict
-from service.frontend.event_buffer import EngineDownError, EventBuffer
+from service.frontend.event_buffer import EngineDownError, EngineLostError, EventBuffer
 from service.frontend.kv_event_relay import KvEventRelay
 from service.frontend.limits import ModelBounds
 from service.frontend.prompts import PromptTokenizer
@@ -115,6 +115,7 @@ class JobChannel:
     started_sent: bool = False  # its JobStarted went to its stream (a resumed job's next ones do not)
     cached_tokens: int = 0  # from that JobStarted
     ran: bool = False  # the current engine started it
+    submitting: bool = False  # a SUBMIT of it is unanswered (the engine may be handling it)
     progressed: bool = False  # it got a token since it was last submitted
     strikes: int = 0  # crashes in a row it was a suspect of (crash_triage.py)
     waiting: bool = False  # its engine died: waiting to be submitted again
@@ -147,6 +148,7 @@ class _Process:
     loop_age: float = 0.0
     ready_at: float | None = None
     killed: bool = False
+    gone: bool = False  # its end was handled (_engine_gone): nothing more is sent to it
 
 
 class EngineClient:
@@ -356,6 +358,7 @@ class EngineClient:
             return
         if proc.generation != self._generation:
             return
+        proc.gone = True
         proc.outbox.put(None)
         self._set_ready(False)
         self.kv_events.engine_stopped()
@@ -363,7 +366,7 @@ class EngineClient:
             return
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(EngineDownError("the engine process stopped"))
+                fut.set_exception(EngineLostError("the engine process stopped"))
         self._pending.clear()
         self._probe = None
         self._clearing.clear()
@@ -371,7 +374,8 @@ class EngineClient:
             self._drop_open_jobs()
         else:
             self._triage()
-        waiting = sum(1 for j in self.jobs.values() if j.waiting)
+        # Jobs whose first SUBMIT it never answered wait too (submit adopts them).
+        waiting = sum(1 for j in self.jobs.values() if j.waiting or (j.submitting and not j.accepted))
         log.warning(
             "engine_down",
             exit_code=proc.process.exitcode,
@@ -421,12 +425,12 @@ class EngineClient:
         self._poisoned = []
         for job in list(self.jobs.values()):
             if job.finished or not job.accepted or job.spec is None:
-                continue  # its events wait for its stream; or its first SUBMIT fails with the engine
+                continue  # its events wait for its stream; or its first SUBMIT is unanswered (submit adopts it)
             if job.cancel_sent:
                 self._end(job, StopReason.CANCELLED)
                 continue
-            job.strikes = strikes_after_crash(job.ran, job.progressed, job.strikes)
-            job.ran = job.progressed = False
+            job.strikes = strikes_after_crash(job.ran or job.submitting, job.progressed, job.strikes)
+            job.ran = job.progressed = job.submitting = False
             if verdict(job.strikes) is Verdict.POISON:
                 self._poisoned.append(short_id(job.job_id))
                 self._end(job, StopReason.ERROR, JobError(ErrorKind.INTERNAL, poison_message(job.job_id)))
@@ -488,6 +492,7 @@ class EngineClient:
             return False
         job.waiting = False  # from here a cancel goes to the engine, behind this SUBMIT
         resume = dataclasses.replace(spec, resume_output=tuple(job.delivered))
+        job.submitting = True
         try:
             await self._call(Tag.SUBMIT, Submit(job.job_id, resume).to_bytes(), before_ready=True)
         except EngineDownError:
@@ -501,6 +506,8 @@ class EngineClient:
             self._end(job, StopReason.ERROR, JobError(kind, f"the job could not resume: {exc}"))
             self._settled(job)
             return False
+        finally:
+            job.submitting = False
         job.resumes += 1
         return True
 
@@ -513,6 +520,7 @@ class EngineClient:
             or self._stopping
             or proc is None
             or proc.ready_at is None
+            or proc.gone
         ):
             return
         suspects = sorted((j for j in self.jobs.values() if j.waiting and j.strikes), key=_arrival)
@@ -666,26 +674,49 @@ class EngineClient:
 
         Raises EngineRejectedError, EngineBusyError or EngineDownError. The channel is
         registered before the engine hears of the job; whatever way this call ends without
-        the job accepted (refused, caller gone, deadline), nothing is left behind.
-        """
+        the job accepted (refused, caller gone, deadline), nothing is left behind. An engine that
+        dies with the SUBMIT unanswered does not end it: it waits for the next engine like any
+        open job (_adopt_unanswered)."""
         job = JobChannel(new_job_id(), owner, time.perf_counter(), streamed=streamed, priority=spec.priority)
         self.jobs[job.job_id] = job
+        job.submitting = True
         try:
             reply = await self._call(Tag.SUBMIT, Submit(job.job_id, spec).to_bytes())
         except EngineRejectedError:
             self._forget(job)  # refused: the engine holds nothing
             raise
+        except EngineLostError:
+            if not self._adopt_unanswered(job, spec):
+                self._forget(job)
+                raise
+            return job
         except BaseException:
             # Cancelled or timed out while waiting: the engine may have queued it; the CANCEL
             # travels behind the SUBMIT, so it finds the job (or nothing, harmlessly).
             self.cancel(job)
             self._forget(job)
             raise
+        finally:
+            job.submitting = False
         job.accepted, job.spec = True, spec
         job.prompt_tokens = Accepted.from_bytes(reply.payload).prompt_tokens
         if not streamed and not job.finished:
             job.grace_timer = self.loop.call_later(self.config.stream_grace_seconds, self._grace_expired, job)
         return job
+
+    def _adopt_unanswered(self, job: JobChannel, spec: JobSpec) -> bool:
+        """A job whose first SUBMIT the engine died without answering waits for the next engine like
+        any open job, as a suspect (the engine may have died handling it: it is tried alone, and a
+        second such crash poisons it). False where no engine comes (stopping, crash loop)."""
+        if self._stopping or self.failed or not self._first_ready.done():
+            return False
+        job.accepted, job.spec, job.prompt_tokens = True, spec, len(spec.prompt_ids)
+        job.strikes = strikes_after_crash(True, False, job.strikes)
+        job.waiting = True
+        if not job.streamed:
+            job.grace_timer = self.loop.call_later(self.config.stream_grace_seconds, self._grace_expired, job)
+        self._next_probe()  # if the next engine is ready already
+        return True
 
     def _grace_expired(self, job: JobChannel) -> None:
         job.grace_timer = None

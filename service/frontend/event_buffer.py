@@ -20,6 +20,10 @@ class EngineDownError(Exception):
     """The engine process is not running (starting, restarting, or stopped)."""
 
 
+class EngineLostError(EngineDownError):
+    """The engine process ended with this call sent and unanswered."""
+
+
 JobItem = pb.GenerateEvent | EngineDownError
 
 DEFAULT_MAX_ITEMS = 64
