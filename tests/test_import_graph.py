@@ -128,6 +128,7 @@ def test_clients_import_no_server_code() -> None:
 def test_the_two_processes_sides_import_each_other_only_at_the_spawn_target() -> None:
     """service/frontend (the gRPC process) and service/engine (the engine process) meet through
     service/ipc only; the front end imports the engine side's entry point alone, to spawn it."""
+
     def inside(module: str, package: str) -> bool:
         return module == package or module.startswith(package + ".")
 

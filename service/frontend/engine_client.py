@@ -16,15 +16,15 @@ NOT_SERVING; no heartbeat for `hang_seconds`, or a loop that has not gone round 
 A dead (crashed, killed or hung) engine loses no job: each open job keeps its checked JobSpec
 and the token ids its stream got, waits while the engine restarts (RestartPolicy), and is
 submitted again under its own id with that output as JobSpec.resume_output, before the service
-is SERVING again: its stream only pauses. crash_triage.py decides who resumes at once, who is
-tried alone first and who is poisoned. A crash loop (starts that resumed nothing dying young)
+is SERVING again: its stream only pauses. job_resume.py holds them from the death to the
+resumption, and crash_triage.py decides who resumes at once, who is tried alone first and who is
+poisoned. A crash loop (starts that resumed nothing dying young)
 ends in `failed`, and then the open jobs end with EngineDownError.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import queue
@@ -32,7 +32,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -40,15 +40,15 @@ from pathlib import Path
 import structlog
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from engine.errors import ErrorKind
-from engine.ids import JobId, new_job_id
-from engine.jobs import JobError, JobFinished, JobSpec, JobTimings, StopReason
+from engine.ids import new_job_id
+from engine.jobs import JobSpec, StopReason
 from engine.model.tokenizer import preload_tokenizer_code
 from service.config import ServiceConfig
 from service.engine_spawn import EarlyEngine, new_runtime_dir, spawn_engine
 from service.frontend.codec import adapter_info, event_to_proto, model_info
-from service.frontend.crash_triage import Verdict, poison_message, strikes_after_crash, verdict
-from service.frontend.event_buffer import EngineDownError, EngineLostError, EventBuffer
+from service.frontend.event_buffer import EngineDownError, EngineLostError
+from service.frontend.job_channel import JobChannel, short_id
+from service.frontend.job_resume import EngineCallError, JobResume, Recovery
 from service.frontend.kv_event_relay import KvEventRelay
 from service.frontend.limits import ModelBounds
 from service.frontend.prompts import PromptTokenizer
@@ -88,52 +88,9 @@ class EngineBusyError(Exception):
     """Too many calls to the engine are waiting for an answer; try again later."""
 
 
-def short_id(job_id: str) -> str:
-    """What logs show of a job id: enough to follow one job, too little to name it to the server."""
-    return job_id[:8]
-
-
-@dataclass
-class JobChannel:
-    """Where one job's events wait for its (single) stream."""
-
-    job_id: str
-    owner: str  # the tenant that created it ("" without authentication)
-    submitted_at: float
-    prompt_tokens: int = 0
-    events: EventBuffer = field(default_factory=EventBuffer)
-    accepted: bool = False
-    streamed: bool = False
-    finished: bool = False
-    cancel_sent: bool = False
-    grace_timer: asyncio.TimerHandle | None = None
-    affinity: str = ""  # the request's prefix-affinity key (dyngen_client.affinity), for the logs
-    priority: int = 0  # GenerateRequest.priority (the servicer caps a tenant's jobs above 0)
-    # What an engine restart needs to resume it (written here alone):
-    spec: JobSpec | None = None  # what it was submitted with
-    delivered: list[int] = field(default_factory=list)  # the output token ids its stream got
-    started_sent: bool = False  # its JobStarted went to its stream (a resumed job's next ones do not)
-    cached_tokens: int = 0  # from that JobStarted
-    ran: bool = False  # the current engine started it
-    submitting: bool = False  # a SUBMIT of it is unanswered (the engine may be handling it)
-    progressed: bool = False  # it got a token since it was last submitted
-    strikes: int = 0  # crashes in a row it was a suspect of (crash_triage.py)
-    waiting: bool = False  # its engine died: waiting to be submitted again
-    resumes: int = 0  # times submitted again to a restarted engine
-
-
 StateListener = Callable[[bool], None]
 EventListener = Callable[[JobChannel, pb.GenerateEvent], None]
 StatsListener = Callable[[EngineStats], None]
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """One engine restart as its open jobs saw it."""
-
-    resumed: int  # jobs submitted again as soon as it was ready
-    poisoned: int  # jobs ended (two crashes in a row as a suspect)
-    outage_seconds: float  # from the old engine's end to the resumed jobs queued on the new one
 
 
 @dataclass
@@ -208,10 +165,7 @@ class EngineClient:
         # The prefix cache's KV events, numbered across engine restarts (SubscribeKvEvents).
         self.kv_events = KvEventRelay()
         self.on_recovered: list[Callable[[Recovery], None]] = []
-        self._down_at: float | None = None  # when the engine with open jobs died
-        self._poisoned: list[str] = []  # short ids poisoned by that crash, for the recovery's log line
-        self._probe: JobChannel | None = None  # the suspect resubmitted alone (crash_triage.py)
-        self._clearing: set[str] = set()  # resumed jobs yet to deliver a token (the next probe waits)
+        self.resume = JobResume(self, loop, self.on_recovered)  # open jobs across engine deaths
 
     # -- process lifetime ----------------------------------------------------------------------
 
@@ -368,12 +322,11 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(EngineLostError("the engine process stopped"))
         self._pending.clear()
-        self._probe = None
-        self._clearing.clear()
+        self.resume.engine_lost()
         if self._stopping or not self._first_ready.done():
             self._drop_open_jobs()
         else:
-            self._triage()
+            self.resume.triage()
         # Jobs whose first SUBMIT it never answered wait too (submit adopts them).
         waiting = sum(1 for j in self.jobs.values() if j.waiting or (j.submitting and not j.accepted))
         log.warning(
@@ -381,7 +334,7 @@ class EngineClient:
             exit_code=proc.process.exitcode,
             open_jobs=len(self.jobs),
             waiting=waiting,
-            poisoned=self._poisoned,
+            poisoned=self.resume.poisoned,
         )
         if self._stopping:
             return
@@ -390,8 +343,8 @@ class EngineClient:
                 EngineDownError(f"the engine failed to start (exit code {proc.process.exitcode})")
             )
             return
-        if waiting and self._down_at is None:
-            self._down_at = time.monotonic()
+        if waiting:
+            self.resume.outage_begins()
         served = None if proc.ready_at is None else time.monotonic() - proc.ready_at
         delay = self._restarts.after_exit(served, resuming=waiting > 0)
         if delay is None:
@@ -420,124 +373,28 @@ class EngineClient:
                 job.events.put(EngineDownError("the engine process stopped"))
                 self._forget(job)
 
-    def _triage(self) -> None:
-        """The dead engine's open jobs: cancelled ones end, poison ones end INTERNAL, the rest wait."""
-        self._poisoned = []
-        for job in list(self.jobs.values()):
-            if job.finished or not job.accepted or job.spec is None:
-                continue  # its events wait for its stream; or its first SUBMIT is unanswered (submit adopts it)
-            if job.cancel_sent:
-                self._end(job, StopReason.CANCELLED)
-                continue
-            job.strikes = strikes_after_crash(job.ran or job.submitting, job.progressed, job.strikes)
-            job.ran = job.progressed = job.submitting = False
-            if verdict(job.strikes) is Verdict.POISON:
-                self._poisoned.append(short_id(job.job_id))
-                self._end(job, StopReason.ERROR, JobError(ErrorKind.INTERNAL, poison_message(job.job_id)))
-            else:
-                job.waiting = True
+    # -- ResumeHost (job_resume.py) ---------------------------------------------------------------
 
-    def _end(self, job: JobChannel, reason: StopReason, error: JobError | None = None) -> None:
-        """End a job the engine no longer holds, as the engine would have: its JobFinished."""
-        assert job.spec is not None
-        job.waiting = False
-        timings = JobTimings(0.0, 0.0, 0.0)
-        self._job_event(
-            event_to_proto(
-                JobFinished(
-                    JobId(job.job_id),
-                    job.spec.identifier,
-                    reason,
-                    None,
-                    None,
-                    job.prompt_tokens,
-                    len(job.delivered),
-                    job.cached_tokens,
-                    timings,
-                    error=error,
-                    adapter=job.spec.adapter,
-                )
-            )
-        )
+    def emit(self, event: pb.GenerateEvent) -> None:
+        self._job_event(event)
 
-    async def _resume_waiting(self) -> None:
-        """On a ready engine, before new jobs: submit the waiting jobs again (suspects later, alone)."""
-        waiting = [j for j in self.jobs.values() if j.waiting]
-        cleared = sorted((j for j in waiting if verdict(j.strikes) is Verdict.RESUME), key=_arrival)
-        self._clearing = {j.job_id for j in cleared}
-        resumed = await asyncio.gather(*(self._resubmit(j) for j in cleared))
-        outage = 0.0 if self._down_at is None else time.monotonic() - self._down_at
-        recovery = Recovery(sum(resumed), len(self._poisoned), outage)
-        if waiting or self._poisoned:
-            log.info(
-                "engine_recovered",
-                outage_seconds=round(outage, 3),
-                resumed=[short_id(j.job_id) for j, ok in zip(cleared, resumed, strict=True) if ok],
-                poisoned=self._poisoned,
-                probes=[short_id(j.job_id) for j in waiting if j.strikes],
-            )
-            for listener in self.on_recovered:
-                listener(recovery)
-        self._down_at = None
-        self._poisoned = []
-        self._next_probe()
-
-    async def _resubmit(self, job: JobChannel) -> bool:
-        """Submit a waiting job again, its delivered tokens as resume_output; whether it was queued."""
-        spec = job.spec
-        if spec is None or job.job_id not in self.jobs or job.finished:
-            return False
-        if len(job.delivered) >= spec.max_new_tokens:  # all delivered: its end was lost with the engine
-            self._end(job, StopReason.MAX_NEW_TOKENS)
-            return False
-        job.waiting = False  # from here a cancel goes to the engine, behind this SUBMIT
-        resume = dataclasses.replace(spec, resume_output=tuple(job.delivered))
-        job.submitting = True
+    async def submit_again(self, job_id: str, spec: JobSpec) -> None:
         try:
-            await self._call(Tag.SUBMIT, Submit(job.job_id, resume).to_bytes(), before_ready=True)
-        except EngineDownError:
-            return False  # it died again: that crash's triage has the job waiting again
-        except (EngineRejectedError, EngineBusyError) as exc:
-            kind = (
-                ErrorKind.NOT_FOUND
-                if isinstance(exc, EngineRejectedError) and exc.rejection.code is ErrorCode.ADAPTER_NOT_FOUND
-                else ErrorKind.INTERNAL
-            )
-            self._end(job, StopReason.ERROR, JobError(kind, f"the job could not resume: {exc}"))
-            self._settled(job)
-            return False
-        finally:
-            job.submitting = False
-        job.resumes += 1
-        return True
+            await self._call(Tag.SUBMIT, Submit(job_id, spec).to_bytes(), before_ready=True)
+        except EngineRejectedError as exc:
+            raise EngineCallError(str(exc), exc.rejection.code is ErrorCode.ADAPTER_NOT_FOUND) from exc
+        except EngineBusyError as exc:
+            raise EngineCallError(str(exc)) from exc
 
-    def _next_probe(self) -> None:
-        """Submit the next suspect alone, once the resumed jobs have each delivered a token."""
+    def engine_serving(self) -> bool:
         proc = self._proc
-        if (
-            self._probe is not None
-            or self._clearing
-            or self._stopping
-            or proc is None
-            or proc.ready_at is None
-            or proc.gone
-        ):
-            return
-        suspects = sorted((j for j in self.jobs.values() if j.waiting and j.strikes), key=_arrival)
-        if suspects:
-            self._probe = suspects[0]
-            self.loop.create_task(self._run_probe(suspects[0]))
+        return not self._stopping and proc is not None and proc.ready_at is not None and not proc.gone
 
-    async def _run_probe(self, job: JobChannel) -> None:
-        if not await self._resubmit(job) and self._probe is job:
-            self._settled(job)
+    def engine_coming(self) -> bool:
+        return not self._stopping and not self.failed and self._first_ready.done()
 
-    def _settled(self, job: JobChannel) -> None:
-        """The job delivered a token or ended: it holds back probes no longer."""
-        self._clearing.discard(job.job_id)
-        if self._probe is job:
-            self._probe = None
-        self._next_probe()
+    def start_grace(self, job: JobChannel) -> None:
+        job.grace_timer = self.loop.call_later(self.config.stream_grace_seconds, self._grace_expired, job)
 
     def _set_ready(self, ready: bool) -> None:
         self.ready = ready
@@ -599,7 +456,7 @@ class EngineClient:
             await self._reload_adapters()
             if proc is not self._proc:
                 return  # it died while reloading
-        await self._resume_waiting()  # before new jobs: they are refused until ready
+        await self.resume.resume_waiting()  # before new jobs: they are refused until ready
         if proc is not self._proc:
             return
         self._set_ready(not self._stalled)
@@ -615,11 +472,9 @@ class EngineClient:
         match event.WhichOneof("event"):
             case "delta":
                 job.delivered.extend(event.delta.token_ids)
-                if not job.progressed:
-                    job.progressed, job.strikes = True, 0
-                    self._settled(job)
+                self.resume.delivered(job)
             case "started":
-                job.ran = True
+                self.resume.started(job)
                 if job.started_sent:
                     return  # a resumed job's: its caller saw it start
                 job.started_sent, job.cached_tokens = True, event.started.cached_tokens
@@ -676,19 +531,23 @@ class EngineClient:
         registered before the engine hears of the job; whatever way this call ends without
         the job accepted (refused, caller gone, deadline), nothing is left behind. An engine that
         dies with the SUBMIT unanswered does not end it: it waits for the next engine like any
-        open job (_adopt_unanswered)."""
+        open job (JobResume.adopt_unanswered)."""
         job = JobChannel(new_job_id(), owner, time.perf_counter(), streamed=streamed, priority=spec.priority)
         self.jobs[job.job_id] = job
-        job.submitting = True
+        self.resume.submit_sent(job)
         try:
             reply = await self._call(Tag.SUBMIT, Submit(job.job_id, spec).to_bytes())
         except EngineRejectedError:
             self._forget(job)  # refused: the engine holds nothing
             raise
         except EngineLostError:
-            if not self._adopt_unanswered(job, spec):
+            if not self.engine_coming():
                 self._forget(job)
                 raise
+            job.accepted, job.spec, job.prompt_tokens = True, spec, len(spec.prompt_ids)
+            self.resume.adopt_unanswered(job)
+            if not streamed:
+                self.start_grace(job)
             return job
         except BaseException:
             # Cancelled or timed out while waiting: the engine may have queued it; the CANCEL
@@ -697,26 +556,12 @@ class EngineClient:
             self._forget(job)
             raise
         finally:
-            job.submitting = False
+            self.resume.submit_answered(job)
         job.accepted, job.spec = True, spec
         job.prompt_tokens = Accepted.from_bytes(reply.payload).prompt_tokens
         if not streamed and not job.finished:
             job.grace_timer = self.loop.call_later(self.config.stream_grace_seconds, self._grace_expired, job)
         return job
-
-    def _adopt_unanswered(self, job: JobChannel, spec: JobSpec) -> bool:
-        """A job whose first SUBMIT the engine died without answering waits for the next engine like
-        any open job, as a suspect (the engine may have died handling it: it is tried alone, and a
-        second such crash poisons it). False where no engine comes (stopping, crash loop)."""
-        if self._stopping or self.failed or not self._first_ready.done():
-            return False
-        job.accepted, job.spec, job.prompt_tokens = True, spec, len(spec.prompt_ids)
-        job.strikes = strikes_after_crash(True, False, job.strikes)
-        job.waiting = True
-        if not job.streamed:
-            job.grace_timer = self.loop.call_later(self.config.stream_grace_seconds, self._grace_expired, job)
-        self._next_probe()  # if the next engine is ready already
-        return True
 
     def _grace_expired(self, job: JobChannel) -> None:
         job.grace_timer = None
@@ -770,14 +615,14 @@ class EngineClient:
         if self.jobs.pop(job.job_id, None) is not None:
             for listener in self.on_forget:
                 listener(job.job_id)
-            if job.job_id in self._clearing or self._probe is job:
-                self._settled(job)
+            if self.resume.holds(job):
+                self.resume.settled(job)
 
     def cancel(self, job: JobChannel) -> None:
         """Ask the engine to stop the job (once: a job's cancels never pile up in the outbox); a job
         waiting for a restarted engine ends CANCELLED at once."""
         if job.waiting and not job.finished:
-            self._end(job, StopReason.CANCELLED)
+            self.resume.end(job, StopReason.CANCELLED)
             return
         if job.cancel_sent or job.finished or self._proc is None:
             return
@@ -844,7 +689,3 @@ class EngineClient:
         """For tests and operators: end the engine process abruptly (it is restarted)."""
         if self._proc is not None:
             self._proc.process.kill()
-
-
-def _arrival(job: JobChannel) -> float:
-    return job.submitted_at

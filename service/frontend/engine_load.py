@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from service.frontend.engine_client import EngineClient, JobChannel
+from service.frontend.engine_client import EngineClient
+from service.frontend.job_channel import JobChannel
 from service.ipc import EngineStats
 
 THROUGHPUT_WINDOW = 5.0  # seconds of generated tokens the throughput is averaged over

@@ -8,7 +8,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from service.frontend.engine_client import JobChannel, Recovery
+from service.frontend.job_channel import JobChannel
+from service.frontend.job_resume import Recovery
 from service.ipc import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)

@@ -34,14 +34,9 @@ from service.embeddings import embedding_field
 from service.frontend.auth import Authenticator, cache_salt
 from service.frontend.codec import job_spec, max_new_tokens
 from service.frontend.drain_rate import DrainRate
-from service.frontend.engine_client import (
-    EngineBusyError,
-    EngineClient,
-    EngineRejectedError,
-    JobChannel,
-    short_id,
-)
+from service.frontend.engine_client import EngineBusyError, EngineClient, EngineRejectedError
 from service.frontend.event_buffer import EngineDownError
+from service.frontend.job_channel import JobChannel, short_id
 from service.frontend.limits import (
     Limits,
     RequestError,

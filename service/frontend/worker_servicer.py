@@ -26,9 +26,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from service.frontend.engine_client import EngineBusyError, JobChannel
+from service.frontend.engine_client import EngineBusyError
 from service.frontend.engine_load import EngineLoadTracker
 from service.frontend.event_buffer import EngineDownError
+from service.frontend.job_channel import JobChannel
 from service.frontend.kv_event_relay import KvEventRelay, RelayBatch
 from service.frontend.limits import RequestError
 from service.frontend.servicer import GeneratorService, Malformed, lenient, serialize
