@@ -120,6 +120,7 @@ def test_a_kept_folder_from_before_the_facts_gains_them(
     copy = tmp_path / "copy"
     fast.save(copy)  # what the engine hands the front end
     assert (copy / "tokenizer.json").exists() and (copy / "tokenizer_config.json").exists()
+    assert not (copy / FACTS).exists() and not (copy / BACKEND).exists()
     assert HFTokenizer(copy).encode("Hello there") == fast.encode("Hello there")
 
 

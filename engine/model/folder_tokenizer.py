@@ -135,8 +135,11 @@ class FolderTokenizer:
         return self._backend.to_str()
 
     def save(self, folder: Path) -> None:
-        """The folder it was loaded from, copied (what HFTokenizer.save wrote there)."""
-        shutil.copytree(self._folder, folder, dirs_exist_ok=True)
+        """What HFTokenizer.save wrote to the folder it was loaded from, copied (not the backend and
+        facts: the front end loads the folder through transformers, and a gateway fetches it whole)."""
+        shutil.copytree(
+            self._folder, folder, dirs_exist_ok=True, ignore=shutil.ignore_patterns(FACTS, BACKEND)
+        )
 
     def _transformers(self) -> HFTokenizer:
         with self._chat_lock:
