@@ -1,0 +1,78 @@
+"""A job's tokens do not depend on how its tokens were split into steps, under the server's defaults
+(the shipped model, --quant auto: quantized linears, a float16 cache): n-gram speculation (drafts
+verified as chunks) gives the tokens of plain greedy decoding, and a job resumed from part of its
+output (prompt and output prefilled again) the tokens of the uninterrupted run. Before chunk steps
+attended each token as a decode row, speculation changed 6 of these 7 greedy outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine.generator import DynamicGenerator
+from engine.jobs import JobSpec
+from engine.model.tokenizer import ChatMessage
+from service.engine.build import build_engine
+from service.engine_config import EngineSettings
+from service.speculation_flags import speculation_options
+from tests.conftest import PARITY_PROMPTS
+from tests.job_events import run_jobs
+
+pytestmark = pytest.mark.slow
+
+N = 64
+PROMPTS = (*PARITY_PROMPTS, "Repeat after me five times: the cat sat on the mat.")
+
+
+def _generator(speculate: str) -> DynamicGenerator:
+    _, gen = build_engine(
+        EngineSettings(model=None), speculation_options(speculate, 4, 3, 8, None, None, "auto"), False
+    )
+    return gen
+
+
+def _prompts(gen: DynamicGenerator) -> list[tuple[int, ...]]:
+    return [tuple(gen.tokenizer.encode_chat([ChatMessage("user", p)])) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[DynamicGenerator]:
+    gen = _generator("none")
+    yield gen
+    gen.close()
+
+
+@pytest.fixture(scope="module")
+def greedy(plain: DynamicGenerator) -> list[list[int]]:
+    runs = run_jobs(
+        plain, [JobSpec(prompt_ids=p, max_new_tokens=N, ignore_eos=True) for p in _prompts(plain)]
+    )
+    return [[t for e in deltas for t in e.token_ids] for deltas, _ in runs]
+
+
+def test_speculation_gives_the_greedy_tokens(greedy: list[list[int]]) -> None:
+    gen = _generator("ngram")
+    try:
+        runs = run_jobs(
+            gen, [JobSpec(prompt_ids=p, max_new_tokens=N, ignore_eos=True) for p in _prompts(gen)]
+        )
+    finally:
+        gen.close()
+    assert sum(f.accepted_draft_tokens for _, f in runs) > 0  # drafts were verified and taken
+    assert [[t for e in deltas for t in e.token_ids] for deltas, _ in runs] == greedy
+
+
+@pytest.mark.parametrize("cut", [1, 17, 40])
+def test_a_resumed_job_gives_the_uninterrupted_tokens(
+    plain: DynamicGenerator, greedy: list[list[int]], cut: int
+) -> None:
+    specs = [
+        JobSpec(prompt_ids=p, max_new_tokens=N, ignore_eos=True, resume_output=tuple(out[:cut]))
+        for p, out in zip(_prompts(plain), greedy, strict=True)
+    ]
+    runs = run_jobs(plain, specs)
+    assert [
+        out[:cut] + [t for e in deltas for t in e.token_ids]
+        for out, (deltas, _) in zip(greedy, runs, strict=True)
+    ] == greedy
