@@ -104,7 +104,7 @@ def test_a_decode_that_cleans_up_spaces_writes_no_facts(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     hf = HFTokenizer(tmp_path)
     assert hf.backend_facts() is None
-    write_facts(hf, tmp_path)
+    write_facts(hf, tmp_path, DerivedFiles(tmp_path / "model").publish_file)
     assert not (tmp_path / FACTS).exists() and not (tmp_path / BACKEND).exists()
 
 

@@ -7,14 +7,16 @@ attended each token as a decode row, speculation changed 6 of these 7 greedy out
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from benchmarks.inprocess.lora_throughput import write_adapter
 from engine.generator import DynamicGenerator
 from engine.jobs import JobSpec
 from engine.model.tokenizer import ChatMessage
 from service.engine.build import build_engine
-from service.engine_config import EngineSettings
+from service.engine_config import EngineSettings, SpeculationFlags
 from service.speculation_flags import speculation_options
 from tests.conftest import PARITY_PROMPTS
 from tests.job_events import run_jobs
@@ -26,9 +28,19 @@ PROMPTS = (*PARITY_PROMPTS, "Repeat after me five times: the cat sat on the mat.
 
 
 def _generator(speculate: str) -> DynamicGenerator:
-    _, gen = build_engine(
-        EngineSettings(model=None), speculation_options(speculate, 4, 3, 8, None, None, "auto"), False
+    """The generator `dyngen serve` builds with its defaults, and `speculate` as the drafter for a
+    batch of all the prompts (by default no job speculates beside more than 3 others)."""
+    f = SpeculationFlags(speculate=speculate, speculate_max_batch=len(PROMPTS))
+    options = speculation_options(
+        f.speculate,
+        f.num_draft_tokens,
+        f.max_ngram,
+        f.speculate_max_batch,
+        f.draft_model,
+        f.draft_layers,
+        f.draft_dtype,
     )
+    _, gen = build_engine(EngineSettings(model=None), options, False)
     return gen
 
 
@@ -76,3 +88,43 @@ def test_a_resumed_job_gives_the_uninterrupted_tokens(
         out[:cut] + [t for e in deltas for t in e.token_ids]
         for out, (deltas, _) in zip(greedy, runs, strict=True)
     ] == greedy
+
+
+def test_an_adapter_job_gives_the_same_tokens_alone_together_and_resumed(
+    plain: DynamicGenerator, tmp_path: Path
+) -> None:
+    """A LoRA job's deltas are made a row at a time: the matrix library rounds one row apart from
+    several, which made an adapter job's tokens depend on its run's size and on prefill vs decode."""
+    config = plain.model.config
+    write_adapter(
+        tmp_path / "a", config, 8, ["q_proj", "o_proj", "down_proj"], range(config.num_layers), 4, 0.3
+    )
+    plain.load_adapter("a", tmp_path / "a")
+    prompts = _prompts(plain)
+    alone = [
+        [
+            t
+            for e in run_jobs(plain, [JobSpec(prompt_ids=p, max_new_tokens=N, ignore_eos=True, adapter="a")])[
+                0
+            ][0]
+            for t in e.token_ids
+        ]
+        for p in prompts[:3]
+    ]
+    together = run_jobs(
+        plain, [JobSpec(prompt_ids=p, max_new_tokens=N, ignore_eos=True, adapter="a") for p in prompts[:3]]
+    )
+    assert [[t for e in deltas for t in e.token_ids] for deltas, _ in together] == alone
+    resumed = run_jobs(
+        plain,
+        [
+            JobSpec(
+                prompt_ids=p, max_new_tokens=N, ignore_eos=True, adapter="a", resume_output=tuple(out[:17])
+            )
+            for p, out in zip(prompts[:3], alone, strict=True)
+        ],
+    )
+    assert [
+        out[:17] + [t for e in deltas for t in e.token_ids]
+        for out, (deltas, _) in zip(alone, resumed, strict=True)
+    ] == alone

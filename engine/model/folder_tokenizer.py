@@ -16,11 +16,9 @@ through it, so only a caller that renders chats in-process pays for the import.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,24 +66,18 @@ class TokenizerFacts:
             return None
 
 
-def write_facts(tokenizer: HFTokenizer, folder: Path) -> None:
+def write_facts(tokenizer: HFTokenizer, folder: Path, publish: Callable[[Path, str], None]) -> None:
     """Beside `tokenizer`'s saved folder, its backend and facts, where encoding and decoding are the
     backend's alone (HFTokenizer.backend_facts); otherwise nothing, and the folder loads through
-    transformers."""
+    transformers. `publish` writes a file whole or not at all (DerivedFiles.publish_file)."""
     found = tokenizer.backend_facts()
     if found is None:
         return
-    # Each file whole or not at all, the facts last: a folder is used only once both are in, so
-    # this may also add them to a folder saved before they existed.
-    _write_whole(folder / BACKEND, tokenizer.backend_json())
-    _write_whole(folder / FACTS, TokenizerFacts(*found).to_json())
-
-
-def _write_whole(target: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, target)
+    # The facts last: a folder is used only once both are in (a backend that failed to be written
+    # fails its load, and the folder loads through transformers), so this may also add them to a
+    # folder saved before they existed.
+    publish(folder / BACKEND, tokenizer.backend_json())
+    publish(folder / FACTS, TokenizerFacts(*found).to_json())
 
 
 class FolderTokenizer:

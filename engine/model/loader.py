@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import importlib.util
 from collections.abc import Sequence
@@ -95,14 +94,13 @@ def load_tokenizer(
         except ModelFormatError:
             pass  # damaged: convert again
         else:
-            with contextlib.suppress(OSError):
-                write_facts(saved, derived.tokenizer)  # kept before facts were: the next start is fast
+            write_facts(saved, derived.tokenizer, derived.publish_file)  # kept before facts were
             return saved
     tokenizer = HFTokenizer(path, extra_eos)
 
     def save(folder: Path) -> None:
         tokenizer.save(folder)
-        write_facts(tokenizer, folder)
+        write_facts(tokenizer, folder, derived.publish_file)
 
     derived.publish_folder(derived.tokenizer, save)
     return tokenizer

@@ -192,12 +192,9 @@ class EngineClient:
 
     def _spawn(self, spare: bool) -> _Process:
         """A new engine process (a spare: imports done, waiting for START), its reader and writer."""
-        early, self._early = self._early, None
-        if early is not None and not spare:
-            spawned = early.engine
+        if self._early is not None and not spare:
+            spawned, self._early = self._early.engine, None
         else:
-            if early is not None:
-                self._early = early  # still the first engine's to take
             spawned = spawn_engine(self.config.engine_config().to_json(), self._runtime_dir, spare)
         generation = 0 if spare else self._generation  # a spare's own is set when it takes over
         at = spawned.started_at
@@ -560,7 +557,7 @@ class EngineClient:
         job.accepted, job.spec = True, spec
         job.prompt_tokens = Accepted.from_bytes(reply.payload).prompt_tokens
         if not streamed and not job.finished:
-            job.grace_timer = self.loop.call_later(self.config.stream_grace_seconds, self._grace_expired, job)
+            self.start_grace(job)
         return job
 
     def _grace_expired(self, job: JobChannel) -> None:
@@ -615,8 +612,7 @@ class EngineClient:
         if self.jobs.pop(job.job_id, None) is not None:
             for listener in self.on_forget:
                 listener(job.job_id)
-            if self.resume.holds(job):
-                self.resume.settled(job)
+            self.resume.forgotten(job)
 
     def cancel(self, job: JobChannel) -> None:
         """Ask the engine to stop the job (once: a job's cancels never pile up in the outbox); a job

@@ -198,9 +198,10 @@ class JobResume:
         if not await self._resubmit(job) and self._probe is job:
             self.settled(job)
 
-    def holds(self, job: JobChannel) -> bool:
-        """The job is one the next probe waits for, or the probe."""
-        return job.job_id in self._clearing or self._probe is job
+    def forgotten(self, job: JobChannel) -> None:
+        """The job left the client's table: a probe waiting on it, or it as the probe, goes on."""
+        if job.job_id in self._clearing or self._probe is job:
+            self.settled(job)
 
     def settled(self, job: JobChannel) -> None:
         """The job delivered a token or ended: it holds back probes no longer."""

@@ -1505,7 +1505,9 @@ void dg_lora_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, const 
     for (int64_t i = 0; i < m; i++) {
         const float *xr = x + i * x_stride;
         float *yr = y + i * y_stride;
-        float xa[r];
+        float small[256]; /* the rank is the operator's limit (--max-adapter-rank): a bigger one on the heap */
+        float *xa = r <= 256 ? small : (float *)malloc((size_t)r * sizeof(float));
+        if (!xa) abort(); /* nothing sensible to return into from a parallel loop */
         for (int64_t j = 0; j < r; j++) {
             const float *aj = a + j * k;
             float dot = 0.0f;
@@ -1531,6 +1533,7 @@ void dg_lora_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, const 
             for (int64_t j = 0; j < r; j++) sum += xa[j] * bt[j * n + o];
             yr[o] += sum;
         }
+        if (xa != small) free(xa);
     }
 }
 
