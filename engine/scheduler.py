@@ -5,7 +5,9 @@ There is no prefill phase and no decode phase: every job has tokens in the cache
 tokens it wants there (the prompt, then each sampled token), and each iteration hands
 out a token budget (`max_chunk_size`) so the first catches up with the second. Decode
 tokens of running jobs come first (one each, cheap, latency-critical), then prefill
-chunks of running jobs, then new jobs admitted from the queue in turn. The scheduler alone
+chunks of running jobs, then new jobs admitted from the queue in turn. A forward that carries
+decode steps carries at most `prefill_while_decoding` prompt tokens beside them, so a long
+arriving prompt stalls the running streams a slice at a time, not for its whole prefill. The scheduler alone
 writes a job's progress (`computed`, `stage`, `order`, `preemptions`, `draft_budget`).
 
 When the pool runs dry, a running job is preempted: its pages go back (full ones stay
@@ -138,6 +140,8 @@ class Scheduler:
             chunks += (ScheduledChunk(job, 1), ScheduledChunk(job, 1, negative=True))
             self.queue.charge(job.spec.tenant, 2)
             budget -= 2
+        if chunks:  # streams are decoding: prompts go in slices beside them
+            budget = min(budget, self.config.prefill_while_decoding)
         # 2. Prefill chunks of running jobs (their prompt pages were taken at admission).
         for job in self.running:
             if budget < 1:

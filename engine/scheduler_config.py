@@ -13,6 +13,7 @@ from engine.errors import InvalidRequestError
 class SchedulerConfig:
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     max_chunk_size: int = defaults.MAX_CHUNK_SIZE
+    prefill_while_decoding: int = defaults.PREFILL_WHILE_DECODING  # prompt tokens beside decode steps
     max_q_size: int = defaults.MAX_QUEUE
     max_skips: int = 4
     prefix_cache: bool = True  # reuse full pages across jobs (off: every job computes its whole prompt)
@@ -22,7 +23,13 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, weight) of its fair share; default 1
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_chunk_size", "max_q_size", "max_q_per_tenant"):
+        for name in (
+            "max_batch_size",
+            "max_chunk_size",
+            "prefill_while_decoding",
+            "max_q_size",
+            "max_q_per_tenant",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_skips < 0:

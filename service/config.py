@@ -43,6 +43,7 @@ class ServiceConfig:
     priority_aging: float = defaults.PRIORITY_AGING
     tenant_weight: tuple[str, ...] = ()  # NAME=W, a tenant's weight in fair shares
     chunk_size: int = defaults.MAX_CHUNK_SIZE
+    prefill_while_decoding: int = defaults.PREFILL_WHILE_DECODING
     sampling_threads: int = defaults.SAMPLING_THREADS
     sampler_mode: str = defaults.SAMPLER_MODE
     lora: tuple[str, ...] = ()  # NAME=PATH, loaded at start and shared by every tenant
@@ -226,6 +227,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens when both wait); repeatable [DYNGEN_TENANT_WEIGHT: comma-separated]",
     )
     opt("chunk_size", int, d.chunk_size, "tokens per forward")
+    opt(
+        "prefill_while_decoding",
+        int,
+        d.prefill_while_decoding,
+        "prompt tokens per forward while other jobs decode in it (bounds their inter-token stall)",
+    )
     opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size (threaded sampler mode)")
     opt(
         "sampler_mode",

@@ -26,6 +26,7 @@ class EngineSettings:
     kv_cache: str = defaults.KV_CACHE
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     chunk_size: int = defaults.MAX_CHUNK_SIZE
+    prefill_while_decoding: int = defaults.PREFILL_WHILE_DECODING
     max_queue: int = defaults.MAX_QUEUE
     max_queue_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
     priority_aging: float = defaults.PRIORITY_AGING

@@ -65,6 +65,12 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
         "--chunk-size", type=positive_int, default=defaults.MAX_CHUNK_SIZE, help="tokens per forward"
     )
     gen.add_argument(
+        "--prefill-while-decoding",
+        type=positive_int,
+        default=defaults.PREFILL_WHILE_DECODING,
+        help="prompt tokens per forward while other jobs decode in it",
+    )
+    gen.add_argument(
         "--sampler-mode",
         choices=defaults.SAMPLER_MODES,
         default=defaults.SAMPLER_MODE,

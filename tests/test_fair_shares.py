@@ -5,7 +5,7 @@ The bound stated in docs/ARCHITECTURE.md: with several tenants, a job whose tena
 batch rows than the floor of its share is admitted in the next step, preempting a job of the
 tenant most over its share if there is no room; its first token then comes at the end of that
 step when its prompt fits the step's token budget (max_chunk_size less the running jobs' decode
-tokens), else after ceil(prompt / that budget) steps.
+tokens, at most prefill_while_decoding), else after ceil(prompt / that budget) steps.
 """
 
 from __future__ import annotations
