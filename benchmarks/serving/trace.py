@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.workloads import load_workloads
-from engine.model.tokenizer import ChatMessage, HFTokenizer
+from engine.model.tokenizer import ChatMessage, Tokenizer
 
 MIN_OUTPUT, MAX_OUTPUT = 32, 512
 # The chat trace's mix: shares of short, shared-system-prompt and long-own-prompt requests.
@@ -82,7 +82,7 @@ def _sentences(text: str) -> list[str]:
     return [s if s.endswith(".") else s + "." for s in parts if s]
 
 
-def chat_trace(tokenizer: HFTokenizer, count: int, seed: int, workloads: Path | None) -> Trace:
+def chat_trace(tokenizer: Tokenizer, count: int, seed: int, workloads: Path | None) -> Trace:
     spec = load_workloads(workloads)
     short = [str(m) for m in spec["W1"]["user_messages"]]
     system = str(spec["W2"]["system_message"])
@@ -128,7 +128,7 @@ def _document(rng: random.Random) -> list[dict[str, object]]:
     ]
 
 
-def editing_trace(tokenizer: HFTokenizer, count: int, seed: int) -> Trace:
+def editing_trace(tokenizer: Tokenizer, count: int, seed: int) -> Trace:
     rng = random.Random(seed)
     requests = []
     for _ in range(count):
@@ -146,7 +146,7 @@ def editing_trace(tokenizer: HFTokenizer, count: int, seed: int) -> Trace:
     return Trace("editing", tuple(requests))
 
 
-def build(name: str, tokenizer: HFTokenizer, count: int, seed: int, workloads: Path | None) -> Trace:
+def build(name: str, tokenizer: Tokenizer, count: int, seed: int, workloads: Path | None) -> Trace:
     if name == "chat":
         return chat_trace(tokenizer, count, seed, workloads)
     if name == "editing":

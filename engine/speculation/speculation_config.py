@@ -21,10 +21,14 @@ class DrafterKind(enum.Enum):
 @dataclass(frozen=True)
 class SpeculationConfig:
     kind: DrafterKind = DrafterKind.NONE
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 8
     max_ngram: int = 4
-    # With more running jobs than this, the batch already fills the machine: no speculation.
-    max_batch_size: int = 4
+    # With more running jobs than this, no speculation at all. With `adaptive`, the step's measured
+    # cost already stops drafts that do not pay (engine/speculation/draft_policy.py).
+    max_batch_size: int = 64
+    # Each job's draft length follows its own acceptance and the step's cost (num_draft_tokens is
+    # then the most any job drafts); off: every speculating job drafts num_draft_tokens.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 32:

@@ -23,6 +23,7 @@ from engine.sampling.positioned_uniform import ACCEPT_STREAM
 from engine.sampling.sampler import Sampler
 from engine.scheduled_chunk import ScheduledChunk
 from engine.scheduler import Scheduler
+from engine.speculation.draft_policy import DraftPolicy, DraftWant, StepCost
 from engine.speculation.speculation_config import SpeculationConfig
 from engine.speculation.speculative import (
     Draft,
@@ -72,6 +73,16 @@ class SpeculationStep:
         self._vocab_size = vocab_size
         self.accepted = 0  # draft tokens accepted, over all jobs
         self.rejected = 0
+        # Adaptive draft lengths once the step's cost is measured (`measured`, at warm-up); before
+        # that, every speculating job may verify num_draft_tokens while the batch is small.
+        self.policy: DraftPolicy | None = None
+        self.paused = False  # no drafts at all (while warm-up times plain steps)
+
+    def wants_cost(self) -> bool:
+        return self.drafter is not None and self._config.adaptive
+
+    def measured(self, cost: StepCost) -> None:
+        self.policy = DraftPolicy(cost, self._config.num_draft_tokens)
 
     def _speculates(self, job: JobState) -> bool:
         s = job.spec.sampling
@@ -99,11 +110,21 @@ class SpeculationStep:
         if self.drafter is None:
             return  # budgets stay 0: no per-job work in the loop when speculation is off
         spec = self._config
-        active = len(self._scheduler.running) <= spec.max_batch_size
-        for job in self._scheduler.running:
+        running = self._scheduler.running
+        active = len(running) <= spec.max_batch_size and not self.paused
+        wants: list[DraftWant] = []
+        for job in running:
             left = job.spec.max_new_tokens - job.new_tokens - 1  # the verify step adds one token of its own
-            budget = min(spec.num_draft_tokens, left) if active and self._speculates(job) else 0
+            speculates = active and self._speculates(job)
+            if speculates and self.policy is not None:
+                wants.append(DraftWant(job.job_id, left))
+            budget = min(spec.num_draft_tokens, left) if speculates and self.policy is None else 0
             self._scheduler.set_draft_budget(job, budget)
+        if wants and self.policy is not None:
+            budgets = self.policy.budgets(wants, sum(len(j.rows) for j in running))
+            for job in running:
+                if budgets.get(job.job_id):
+                    self._scheduler.set_draft_budget(job, budgets[job.job_id])
 
     def draft(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[StepFailure]]:
         """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to
@@ -167,6 +188,8 @@ class SpeculationStep:
             bonus = self._sampler.draw(dist, job.sampler, last.position, last.attempt)
         job.accepted_drafts += accepted
         job.rejected_drafts += drafted - accepted
+        if self.policy is not None:
+            self.policy.verified(job.job_id, drafted, accepted)
         self.accepted += accepted
         self.rejected += drafted - accepted
         base = job.computed
@@ -209,6 +232,8 @@ class SpeculationStep:
     def forget(self, job: JobState) -> None:
         if self.drafter is None:
             return
+        if self.policy is not None:
+            self.policy.forget(job.job_id)
         try:
             self.drafter.forget(job.job_id)
         except Exception:

@@ -80,20 +80,30 @@ class Drafter(Protocol):
         ...
 
 
+# Earlier places an n-gram continued that the n-gram drafter keeps (the latest ones), and how far
+# back it compares each with the sequence's end to pick the one that matches longest.
+NGRAM_CANDIDATES = 8
+MATCH_LOOKBACK = 64
+
+
 class NgramDrafter:
     """Proposes the continuation of the longest earlier match of the sequence's suffix.
 
-    Per job, an index maps every n-gram (n <= max_ngram) of prompt + output to where
-    it last continued. It grows incrementally with each accepted token and is freed
-    with the job; its size is bounded by max_ngram entries per token of the job.
+    Per job, an index maps every n-gram (n <= max_ngram) of prompt + output to the latest
+    NGRAM_CANDIDATES places it continued. The longest n-gram ending the sequence that has any
+    picks its candidates; of those, the one whose match extends furthest back (up to
+    MATCH_LOOKBACK tokens, the latest on a tie) proposes its continuation. In structured text a
+    short n-gram (`",\n    "` in JSON) continues many ways, and the longer match is the one the
+    text is copying. The index grows incrementally with each accepted token and is freed with the
+    job; it holds at most max_ngram * NGRAM_CANDIDATES positions per token of the job.
     """
 
     def __init__(self, max_ngram: int) -> None:
         self.max_ngram = max_ngram
-        self._index: dict[JobId, dict[tuple[int, ...], int]] = {}
+        self._index: dict[JobId, dict[tuple[int, ...], list[int]]] = {}
         self._indexed: dict[JobId, int] = {}  # tokens whose continuation is in the index
 
-    def _update(self, job_id: JobId, tokens: Sequence[int]) -> dict[tuple[int, ...], int]:
+    def _update(self, job_id: JobId, tokens: Sequence[int]) -> dict[tuple[int, ...], list[int]]:
         index = self._index.setdefault(job_id, {})
         start = self._indexed.get(job_id, 0)
         if start > len(tokens):  # the job's tokens shrank (cannot happen today): rebuild
@@ -103,7 +113,10 @@ class NgramDrafter:
         # current suffix never matches itself.
         for i in range(start, len(tokens) - 1):
             for n in range(1, min(self.max_ngram, i + 1) + 1):
-                index[tuple(tokens[i - n + 1 : i + 1])] = i + 1
+                places = index.setdefault(tuple(tokens[i - n + 1 : i + 1]), [])
+                places.append(i + 1)
+                if len(places) > NGRAM_CANDIDATES:
+                    del places[0]
         self._indexed[job_id] = max(start, len(tokens) - 1)
         return index
 
@@ -113,8 +126,9 @@ class NgramDrafter:
             index = self._update(r.job_id, r.tokens)
             proposal: tuple[int, ...] = ()
             for n in range(min(self.max_ngram, len(r.tokens)), 0, -1):
-                at = index.get(tuple(r.tokens[-n:]))
-                if at is not None:
+                places = index.get(tuple(r.tokens[-n:]))
+                if places:
+                    at = max(places, key=lambda p: (_match_length(r.tokens, p, n), p))
                     proposal = tuple(r.tokens[at : at + r.max_tokens])
                     break
             drafts.append(Draft(proposal))
@@ -129,6 +143,16 @@ class NgramDrafter:
 
     def tracked_jobs(self) -> int:
         return len(self._index)
+
+
+def _match_length(tokens: Sequence[int], at: int, known: int) -> int:
+    """How many tokens before position `at` equal the sequence's last ones (the first `known`
+    are known to), up to MATCH_LOOKBACK."""
+    end = len(tokens)
+    n = known
+    while n < MATCH_LOOKBACK and at - n - 1 >= 0 and tokens[at - n - 1] == tokens[end - n - 1]:
+        n += 1
+    return n
 
 
 class DraftModelDrafter:

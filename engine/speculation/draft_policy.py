@@ -1,0 +1,151 @@
+"""How many draft tokens each speculating job verifies in the next step: adaptive, per job.
+
+Two measured things decide it:
+
+- **Each job's acceptance.** A draft token is kept only if every draft token before it was, so
+  a job whose drafts are kept with probability p per token gets its i-th draft token with
+  probability p**i. p is estimated from the job's own verifications as kept / tried, where a
+  verification that kept m of d drafts counts m successes and, when m < d, one failure; older
+  verifications fade (`FADE` per verification). A long run of kept drafts raises p at once and one
+  rejection lowers it by a single trial, so p rises fast and falls slowly. A new job starts from
+  the acceptance of every job so far (`prior`).
+- **The step's cost against its rows** (`StepCost`, measured on this machine at warm-up): on a
+  2-core CPU one row costs about as much as the weights' read up to a few rows, and each row
+  past that adds about its share of a full step.
+
+Draft tokens are then handed out one at a time, each to the job whose next draft token is the
+most likely to be kept, while it raises the step's expected tokens per second: the step makes n
+tokens (one per decoding job) plus the expected kept drafts, in the time of its rows. At batch 1
+a draft kept with p = 0.3 pays; at batch 64 on 2 cores even a near-certain one barely does, so
+speculation switches itself off under load with no setting. A job whose drafts stop paying
+drafts nothing; its estimate drifts back toward the prior while it does not draft (`RELAX` per
+step), so it is probed again now and then.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.jobs import JobId
+
+FADE = 0.7  # weight of a job's earlier verifications at each new one
+PRIOR_FADE = 0.98  # the same for the acceptance of all jobs (the prior a new job starts from)
+PRIOR_WEIGHT = 2.0  # trials the prior counts as in a new job's estimate
+RELAX = 0.02  # share of the way back to the prior a job's estimate goes per step without drafts
+INITIAL_PRIOR = 0.5
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one step against the rows it carries, from steps timed at warm-up: linear
+    between measured row counts, the last segment's slope past the largest."""
+
+    rows: tuple[int, ...]  # ascending, distinct, >= 1
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if (
+            len(self.rows) < 2
+            or len(self.rows) != len(self.seconds)
+            or list(self.rows) != sorted(set(self.rows))
+        ):
+            raise ValueError(f"StepCost needs >= 2 ascending row counts with a time each, got {self.rows}")
+
+    def at(self, rows: int) -> float:
+        r, s = self.rows, self.seconds
+        i = min(max(bisect.bisect_left(r, rows), 1), len(r) - 1)
+        slope = max((s[i] - s[i - 1]) / (r[i] - r[i - 1]), 0.0)
+        return max(s[i - 1] + slope * (rows - r[i - 1]), 1e-6)
+
+
+@dataclass
+class _Acceptance:
+    kept: float
+    tried: float
+    idle_steps: int = 0
+
+    @property
+    def p(self) -> float:
+        return self.kept / self.tried if self.tried > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class DraftWant:
+    """A decoding job that may speculate, and at most how many draft tokens it can use."""
+
+    job_id: JobId
+    most: int
+
+
+class DraftPolicy:
+    def __init__(self, cost: StepCost, max_draft_tokens: int) -> None:
+        self.cost = cost
+        self.max_draft_tokens = max_draft_tokens
+        self._jobs: dict[JobId, _Acceptance] = {}
+        self._prior = _Acceptance(INITIAL_PRIOR * PRIOR_WEIGHT, PRIOR_WEIGHT)
+
+    @property
+    def prior(self) -> float:
+        return self._prior.p
+
+    def acceptance(self, job_id: JobId) -> float:
+        a = self._jobs.get(job_id)
+        return self.prior if a is None else a.p
+
+    def budgets(self, wants: Sequence[DraftWant], rows: int) -> dict[JobId, int]:
+        """Draft tokens per job for a step of `rows` rows before drafts (the running jobs' rows)."""
+        out = {w.job_id: 0 for w in wants}
+        p = {w.job_id: self._relaxed(w.job_id) for w in wants}
+        most = {w.job_id: min(w.most, self.max_draft_tokens) for w in wants}
+        # The next draft token of each job, most likely to be kept first (a heap of -probability).
+        heap = [(-p[w.job_id], w.job_id) for w in wants if most[w.job_id] > 0 and p[w.job_id] > 0]
+        heapq.heapify(heap)
+        tokens, added = float(max(rows, 1)), 0
+        seconds = self.cost.at(max(rows, 1))
+        while heap:
+            neg_q, job_id = heapq.heappop(heap)
+            q = -neg_q
+            more = self.cost.at(max(rows, 1) + added + 1)
+            if (tokens + q) / more <= tokens / seconds:
+                break  # the likeliest draft token left does not pay for its row: none after it does
+            tokens, seconds, added = tokens + q, more, added + 1
+            out[job_id] += 1
+            if out[job_id] < most[job_id]:
+                heapq.heappush(heap, (-q * p[job_id], job_id))
+        return out
+
+    def _relaxed(self, job_id: JobId) -> float:
+        """The job's estimate, drifted toward the prior for each step it did not draft."""
+        a = self._jobs.get(job_id)
+        if a is None:
+            return self.prior
+        if a.idle_steps:
+            share = 1.0 - (1.0 - RELAX) ** a.idle_steps
+            target = self.prior * a.tried
+            a.kept += (target - a.kept) * share
+            a.idle_steps = 0
+        a.idle_steps += 1  # counted back to 0 by `verified` if it drafts in this step
+        return a.p
+
+    def verified(self, job_id: JobId, drafted: int, kept: int) -> None:
+        """A verification of `drafted` draft tokens of which the first `kept` were kept."""
+        if drafted <= 0:
+            return
+        tried = kept + (1 if kept < drafted else 0)
+        a = self._jobs.get(job_id)
+        if a is None:
+            a = self._jobs[job_id] = _Acceptance(self.prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
+        a.kept = a.kept * FADE + kept
+        a.tried = a.tried * FADE + tried
+        a.idle_steps = 0
+        self._prior.kept = self._prior.kept * PRIOR_FADE + kept
+        self._prior.tried = self._prior.tried * PRIOR_FADE + tried
+
+    def forget(self, job_id: JobId) -> None:
+        self._jobs.pop(job_id, None)
+
+    def tracked_jobs(self) -> int:
+        return len(self._jobs)

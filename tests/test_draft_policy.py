@@ -1,0 +1,93 @@
+"""The adaptive draft lengths (engine/speculation/draft_policy.py): acceptance per job, and draft
+tokens handed out while they raise the step's expected tokens per second."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.jobs import JobId
+from engine.speculation.draft_policy import DraftPolicy, DraftWant, StepCost
+
+# A 2-core CPU's shape: a row costs ~the weights' read up to a few rows, then ~1 ms each.
+CPU = StepCost((1, 2, 4, 8, 16, 32, 64), (0.0026, 0.0027, 0.0030, 0.0050, 0.0100, 0.0200, 0.0670))
+A, B = JobId("a"), JobId("b")
+
+
+def trained(p_kept: int, p_drafted: int, rounds: int = 20, cost: StepCost = CPU) -> DraftPolicy:
+    policy = DraftPolicy(cost, 16)
+    for _ in range(rounds):
+        policy.verified(A, p_drafted, p_kept)
+    return policy
+
+
+def test_a_job_whose_drafts_are_kept_drafts_long_at_batch_1() -> None:
+    policy = trained(8, 8)
+    assert policy.acceptance(A) > 0.9
+    # 8 rows cost 5 ms against 2.6 for one: 7 drafts, and an 8th would not raise tokens per second.
+    assert policy.budgets([DraftWant(A, 100)], rows=1)[A] == 7
+
+
+def test_a_job_whose_drafts_are_rejected_stops_drafting() -> None:
+    policy = trained(0, 4)
+    assert policy.acceptance(A) < 0.1
+    assert policy.budgets([DraftWant(A, 100)], rows=1)[A] == 0
+
+
+def test_at_batch_64_nothing_pays() -> None:
+    policy = trained(8, 8)
+    wants = [DraftWant(JobId(f"j{i}"), 100) for i in range(63)] + [DraftWant(A, 100)]
+    assert sum(policy.budgets(wants, rows=64).values()) == 0
+
+
+def test_the_likelier_job_gets_the_drafts_first() -> None:
+    policy = trained(8, 8)
+    for _ in range(20):
+        policy.verified(B, 4, 1)
+    budgets = policy.budgets([DraftWant(A, 100), DraftWant(B, 100)], rows=2)
+    assert budgets[A] > budgets[B]
+
+
+def test_a_job_gets_no_more_than_it_can_use() -> None:
+    policy = trained(8, 8)
+    assert policy.budgets([DraftWant(A, 3)], rows=1)[A] == 3
+
+
+def test_a_paused_job_is_probed_again() -> None:
+    policy = trained(0, 4)
+    for _ in range(40):
+        policy.verified(B, 8, 8)  # others' drafts are kept: the prior rises
+    assert policy.budgets([DraftWant(A, 100)], rows=1)[A] == 0  # not at once: it drifts back
+    steps = 1
+    while policy.budgets([DraftWant(A, 100)], rows=1)[A] == 0:
+        steps += 1
+        assert steps < 500
+    assert policy.acceptance(A) < 0.2  # probed with one cheap draft, not trusted yet
+
+
+def test_acceptance_rises_fast_and_falls_slowly() -> None:
+    policy = trained(0, 4, rounds=3)
+    low = policy.acceptance(A)
+    policy.verified(A, 8, 8)
+    risen = policy.acceptance(A)
+    policy.verified(A, 8, 0)
+    assert risen - low > 0.3 and risen - policy.acceptance(A) < 0.2
+
+
+@given(
+    st.lists(st.integers(1, 64), min_size=2, max_size=8, unique=True).map(sorted),
+    st.lists(st.floats(1e-4, 1.0), min_size=8, max_size=8),
+    st.integers(1, 200),
+)
+def test_step_cost_is_positive_and_matches_its_points(rows: list[int], times: list[float], at: int) -> None:
+    seconds = sorted(times[: len(rows)])
+    cost = StepCost(tuple(rows), tuple(seconds))
+    assert cost.at(at) > 0
+    for r, s in zip(rows, seconds, strict=True):
+        assert cost.at(r) == pytest.approx(s)
+
+
+def test_step_cost_is_checked() -> None:
+    with pytest.raises(ValueError):
+        StepCost((4, 2), (0.1, 0.2))
