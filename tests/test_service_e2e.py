@@ -235,7 +235,7 @@ def test_queue_full_then_sigterm_drains() -> None:
         "--max-queue",
         "1",
         "--shutdown-grace-seconds",
-        "45",
+        "15",
         "--cache-tokens",
         "8192",
     )
@@ -267,8 +267,8 @@ def test_queue_full_then_sigterm_drains() -> None:
                 except grpc.RpcError as exc:
                     errors.append(exc.code())
 
-        # Short enough to finish well inside the 45 s grace even on a loaded machine; ENDLESS
-        # (7000 tokens) cannot.
+        # 12 tokens, already streaming at SIGTERM: done well inside the 15 s grace even on a loaded
+        # machine; ENDLESS (7000 tokens) cannot be (the grace was 45 s, a wait of 30 s more per run).
         short = Request(Chat.user("Count from one to twenty."), max_new_tokens=12, ignore_eos=True)
         threads = [threading.Thread(target=run, args=a) for a in (("short", short), ("long", ENDLESS))]
         # One at a time: with --max-queue 1, two enqueues landing before the engine admits the

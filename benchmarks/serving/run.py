@@ -159,6 +159,23 @@ def goodput_line(board: Board, trace: str, slo: Slo) -> str:
     return f"goodput {trace}: dyngen {ours:.2f} req/s, best peer ({name}) {best:.2f} req/s, {ratio}"
 
 
+def served_line(board: Board, trace: str, slo: Slo) -> str:
+    """Each engine's served rate at its goodput rate: over a short window an offered rate past what
+    an engine sustains can still meet the SLO (its backlog has not grown into the latencies yet),
+    so this shows how far below the offered rate each engine actually completed requests."""
+    cells = []
+    for (engine, name), results in board.results.items():
+        if name != trace:
+            continue
+        passing = [r for r in results if r.meets(slo)]
+        if passing:
+            top = max(passing, key=lambda r: r.rate)
+            cells.append(f"{engine} {top.served_rate:.2f} req/s at {top.rate:.2f} offered")
+        else:
+            cells.append(f"{engine} none")
+    return f"served at goodput {trace}: " + "; ".join(cells)
+
+
 def plot(board: Board, traces: Sequence[str], slo: Slo, path: Path) -> str:
     import matplotlib
 
@@ -208,6 +225,7 @@ def report(board: Board, traces: dict[str, Trace], options: Options) -> str:
         lines += ["", f"### {name} trace: {trace.describe()}", "", *_table(board, name, options.slo)]
     lines += ["", plot(board, list(traces), options.slo, options.plot)]
     lines += [f"FAILED {f}" for f in board.failures]
+    lines += ["", *(served_line(board, name, options.slo) for name in traces)]
     lines += ["", *(goodput_line(board, name, options.slo) for name in traces)]
     return "\n".join(lines)
 
