@@ -177,6 +177,8 @@ def served_line(board: Board, trace: str, slo: Slo) -> str:
 
 
 def plot(board: Board, traces: Sequence[str], slo: Slo, path: Path) -> str:
+    if not traces:
+        return "plot: no trace ran"
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,11 +213,15 @@ def plot(board: Board, traces: Sequence[str], slo: Slo, path: Path) -> str:
 def report(board: Board, traces: dict[str, Trace], options: Options) -> str:
     import torch
 
+    from engine import defaults
     from kernels.cpu_features import cpu_features
 
     lines = [
         f"CPU: {cpu_features().summary()}",
         f"torch {torch.__version__}; dyngen serve flags: {shlex.join(options.serve_args) or '(defaults)'}",
+        f"dyngen's step budget (defaults, unless the flags above set them): --chunk-size "
+        f"{defaults.MAX_CHUNK_SIZE} tokens per forward, --prefill-while-decoding "
+        f"{defaults.PREFILL_WHILE_DECODING} prompt tokens in a forward with decode steps",
         f"SLO: {options.slo.describe()}; inter-token = the gap between streamed chunks carrying tokens",
         f"rates double from {options.first_rate:g}/s until one misses the SLO, then one between; "
         f"~{options.seconds:g} s of Poisson arrivals per rate (seed {options.seed}); every request "
