@@ -93,6 +93,19 @@ def speculation_options(
     )
 
 
+def options_from_flags(f: SpeculationFlags) -> SpeculationOptions:
+    """Validated options from the flags an engine process is handed (EngineConfig.speculation)."""
+    return speculation_options(
+        f.speculate,
+        f.num_draft_tokens,
+        f.max_ngram,
+        f.speculate_max_batch,
+        f.draft_model,
+        f.draft_layers,
+        f.draft_dtype,
+    )
+
+
 def speculation_from_args(args: argparse.Namespace) -> SpeculationOptions:
     return speculation_options(
         args.speculate,

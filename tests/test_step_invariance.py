@@ -17,7 +17,7 @@ from engine.jobs import JobSpec
 from engine.model.tokenizer import ChatMessage
 from service.engine.build import build_engine
 from service.engine_config import EngineSettings, SpeculationFlags
-from service.speculation_flags import speculation_options
+from service.speculation_flags import options_from_flags
 from tests.conftest import PARITY_PROMPTS
 from tests.job_events import run_jobs
 
@@ -30,16 +30,7 @@ PROMPTS = (*PARITY_PROMPTS, "Repeat after me five times: the cat sat on the mat.
 def _generator(speculate: str) -> DynamicGenerator:
     """The generator `dyngen serve` builds with its defaults, and `speculate` as the drafter. Not
     warmed up, its drafts have the fixed length (num_draft_tokens) for every job."""
-    f = SpeculationFlags(speculate=speculate, speculate_max_batch=len(PROMPTS))
-    options = speculation_options(
-        f.speculate,
-        f.num_draft_tokens,
-        f.max_ngram,
-        f.speculate_max_batch,
-        f.draft_model,
-        f.draft_layers,
-        f.draft_dtype,
-    )
+    options = options_from_flags(SpeculationFlags(speculate=speculate, speculate_max_batch=len(PROMPTS)))
     _, gen = build_engine(EngineSettings(model=None), options, False)
     return gen
 

@@ -129,6 +129,7 @@ class Completion:
 
 class LlamaServer:
     def __init__(self, port: int) -> None:
+        self.port = port
         self.url = f"http://127.0.0.1:{port}"
 
     def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:

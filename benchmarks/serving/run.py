@@ -78,7 +78,7 @@ def _servers(
         yield f"{VLLM} {dtype}", lambda: servers.vllm(peer, dtype, logs / "serving-vllm.log")
     if "llamacpp" in options.engines:
         lpeer, _ = peer_llamacpp.setup(options.cache_dir)
-        yield f"{LLAMACPP} Q4_1", lambda: servers.llamacpp(lpeer, gguf, logs / "serving-llamacpp.log")
+        yield f"{LLAMACPP} Q4_1", lambda: servers.llamacpp(lpeer, gguf)
 
 
 def _progress_of(what: str) -> Callable[[str], None]:

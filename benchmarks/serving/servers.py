@@ -12,15 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
-from benchmarks.peers.llamacpp import LlamaCppPeer
-from benchmarks.peers.process import PeerError, tail
+from benchmarks.peers.llamacpp import LlamaCppPeer, LlamaServer, serving
 from benchmarks.peers.vllm import VllmPeer
 from benchmarks.served.service_load import free_port, wait_serving
 from benchmarks.serving import grpc_stream, openai_stream
@@ -42,21 +39,6 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _wait_http(process: subprocess.Popen[bytes], port: int, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise PeerError(f"server exited with {process.returncode}; log {log}:\n{tail(log)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise PeerError(f"server not healthy within {timeout:.0f} s; log {log}")
 
 
 @contextmanager
@@ -100,33 +82,16 @@ def vllm(peer: VllmPeer, dtype: str, log: Path) -> Iterator[Send]:
     with log.open("w") as out:
         process = subprocess.Popen(cmd, env=peer.env(), stdout=out, stderr=subprocess.STDOUT, cwd=peer.root)
         try:
-            _wait_http(process, port, 1800.0, log)  # torch.compile: 2-3 min
+            # vLLM's /health answers as llama-server's does. torch.compile takes 2-3 min.
+            LlamaServer(port).wait_healthy(process, 1800.0, log)
             yield partial(openai_stream.complete, port, SERVED_NAME)
         finally:
             _stop(process)
 
 
 @contextmanager
-def llamacpp(peer: LlamaCppPeer, gguf: Path, log: Path) -> Iterator[Send]:
-    port = free_port()
-    threads = str(os.cpu_count() or 1)
-    cmd = [str(peer.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += [
-        "-t",
-        threads,
-        "-tb",
-        threads,
-        "-np",
-        str(MAX_RUNNING),
-        "-c",
-        str(MAX_RUNNING * SLOT_TOKENS),
-        "-cb",
-    ]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            _wait_http(process, port, 300.0, log)
-            yield partial(openai_stream.complete, port, SERVED_NAME)
-        finally:
-            _stop(process)
+def llamacpp(peer: LlamaCppPeer, gguf: Path) -> Iterator[Send]:
+    """The peers benchmark's llama-server (its log: the peer's logs/serving.log), one slot per
+    running request."""
+    with serving(peer, gguf, MAX_RUNNING, SLOT_TOKENS, "serving") as server:
+        yield partial(openai_stream.complete, server.port, SERVED_NAME)

@@ -19,7 +19,8 @@ tokens (one per decoding job) plus the expected kept drafts, in the time of its 
 a draft kept with p = 0.3 pays; at batch 64 on 2 cores even a near-certain one barely does, so
 speculation switches itself off under load with no setting. A job whose drafts stop paying
 drafts nothing; its estimate drifts back toward the prior while it does not draft (`RELAX` per
-step), so it is probed again now and then.
+step it could have), so it is probed again now and then. When not even a certain draft token
+would pay for its row (a full batch), a step costs no per-job work at all.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class StepCost:
 class _Acceptance:
     kept: float
     tried: float
-    idle_steps: int = 0
+    idle: bool = False  # asked for a budget since its last verification
 
     @property
     def p(self) -> float:
@@ -98,17 +99,20 @@ class DraftPolicy:
     def budgets(self, wants: Sequence[DraftWant], rows: int) -> dict[JobId, int]:
         """Draft tokens per job for a step of `rows` rows before drafts (the running jobs' rows)."""
         out = {w.job_id: 0 for w in wants}
+        base = max(rows, 1)
+        tokens, seconds = float(base), self.cost.at(base)
+        if (tokens + 1) / self.cost.at(base + 1) <= tokens / seconds:
+            return out  # not even a certain draft token pays for its row (a full batch): no per-job work
         p = {w.job_id: self._relaxed(w.job_id) for w in wants}
         most = {w.job_id: min(w.most, self.max_draft_tokens) for w in wants}
         # The next draft token of each job, most likely to be kept first (a heap of -probability).
         heap = [(-p[w.job_id], w.job_id) for w in wants if most[w.job_id] > 0 and p[w.job_id] > 0]
         heapq.heapify(heap)
-        tokens, added = float(max(rows, 1)), 0
-        seconds = self.cost.at(max(rows, 1))
+        added = 0
         while heap:
             neg_q, job_id = heapq.heappop(heap)
             q = -neg_q
-            more = self.cost.at(max(rows, 1) + added + 1)
+            more = self.cost.at(base + added + 1)
             if (tokens + q) / more <= tokens / seconds:
                 break  # the likeliest draft token left does not pay for its row: none after it does
             tokens, seconds, added = tokens + q, more, added + 1
@@ -118,16 +122,14 @@ class DraftPolicy:
         return out
 
     def _relaxed(self, job_id: JobId) -> float:
-        """The job's estimate, drifted toward the prior for each step it did not draft."""
+        """The job's estimate, drifted RELAX of the way toward the prior if it did not draft since
+        it was last asked."""
         a = self._jobs.get(job_id)
         if a is None:
             return self.prior
-        if a.idle_steps:
-            share = 1.0 - (1.0 - RELAX) ** a.idle_steps
-            target = self.prior * a.tried
-            a.kept += (target - a.kept) * share
-            a.idle_steps = 0
-        a.idle_steps += 1  # counted back to 0 by `verified` if it drafts in this step
+        if a.idle:
+            a.kept += (self.prior * a.tried - a.kept) * RELAX
+        a.idle = True  # until `verified` says it drafted
         return a.p
 
     def verified(self, job_id: JobId, drafted: int, kept: int) -> None:
@@ -140,7 +142,7 @@ class DraftPolicy:
             a = self._jobs[job_id] = _Acceptance(self.prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
         a.kept = a.kept * FADE + kept
         a.tried = a.tried * FADE + tried
-        a.idle_steps = 0
+        a.idle = False
         self._prior.kept = self._prior.kept * PRIOR_FADE + kept
         self._prior.tried = self._prior.tried * PRIOR_FADE + tried
 

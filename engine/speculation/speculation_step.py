@@ -109,22 +109,20 @@ class SpeculationStep:
         """Decide how many draft tokens each decoding job may verify in the next step."""
         if self.drafter is None:
             return  # budgets stay 0: no per-job work in the loop when speculation is off
-        spec = self._config
         running = self._scheduler.running
-        active = len(running) <= spec.max_batch_size and not self.paused
-        wants: list[DraftWant] = []
-        for job in running:
-            left = job.spec.max_new_tokens - job.new_tokens - 1  # the verify step adds one token of its own
-            speculates = active and self._speculates(job)
-            if speculates and self.policy is not None:
-                wants.append(DraftWant(job.job_id, left))
-            budget = min(spec.num_draft_tokens, left) if speculates and self.policy is None else 0
-            self._scheduler.set_draft_budget(job, budget)
-        if wants and self.policy is not None:
+        active = len(running) <= self._config.max_batch_size and not self.paused
+        # The most each speculating job can use: the verify step adds one token of its own.
+        wants = [
+            DraftWant(j.job_id, j.spec.max_new_tokens - j.new_tokens - 1)
+            for j in running
+            if active and self._speculates(j)
+        ]
+        if self.policy is None:
+            budgets = {w.job_id: min(self._config.num_draft_tokens, w.most) for w in wants}
+        else:
             budgets = self.policy.budgets(wants, sum(len(j.rows) for j in running))
-            for job in running:
-                if budgets.get(job.job_id):
-                    self._scheduler.set_draft_budget(job, budgets[job.job_id])
+        for job in running:
+            self._scheduler.set_draft_budget(job, budgets.get(job.job_id, 0))
 
     def draft(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[StepFailure]]:
         """Ask the drafter for the speculating jobs' drafts (their pages exist now) and trim chunks to

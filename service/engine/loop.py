@@ -51,7 +51,7 @@ from service.ipc import (
     pack_kv_events,
 )
 from service.pipe_sender import PipeSender
-from service.speculation_flags import speculation_options
+from service.speculation_flags import options_from_flags
 
 log = logging.getLogger("dyngen.engine")
 
@@ -82,16 +82,7 @@ class EngineLoop:
         start = {"imports": imports_seconds}  # the start's parts, in the engine_ready log
         t = time.monotonic()
         self.out = out
-        f = config.speculation
-        speculation = speculation_options(
-            f.speculate,
-            f.num_draft_tokens,
-            f.max_ngram,
-            f.speculate_max_batch,
-            f.draft_model,
-            f.draft_layers,
-            f.draft_dtype,
-        )
+        speculation = options_from_flags(config.speculation)
         loaded, self.generator = build_engine(config.settings, speculation, progress=False)
         start["model"], t = time.monotonic() - t, time.monotonic()
         self.loaded = loaded
