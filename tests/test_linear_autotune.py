@@ -60,6 +60,26 @@ def test_near_ties_go_to_the_kind_with_fewer_weight_bytes() -> None:
     assert autotune.choose(slower, similar, 1) is LinearKind.INT8_Q8
 
 
+def test_one_kind_runs_every_bucket() -> None:
+    """Kinds round apart, so a weight runs one kind at every step size: where the buckets' winners
+    differ, the one that loses least over all buckets relative to each bucket's fastest."""
+    f, q = LinearKind.FLOAT, LinearKind.INT4_Q8
+    times = {1: {f: 4.0, q: 1.0}, 8: {f: 2.0, q: 1.9}, 64: {f: 10.0, q: 11.0}}
+    assert autotune.one_kind(times, {1: q, 8: q, 64: f}) is q  # 1 + 1 + 1.1 against 4 + 1.05 + 1
+    times[1], times[64] = {f: 1.05, q: 1.0}, {f: 10.0, q: 12.0}
+    assert autotune.one_kind(times, {1: q, 8: q, 64: f}) is f  # 1.05 + 1.05 + 1 against 1 + 1 + 1.2
+    assert autotune.one_kind(times, {1: f, 8: f, 64: f}) is f  # agreement: no arithmetic
+
+
+@pytest.mark.usefixtures("quiet")
+def test_tuning_picks_one_kind_for_every_bucket(tmp_path: Path) -> None:
+    weight = torch.randn(48, 64)
+    tuner = LinearTuner(TuneCache(_key(), tmp_path))
+    lin = tuner.build(KINDS, lambda kind: make_linear(kind, weight), (48, 64))
+    assert isinstance(lin, TunedLinear)
+    assert len({id(lin.for_rows(b)) for b in BUCKETS}) == 1
+
+
 def _key(cpu: CpuFeatures | None = None) -> TuneKey:
     return TuneKey.make(cpu or cpu_features(), "tiny", KINDS)
 

@@ -39,6 +39,7 @@ from kernels.linear.block_linear import (
 )
 from kernels.linear.int4_groups import Int4Groups
 from kernels.native.native_library import (
+    DecodeStep,
     NativeBuildError,
     NativeLibrary,
     QuantizedRows,
@@ -477,7 +478,8 @@ def test_native_attention_and_fused_ops_match_the_torch_model(tmp_path: Path, ki
 def test_one_call_decoder_layers_match_the_per_op_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: KVCacheKind
 ) -> None:
-    """Decode steps of a block-quantized model run each layer as one native call; same logits as per op."""
+    """Steps of a block-quantized model run each layer as one native call (decode rows, and prefill
+    chunks a token per row, as a verification's drafts); same logits as per op."""
     lib = native_library()
     if lib is None:
         pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
@@ -485,13 +487,14 @@ def test_one_call_decoder_layers_match_the_per_op_path(
         tmp_path, with_tokenizer=True, hidden_size=96, num_attention_heads=6, num_key_value_heads=2
     )
     model = load_model(tmp_path, progress=False, attention=AttentionKind.NATIVE, quant=QuantMode.INT4).model
-    calls = 0
+    calls = chunk_calls = 0
     real = NativeLibrary.decode_layer
 
-    def counting(self: NativeLibrary, *args: Any) -> None:
-        nonlocal calls
+    def counting(self: NativeLibrary, step: DecodeStep, *args: Any) -> None:
+        nonlocal calls, chunk_calls
         calls += 1
-        real(self, *args)
+        chunk_calls += step.row_seq is not None
+        real(self, step, *args)
 
     monkeypatch.setattr(NativeLibrary, "decode_layer", counting)
     prompts = [[(5 * i + 11 * j) % 300 + 3 for j in range(2 + 9 * i)] for i in range(3)]
@@ -499,7 +502,7 @@ def test_one_call_decoder_layers_match_the_per_op_path(
     fused = generate_batch(
         model, model.new_cache(num_pages=40, page_size=8, kind=kind), prompts, settings, keep_logits=True
     )
-    assert calls > 0  # the decode steps took the one-call path
+    assert calls > chunk_calls > 0  # decode steps and prompt chunks took the one-call path
     monkeypatch.setattr(type(model), "_native_layers", lambda *_: None)
     per_op = generate_batch(
         model, model.new_cache(num_pages=40, page_size=8, kind=kind), prompts, settings, keep_logits=True

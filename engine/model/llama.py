@@ -36,6 +36,11 @@ from kernels.linear.linear_autotune import LinearTuner, TunedLinear, bucket
 from kernels.linear.make_linear import Linear, LinearKind
 from kernels.native.native_library import DecodeLayer, DecodeStep, LinearDesc, NativeLibrary, native_library
 
+# Steps of at most this many new tokens may run each layer as one native call: decode steps,
+# verifications and the small prefill slices beside decoding. Larger prefills are compute-bound,
+# gain nothing from fewer calls, and would keep a large per-thread scratch alive.
+NATIVE_STEP_ROWS = 256
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in float32 whatever the activations' dtype, as the reference does.
@@ -208,16 +213,19 @@ class LlamaModel:
         return self._decode_layers[key]
 
     def _native_decode(self, batch: ForwardBatch, cache: PagedKVCache, native: NativeLibrary) -> torch.Tensor:
-        """A decode step with one native call per layer (see _native_layers for when)."""
+        """A step with one native call per layer (see _native_layers for when): decode rows, and
+        chunks (a verification's drafts, short prefills) a token per row."""
         c = self.config
-        layers = self._native_layers(batch.num_seqs, cache)
+        layers = self._native_layers(batch.num_tokens, cache)
         assert layers is not None
+        row_seq, seq_lens = batch.query_rows()
         step = DecodeStep(
-            rows=batch.num_seqs,
+            rows=batch.num_tokens,
             positions=batch.positions.contiguous(),
             slots=batch.slot_mapping.contiguous(),
             page_tables=batch.page_tables.contiguous(),
-            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int64),
+            seq_lens=seq_lens,
+            row_seq=row_seq,
             cos=self.rope.cos,
             sin_signed=self.rope.sin_signed,
             heads=c.num_heads,
@@ -249,9 +257,9 @@ class LlamaModel:
         native_ops = self._native_ops
         if (
             native_ops is not None
-            and batch.num_tokens == batch.num_seqs  # one new token per sequence: a decode step
+            and batch.num_tokens <= NATIVE_STEP_ROWS
             and batch.lora is None  # the fused layer has no adapter deltas
-            and self._native_layers(batch.num_seqs, cache) is not None
+            and self._native_layers(batch.num_tokens, cache) is not None
         ):
             return self._native_decode(batch, cache, native_ops)
         tokens = batch.num_tokens

@@ -29,3 +29,16 @@ class AttentionBatch:
     @property
     def device(self) -> torch.device:
         return self.slot_mapping.device
+
+    def query_rows(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Each query row's sequence (None when every sequence brings one token: row i is
+        sequence i) and how many keys it sees, itself included: token i of a chunk sits at position
+        seq_len - query_len + i and sees the keys up to it. int64, on the CPU."""
+        seq_lens = torch.tensor(self.seq_lens, dtype=torch.int64)
+        if all(n == 1 for n in self.query_lens):
+            return None, seq_lens
+        query_lens = torch.tensor(self.query_lens, dtype=torch.int64)
+        row_seq = torch.repeat_interleave(torch.arange(len(self.query_lens)), query_lens)
+        first_row = torch.cumsum(query_lens, 0) - query_lens
+        within = torch.arange(int(query_lens.sum())) - first_row[row_seq]
+        return row_seq, ((seq_lens - query_lens)[row_seq] + within + 1).contiguous()

@@ -34,16 +34,7 @@ class _PreparedNativeAttention:
         if not self._float:
             return
         self._tables = batch.page_tables.contiguous()
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64)
-        if all(n == 1 for n in batch.query_lens):
-            self._lens = seq_lens  # a decode step: a row per sequence
-            return
-        query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
-        self._row_seq = torch.repeat_interleave(torch.arange(len(batch.query_lens)), query_lens)
-        # Token i of a chunk sits at position seq_len - query_len + i and sees the keys up to it.
-        first_row = torch.cumsum(query_lens, 0) - query_lens
-        within = torch.arange(int(query_lens.sum())) - first_row[self._row_seq]
-        self._lens = ((seq_lens - query_lens)[self._row_seq] + within + 1).contiguous()
+        self._row_seq, self._lens = batch.query_rows()
 
     def write_kv(self, cache: KVLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         self._torch.write_kv(cache, k, v)

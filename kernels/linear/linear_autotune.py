@@ -1,12 +1,18 @@
-"""Pick the fastest linear kind per weight shape and step size, measured once per machine.
+"""Pick the fastest linear kind per weight shape, measured once per machine.
 
 No kind wins everywhere: on an AVX2-only CPU dynamic int8 wins a decode step and
 float32 may win a 64-row step, and on a CPU with native bfloat16 the order changes
 again. So at load each distinct weight shape is timed with every allowed kind at a
-few step sizes (rows per call: 1, 8, 64), and a `TunedLinear` dispatches each call
-to the kind that was fastest for the nearest bucket. Choices are cached as JSON,
-keyed by the CPU's features, the torch version and the model, so a second start
-measures nothing.
+few step sizes (rows per call: 1, 8, 64). A weight then runs one kind at every step
+size: kinds round apart (an int8 re-encoding of a 4-bit weight is not the same
+weight), and a job's tokens must not depend on how many rows its step had, or a
+verified draft, a prefilled prompt and a resumed job would give other tokens than
+plain decoding. (Mixed per bucket, this machine's tuning once put int8_q8 on the
+64-row gate/up and int4_q8 elsewhere, and n-gram speculation changed 6 of 7 greedy
+outputs.) Where the buckets' winners differ, the kind that loses least summed over
+the buckets, each relative to its bucket's fastest, runs them all. Choices are
+cached as JSON, keyed by the CPU's features, the torch version and the model, so a
+second start measures nothing.
 """
 
 from __future__ import annotations
@@ -48,9 +54,7 @@ class TuneKey:
     torch_version: str
     model: str
     kinds: tuple[str, ...]
-    method: str = (
-        "cold-cache-3/saving-0.2"  # how `measure` times and `choose` picks; a change invalidates old choices
-    )
+    method: str = "cold-cache-3/saving-0.2/one-kind"  # how `measure` times and `choose` picks; a change invalidates old choices
     native_source: str = ""  # digest of the native kernels' source when native kinds compete
 
     @staticmethod
@@ -176,14 +180,17 @@ BYTES_SAVING = 0.2
 
 
 def measure(candidates: Mapping[LinearKind, Linear], device: torch.device = _CPU) -> Choice:
-    """Time every candidate (same weight, on `device`) at each bucket's row count; the fastest per bucket.
+    """Time every candidate (same weight, on `device`) at each bucket's row count; the kind that
+    runs every bucket (`one_kind`).
 
     Each timed call starts with cold caches: in a forward the model's weights stream from
     memory (30 layers do not fit in cache), and a weight left in cache by the previous
     call would favour the kinds with the most bytes.
     """
     first = next(iter(candidates.values()))
-    choice: Choice = {}
+    times: dict[int, dict[LinearKind, float]] = {}
+    winners: dict[int, LinearKind] = {}
+    weight_bytes = {k: lin.weight_bytes() for k, lin in candidates.items()}
     for rows in BUCKETS:
         x = torch.randn(rows, first.in_features, device=device)
         best: dict[LinearKind, float] = {}
@@ -197,8 +204,26 @@ def measure(candidates: Mapping[LinearKind, Linear], device: torch.device = _CPU
                 lin(x)
                 _sync(device)
                 best[kind] = min(best.get(kind, float("inf")), time.perf_counter() - t0)
-        choice[rows] = choose(best, {k: lin.weight_bytes() for k, lin in candidates.items()}, rows)
-    return choice
+        times[rows], winners[rows] = best, choose(best, weight_bytes, rows)
+    kind = one_kind(times, winners)
+    return {rows: kind for rows in BUCKETS}
+
+
+def one_kind(
+    times: Mapping[int, Mapping[LinearKind, float]], winners: Mapping[int, LinearKind]
+) -> LinearKind:
+    """The kind that runs every bucket: the buckets' winner where they agree; else, of their
+    winners, the one with the least slowdown summed over the buckets (each time over its
+    bucket's fastest), fewer winning buckets losing a tie."""
+    kinds = list(dict.fromkeys(winners.values()))
+    if len(kinds) == 1:
+        return kinds[0]
+
+    def loss(kind: LinearKind) -> tuple[float, int]:
+        slowdown = sum(t[kind] / min(t.values()) for t in times.values())
+        return slowdown, -sum(1 for w in winners.values() if w is kind)
+
+    return min(kinds, key=loss)
 
 
 def choose(

@@ -138,11 +138,11 @@ class PeakRates:
 class DecodeStep:
     """What every layer of one decode step shares; tensors contiguous, int64 or float32, on the CPU."""
 
-    rows: int  # sequences, one new token each
+    rows: int  # new tokens: one per sequence, or a chunk's tokens one after another (row_seq)
     positions: torch.Tensor  # [rows]
     slots: torch.Tensor  # [rows]: page * page_size + offset of each new K/V
-    page_tables: torch.Tensor  # [rows, max_pages]
-    seq_lens: torch.Tensor  # [rows], the new token included
+    page_tables: torch.Tensor  # [sequences, max_pages]
+    seq_lens: torch.Tensor  # [rows]: the keys each row sees, itself included (its position + 1)
     cos: torch.Tensor  # rotary tables [positions, head_dim]
     sin_signed: torch.Tensor
     heads: int
@@ -151,6 +151,7 @@ class DecodeStep:
     page_size: int
     eps: float
     attn_scale: float
+    row_seq: torch.Tensor | None = None  # [rows]: each row's sequence (None: row i is sequence i)
 
 
 @dataclass(frozen=True)
@@ -202,9 +203,9 @@ class NativeLibrary:
         lib.dg_linear_silu.restype = ctypes.c_int
         desc = ctypes.POINTER(LinearDesc)
         # x, h, the four linears, ffn_norm, next_norm, eps, cos, sin, positions, k, v, kv_half,
-        # slots, page_tables, max_pages, seq_lens, B, H, KVH, D, page_size, attn_scale
+        # slots, page_tables, max_pages, row_seq, seq_lens, B, H, KVH, D, page_size, attn_scale
         lib.dg_decode_layer.argtypes = [_P, _P, desc, desc, desc, desc, _P, _P, _F, _P, _P, _P, _P, _P]
-        lib.dg_decode_layer.argtypes += [ctypes.c_int, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F]
+        lib.dg_decode_layer.argtypes += [ctypes.c_int, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F]
         lib.dg_decode_layer.restype = ctypes.c_int
         lib.dg_add_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, _F]
         lib.dg_add_rms_norm.restype = None
@@ -310,6 +311,7 @@ class NativeLibrary:
             step.slots.data_ptr(),
             step.page_tables.data_ptr(),
             step.page_tables.shape[1],
+            step.row_seq.data_ptr() if step.row_seq is not None else None,
             step.seq_lens.data_ptr(),
             step.rows,
             step.heads,

@@ -1161,6 +1161,7 @@ typedef __m512 dg_vf;
 #define dg_vzero _mm512_setzero_ps
 #define dg_vfma _mm512_fmadd_ps
 #define dg_vadd _mm512_add_ps
+#define DG_VMAX _mm512_max_ps
 #define dg_vsum _mm512_reduce_add_ps
 #define dg_vload_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define dg_vload_h(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
@@ -1173,6 +1174,7 @@ typedef __m256 dg_vf;
 #define dg_vzero _mm256_setzero_ps
 #define dg_vfma _mm256_fmadd_ps
 #define dg_vadd _mm256_add_ps
+#define DG_VMAX _mm256_max_ps
 #define dg_vsum dg_hsum
 #define dg_vload_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define dg_vload_h(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
@@ -1204,19 +1206,47 @@ static inline void dg_scores16(const float *qh, const void *k, int half, int64_t
                                float *out) {
     __m512 acc[16];
     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) {
-        const __m512 qv = _mm512_loadu_ps(qh + i);
-        for (int t = 0; t < 16; t++)
-            if (t < count) {
+    if (count == 16) { /* a whole block: the same sums with no test per row (unrolled) */
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 qv = _mm512_loadu_ps(qh + i);
+            for (int t = 0; t < 16; t++) {
                 const __m512 kv = half ? dg_vload_h((const uint16_t *)k + t * D + i)
                                        : _mm512_loadu_ps((const float *)k + t * D + i);
                 acc[t] = _mm512_fmadd_ps(qv, kv, acc[t]);
             }
+        }
+    } else {
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 qv = _mm512_loadu_ps(qh + i);
+            for (int t = 0; t < 16; t++)
+                if (t < count) {
+                    const __m512 kv = half ? dg_vload_h((const uint16_t *)k + t * D + i)
+                                           : _mm512_loadu_ps((const float *)k + t * D + i);
+                    acc[t] = _mm512_fmadd_ps(qv, kv, acc[t]);
+                }
+        }
     }
     const __mmask16 keep = (__mmask16)((1u << count) - 1u);
     _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(dg_sum16(acc), _mm512_set1_ps(scale)));
 }
 #endif
+
+/* The largest of n scores, NaNs skipped (as fmaxf does; a maximum rounds nothing, so lanes give
+ * the same value as a scalar walk). */
+static inline float dg_max_scores(const float *x, int64_t n) {
+    float mx = -INFINITY;
+    int64_t t = 0;
+#if defined(DG_VW)
+    dg_vf vm = dg_vset1(-INFINITY);
+    /* max_ps(x, m) answers m where x is NaN: a NaN score never becomes the maximum */
+    for (; t + DG_VW <= n; t += DG_VW) vm = DG_VMAX(dg_vload(x + t), vm);
+    float lanes[DG_VW];
+    dg_vstore(lanes, vm);
+    for (int i = 0; i < DG_VW; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+#endif
+    for (; t < n; t++) mx = x[t] > mx ? x[t] : mx;
+    return mx;
+}
 
 /* The K and V rows the next task of a thread will read, pulled towards L2 a little at a time
  * while the current task computes: the rows of a (sequence, K/V head) are a few short runs in
@@ -1260,6 +1290,39 @@ static inline void dg_prefetch_step(dg_prefetch *pf, int64_t n) {
     }
 }
 
+#if defined(DG_AVX512)
+/* o[a] (HG heads of D = 16 * NV values, D apart) = the sum over rows t < len of p[a * len + t] *
+ * V[t]: each V row of the page table read once for the HG heads, HG * NV sums side by side (one
+ * head's NV sums form a chain as long as the rows, bound by the FMA's latency). Called with
+ * constant HG and NV where it matters, so the loops unroll and the sums stay in registers. */
+static inline __attribute__((always_inline)) void dg_pv_heads(const int HG, const int NV, const float *p, int64_t len,
+                                                              const void *v_cache, int half, const int64_t *table,
+                                                              int64_t KVH, int64_t kh, int64_t page_size, int64_t D,
+                                                              dg_prefetch *pf, int64_t pf_step, int prefetch,
+                                                              float *o) {
+    __m512 acc[4][4];
+    for (int a = 0; a < HG; a++)
+        for (int v = 0; v < NV; v++) acc[a][v] = _mm512_setzero_ps();
+    for (int64_t pg = 0, t = 0; t < len; pg++) {
+        const int64_t base = (table[pg] * KVH + kh) * page_size;
+        const int64_t count = len - t < page_size ? len - t : page_size;
+        for (int64_t j = 0; j < count; j++, t++) {
+            if (prefetch && t % 16 == 0) dg_prefetch_step(pf, pf_step);
+            __m512 vr[4];
+            for (int v = 0; v < NV; v++)
+                vr[v] = half ? dg_vload_h((const uint16_t *)v_cache + (base + j) * D + 16 * v)
+                             : _mm512_loadu_ps((const float *)v_cache + (base + j) * D + 16 * v);
+            for (int a = 0; a < HG; a++) {
+                const __m512 pv = _mm512_set1_ps(p[a * len + t]);
+                for (int v = 0; v < NV; v++) acc[a][v] = _mm512_fmadd_ps(pv, vr[v], acc[a][v]);
+            }
+        }
+    }
+    for (int a = 0; a < HG; a++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + a * D + 16 * v, acc[a][v]);
+}
+#endif
+
 /* One query row per task group: q [B, H, D] (row b at q + b * q_stride); the caches are
  * [pages, KVH, page_size, D], float32, float16 (kv_half) or, with scales, int8 with one scale per
  * (page, head, slot), float32 or float16 (scale_half); row b reads page table row_seq[b] of
@@ -1296,13 +1359,15 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         const int64_t *table = page_tables + (row_seq ? row_seq[b] : b) * max_pages;
         dg_prefetch pf;
         const int64_t nb = next / KVH;
-        if (next < B * KVH)
+        /* A chunk's later rows read the keys its first row read (in cache by now): only a
+         * sequence's first row is worth prefetching for. */
+        if (next < B * KVH && (!row_seq || nb == 0 || row_seq[nb - 1] != row_seq[nb]))
             dg_prefetch_start(&pf, k_cache, v_cache, page_tables + (row_seq ? row_seq[nb] : nb) * max_pages,
                               next % KVH, KVH, page_size, row_bytes, seq_lens[nb]);
         else
             dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, row_bytes, 0);
         /* Spread over the current task's blocks of 16 K rows and 16 V rows. */
-        const int64_t pf_step = 1 + (next < B * KVH ? 2 * seq_lens[next / KVH] * row_bytes / DG_PF_STRIDE : 0) /
+        const int64_t pf_step = 1 + (pf.runs ? 2 * seq_lens[nb] * row_bytes / DG_PF_STRIDE : 0) /
                                         (2 * ((len + 15) / 16));
         const float *qg = q + b * q_stride + kh * per_kv * D; /* the group's query heads, D apart */
         float *og = out + b * H * D + kh * per_kv * D;
@@ -1375,8 +1440,7 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         }
         for (int64_t g = 0; g < per_kv; g++) {
             float *sg = scores + g * len;
-            float mx = -INFINITY;
-            for (int64_t t = 0; t < len; t++) mx = fmaxf(mx, sg[t]);
+            float mx = dg_max_scores(sg, len);
             float sum = 0.0f;
             int64_t t = 0;
 #if defined(DG_AVX2)
@@ -1405,31 +1469,21 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
             const int64_t nv = D / 16;
             for (; g_done < per_kv; g_done += 4) {
                 const int64_t hg = per_kv - g_done < 4 ? per_kv - g_done : 4;
-                __m512 acc[4][4];
-                for (int a = 0; a < 4; a++)
-                    for (int v = 0; v < 4; v++) acc[a][v] = _mm512_setzero_ps();
-                for (int64_t p = 0, t = 0; t < len; p++) {
-                    const int64_t base = (table[p] * KVH + kh) * page_size;
-                    const int64_t count = len - t < page_size ? len - t : page_size;
-                    for (int64_t j = 0; j < count; j++, t++) {
-                        if (t % 16 == 0 && g_done == 0) dg_prefetch_step(&pf, pf_step);
-                        __m512 vr[4];
-                        for (int v = 0; v < 4; v++)
-                            if (v < nv)
-                                vr[v] = half ? dg_vload_h((const uint16_t *)v_cache + (base + j) * D + 16 * v)
-                                             : _mm512_loadu_ps((const float *)v_cache + (base + j) * D + 16 * v);
-                        for (int a = 0; a < 4; a++)
-                            if (a < hg) {
-                                const __m512 pv = _mm512_set1_ps(scores[(g_done + a) * len + t]);
-                                for (int v = 0; v < 4; v++)
-                                    if (v < nv) acc[a][v] = _mm512_fmadd_ps(pv, vr[v], acc[a][v]);
-                            }
+                const float *pg = scores + g_done * len;
+                float *og4 = og + g_done * D;
+#define DG_PV(HG, NV) dg_pv_heads(HG, NV, pg, len, v_cache, half, table, KVH, kh, page_size, D, &pf, pf_step, \
+                                  g_done == 0, og4)
+                if (nv == 4) { /* head_dim 64: constants for the compiler, sums kept in registers */
+                    switch (hg) {
+                    case 1: DG_PV(1, 4); break;
+                    case 2: DG_PV(2, 4); break;
+                    case 3: DG_PV(3, 4); break;
+                    default: DG_PV(4, 4); break;
                     }
+                } else {
+                    DG_PV((int)hg, (int)nv);
                 }
-                for (int a = 0; a < 4; a++)
-                    if (a < hg)
-                        for (int v = 0; v < 4; v++)
-                            if (v < nv) _mm512_storeu_ps(og + (g_done + a) * D + 16 * v, acc[a][v]);
+#undef DG_PV
             }
         }
 #else
@@ -1539,12 +1593,14 @@ void dg_lora_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, const 
 
 /* ---- one whole decoder layer for a decode step -------------------------------------------------
  *
- * Every sequence brings one token (B rows), activations are float32, the K/V cache float32 or
- * float16 (kv_half), and all
- * four projections are block linears: then the layer is one call, not a dozen, so the host
- * work per layer (argument checks, allocations, calls) is paid once. Same ops, same order and
- * same kernels as the per-op path: norms, linears, rotary, the K/V write at each row's slot,
- * decode attention, silu * up.
+ * B rows, activations float32, the K/V cache float32 or float16 (kv_half), and all four
+ * projections block linears: then the layer is one call, not a dozen, so the host work per layer
+ * (argument checks, allocations, calls) is paid once. Same ops, same order and same kernels as
+ * the per-op path: norms, linears, rotary, the K/V write at each row's slot, decode attention,
+ * silu * up. A row is one sequence's new token (row_seq NULL: row b is sequence b) or one token
+ * of a sequence's chunk (row_seq naming its page table, seq_lens[b] its position + 1): every
+ * row's K/V is written before any row attends, so a chunk token sees the ones before it, which
+ * is what a speculative verification (the last token and its drafts) needs.
  *
  * x [B, hidden] is the residual stream, updated in place; h [B, hidden] holds this layer's
  * normed input on entry and the next layer's on return (normed with next_norm; with
@@ -1574,8 +1630,9 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
                     const dg_linear_desc *gate_up, const dg_linear_desc *down, const float *ffn_norm,
                     const float *next_norm, float eps, const float *cos_table, const float *sin_signed,
                     const int64_t *positions, void *k_cache, void *v_cache, int kv_half, const int64_t *slots,
-                    const int64_t *page_tables, int64_t max_pages, const int64_t *seq_lens, int64_t B,
-                    int64_t H, int64_t KVH, int64_t D, int64_t page_size, float attn_scale) {
+                    const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
+                    const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
+                    float attn_scale) {
     const int64_t hidden = o->n, width = qkv->n, inter = down->k;
     float *qkv_out = dg_layer_scratch((size_t)B * (size_t)(width + H * D + hidden + 2 * inter));
     if (!qkv_out) return -1;
@@ -1596,7 +1653,7 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
             }
         }
     }
-    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, kv_half, page_tables, max_pages, NULL,
+    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, kv_half, page_tables, max_pages, row_seq,
                         seq_lens, B, H, KVH, D, page_size, attn_scale, attn);
     if (dg_linear(o->layout, o->blocks, hidden, o->k, attn, B, delta)) return -1;
     dg_add_rms_norm(x, delta, ffn_norm, h, B, hidden, eps);
