@@ -252,6 +252,7 @@ class DynamicGenerator:
         reads schedule -> stage -> forward -> (guide) -> sample -> intake -> apply: each part
         returns what it did, its faults as StepFailures, and calls back into nothing.
         """
+        started = time.perf_counter()
         events, self._pending_events = self._pending_events, []
         self.speculation.plan()
         chunks, failures = self.speculation.draft(self.scheduler.schedule(on_preempt=self._on_preempt))
@@ -267,6 +268,8 @@ class DynamicGenerator:
                 self._contain(c.job, "preparing its step", exc, events)
         if not staged:
             return events
+        # A step of decode rows (and drafts) only: its time teaches adaptive speculation's cost table.
+        decode_only = self.speculation.learns_cost() and all(c.seq.decoding for c, _ in staged)
         if any(seq.adapter is not None for _, seq in staged):
             # Each adapter's rows side by side: its deltas then run on one slice of the batch.
             staged.sort(key=lambda cs: 0 if cs[1].adapter is None else cs[1].adapter.uid)
@@ -311,6 +314,8 @@ class DynamicGenerator:
             self._take(taken, events)
         elif masks is not None:
             masks.result()  # nobody samples after all (failed forwards): let the worker finish
+        if decode_only:
+            self.speculation.observe(sum(c.num_tokens for c, _ in staged), time.perf_counter() - started)
         return events
 
     def _stage(self, c: ScheduledChunk, now: float, events: list[JobEvent]) -> SequenceInput:
@@ -395,6 +400,7 @@ class DynamicGenerator:
         error: JobError | None = None,
     ) -> JobFinished:
         finished = finished_event(job, reason, token, stop_string, text, error)
+        self.speculation.finished(job)
         self.jobs.pop(job.job_id, None)
         try:
             self.scheduler.remove(job)  # FINISHED from here on

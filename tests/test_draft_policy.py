@@ -91,3 +91,37 @@ def test_step_cost_is_positive_and_matches_its_points(rows: list[int], times: li
 def test_step_cost_is_checked() -> None:
     with pytest.raises(ValueError):
         StepCost((4, 2), (0.1, 0.2))
+
+
+def test_a_step_moves_the_two_row_counts_around_it() -> None:
+    cost = StepCost((1, 2, 4, 8), (0.004, 0.004, 0.006, 0.010))
+    slower = cost.observed(3, 0.007, rate=0.5)  # predicted 5 ms: 2 ms over, half of it shared
+    assert slower.seconds[0] == cost.seconds[0]
+    assert slower.seconds[1] == pytest.approx(0.004 + 0.5 * 0.5 * 0.002)
+    assert slower.seconds[2] == pytest.approx(0.006 + 0.5 * 0.5 * 0.002)
+    assert slower.seconds[3] == cost.seconds[3]
+    # Past the end, the end point takes the error; times stay non-decreasing.
+    assert cost.observed(9, 0.012, rate=1.0).seconds[3] == pytest.approx(0.010 + 0.012 - cost.at(9))
+    faster = cost.observed(1, 0.001, rate=1.0)
+    assert faster.seconds[0] == pytest.approx(0.001) and list(faster.seconds) == sorted(faster.seconds)
+
+
+def test_observed_steps_correct_a_table_measured_on_a_busy_machine() -> None:
+    """Warm-up timed while another process held a core: 2 rows read as 3x one row, so no draft
+    pays and none is verified. Probes and every step's time bring drafting back."""
+    true = StepCost((1, 2, 4, 8, 16), (0.004, 0.0042, 0.0048, 0.0066, 0.011))
+    busy = StepCost((1, 2, 4, 8, 16), (0.004, 0.012, 0.020, 0.030, 0.050))
+    policy = DraftPolicy(busy, 8)
+    for _ in range(20):
+        policy.verified(A, 8, 8)  # the job's drafts are always kept
+    assert policy.budgets([DraftWant(A, 10_000)], rows=1)[A] == 0
+    drafted = []
+    for _ in range(3000):
+        d = policy.budgets([DraftWant(A, 10_000)], rows=1)[A]
+        drafted.append(d)
+        if d:
+            policy.verified(A, d, d)
+        policy.observe(1 + d, true.at(1 + d))
+    assert sum(drafted[-100:]) >= 100 * 3  # drafting again, on the table the steps taught
+    rows = 1 + drafted[-1]
+    assert policy.cost.at(rows) == pytest.approx(true.at(rows), abs=0.001)  # where it runs now

@@ -11,7 +11,10 @@ Two measured things decide it:
   the acceptance of every job so far (`prior`).
 - **The step's cost against its rows** (`StepCost`, measured on this machine at warm-up): on a
   2-core CPU one row costs about as much as the weights' read up to a few rows, and each row
-  past that adds about its share of a full step.
+  past that adds about its share of a full step. Warm-up times short sequences on whatever load
+  the machine had then; every later decode step's time moves the table toward what steps cost
+  now (`observe`: the error shared by the two row counts around it, `OBSERVE_RATE` of it), so
+  long contexts' attention and a start on a busy machine are corrected by the steps themselves.
 
 Draft tokens are then handed out one at a time, each to the job whose next draft token is the
 most likely to be kept, while it raises the step's expected tokens per second: the step makes n
@@ -20,7 +23,9 @@ a draft kept with p = 0.3 pays; at batch 64 on 2 cores even a near-certain one b
 speculation switches itself off under load with no setting. A job whose drafts stop paying
 drafts nothing; its estimate drifts back toward the prior while it does not draft (`RELAX` per
 step it could have), so it is probed again now and then. When not even a certain draft token
-would pay for its row (a full batch), a step costs no per-job work at all.
+would pay for its row (a full batch), a step costs no per-job work at all. Every `PROBE_EVERY`
+steps the likeliest job verifies one draft token more than it pays for: a table that overstates
+what a larger step costs would otherwise never see a step that shows it wrong.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ PRIOR_FADE = 0.98  # the same for the acceptance of all jobs (the prior a new jo
 PRIOR_WEIGHT = 2.0  # trials the prior counts as in a new job's estimate
 RELAX = 0.02  # share of the way back to the prior a job's estimate goes per step without drafts
 INITIAL_PRIOR = 0.5
+OBSERVE_RATE = 0.05  # share of a decode step's timing error its neighbouring table points take
+PROBE_EVERY = 64  # steps between two probes (a draft token more than pays, for the likeliest job)
+PROBE_RATE = 0.5  # OBSERVE_RATE for a probe's step: its row count is rarely run otherwise
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,31 @@ class StepCost:
         i = min(max(bisect.bisect_left(r, rows), 1), len(r) - 1)
         slope = max((s[i] - s[i - 1]) / (r[i] - r[i - 1]), 0.0)
         return max(s[i - 1] + slope * (rows - r[i - 1]), 1e-6)
+
+    def observed(self, rows: int, seconds: float, rate: float = OBSERVE_RATE) -> StepCost:
+        """The table after a step of `rows` rows took `seconds`: `rate` of the prediction's error
+        goes to the two row counts around `rows` in proportion to their weight in it (one step of
+        least squares on the interpolation); the times kept non-decreasing."""
+        r, s = self.rows, list(self.seconds)
+        error = seconds - self.at(rows)
+        if rows <= r[0]:
+            shares = [(0, 1.0)]
+        elif rows >= r[-1]:
+            shares = [(len(r) - 1, 1.0)]
+        else:
+            i = bisect.bisect_left(r, rows)
+            w = (rows - r[i - 1]) / (r[i] - r[i - 1])
+            shares = [(i - 1, 1.0 - w), (i, w)]
+        for j, share in shares:
+            s[j] = max(s[j] + rate * share * error, 1e-6)
+        # Non-decreasing again, trusting the points just moved: a step cheaper than a smaller
+        # row count's entry pulls that entry down, a dearer one pushes the larger ones up.
+        low = shares[0][0]
+        for j in range(low - 1, -1, -1):
+            s[j] = min(s[j], s[j + 1])
+        for j in range(low + 1, len(s)):
+            s[j] = max(s[j], s[j - 1])
+        return StepCost(r, tuple(s))
 
 
 @dataclass
@@ -87,6 +120,13 @@ class DraftPolicy:
         self.max_draft_tokens = max_draft_tokens
         self._jobs: dict[JobId, _Acceptance] = {}
         self._prior = _Acceptance(INITIAL_PRIOR * PRIOR_WEIGHT, PRIOR_WEIGHT)
+        self._probe_in = PROBE_EVERY  # steps until the next probe
+        self._probing = False  # the last budgets asked for a probe
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step (no prompt tokens) of `rows` rows, drafts included, took `seconds`."""
+        self.cost = self.cost.observed(rows, seconds, PROBE_RATE if self._probing else OBSERVE_RATE)
+        self._probing = False
 
     @property
     def prior(self) -> float:
@@ -99,10 +139,13 @@ class DraftPolicy:
     def budgets(self, wants: Sequence[DraftWant], rows: int) -> dict[JobId, int]:
         """Draft tokens per job for a step of `rows` rows before drafts (the running jobs' rows)."""
         out = {w.job_id: 0 for w in wants}
+        if not wants:
+            return out
         base = max(rows, 1)
         tokens, seconds = float(base), self.cost.at(base)
         if (tokens + 1) / self.cost.at(base + 1) <= tokens / seconds:
-            return out  # not even a certain draft token pays for its row (a full batch): no per-job work
+            # Not even a certain draft token pays for its row (a full batch): no per-job work.
+            return self._probe(wants, out)
         p = {w.job_id: self._relaxed(w.job_id) for w in wants}
         most = {w.job_id: min(w.most, self.max_draft_tokens) for w in wants}
         # The next draft token of each job, most likely to be kept first (a heap of -probability).
@@ -119,6 +162,20 @@ class DraftPolicy:
             out[job_id] += 1
             if out[job_id] < most[job_id]:
                 heapq.heappush(heap, (-q * p[job_id], job_id))
+        return self._probe(wants, out)
+
+    def _probe(self, wants: Sequence[DraftWant], out: dict[JobId, int]) -> dict[JobId, int]:
+        """`out`, or, every PROBE_EVERY steps, `out` with one more draft token for the likeliest
+        job that can use it: the step's time then tells the table what one more row costs, which
+        a table that overstates it would otherwise never learn (its rows are never run)."""
+        self._probe_in -= 1
+        if self._probe_in > 0:
+            return out
+        self._probe_in = PROBE_EVERY
+        able = [w for w in wants if out[w.job_id] < min(w.most, self.max_draft_tokens)]
+        if able:
+            out[max(able, key=lambda w: self.acceptance(w.job_id)).job_id] += 1
+            self._probing = True
         return out
 
     def _relaxed(self, job_id: JobId) -> float:

@@ -29,11 +29,16 @@ class SpeculationConfig:
     # Each job's draft length follows its own acceptance and the step's cost (num_draft_tokens is
     # then the most any job drafts); off: every speculating job drafts num_draft_tokens.
     adaptive: bool = True
+    # Recent finished outputs the n-gram drafter also copies from, in tokens (0: none); jobs copy
+    # only outputs of their own cache salt (engine/speculation/suffix_corpus.py).
+    corpus_tokens: int = 1 << 14
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 32:
             raise InvalidRequestError(f"num_draft_tokens must be in [1, 32], got {self.num_draft_tokens}")
         if not 1 <= self.max_ngram <= 16:
             raise InvalidRequestError(f"max_ngram must be in [1, 16], got {self.max_ngram}")
+        if self.corpus_tokens < 0:
+            raise InvalidRequestError(f"corpus_tokens must be >= 0, got {self.corpus_tokens}")
         if self.max_batch_size < 1:
             raise InvalidRequestError(f"speculation max_batch_size must be >= 1, got {self.max_batch_size}")

@@ -26,6 +26,8 @@ from engine.scheduler import Scheduler
 from engine.speculation.draft_policy import DraftPolicy, DraftWant, StepCost
 from engine.speculation.speculation_config import SpeculationConfig
 from engine.speculation.speculative import (
+    MATCH_LOOKBACK,
+    NGRAM_CANDIDATES,
     Draft,
     Drafter,
     DrafterKind,
@@ -35,6 +37,7 @@ from engine.speculation.speculative import (
     accept_greedy,
     accept_sampled,
 )
+from engine.speculation.suffix_corpus import SuffixCorpus
 from engine.step_failure import StepFailure
 
 logger = logging.getLogger(__name__)
@@ -48,7 +51,12 @@ def make_drafter(
         case DrafterKind.NONE:
             return None
         case DrafterKind.NGRAM:
-            return NgramDrafter(config.max_ngram)
+            corpus = (
+                SuffixCorpus(config.max_ngram, config.corpus_tokens, NGRAM_CANDIDATES, MATCH_LOOKBACK)
+                if config.corpus_tokens
+                else None
+            )
+            return NgramDrafter(config.max_ngram, corpus)
         case DrafterKind.DRAFT_MODEL:
             if draft_model is None:
                 raise InvalidRequestError("speculation kind draft_model needs a draft model")
@@ -83,6 +91,14 @@ class SpeculationStep:
 
     def measured(self, cost: StepCost) -> None:
         self.policy = DraftPolicy(cost, self._config.num_draft_tokens)
+
+    def learns_cost(self) -> bool:
+        return self.policy is not None and not self.paused
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of decode rows only (drafts included) took `seconds`: the cost table learns it."""
+        if self.policy is not None:
+            self.policy.observe(rows, seconds)
 
     def _speculates(self, job: JobState) -> bool:
         s = job.spec.sampling
@@ -133,7 +149,10 @@ class SpeculationStep:
             return chunks, []
         failures: list[StepFailure] = []
         drafter = self.drafter
-        requests = [DraftRequest(c.job.job_id, c.job.tokens, c.job.pages, c.num_tokens - 1) for c in wanting]
+        requests = [
+            DraftRequest(c.job.job_id, c.job.tokens, c.job.pages, c.num_tokens - 1, c.job.spec.cache_salt)
+            for c in wanting
+        ]
         drafts: dict[int, Draft] = {}
         try:
             drafts = dict(zip((id(c) for c in wanting), drafter.propose(requests), strict=True))
@@ -226,6 +245,15 @@ class SpeculationStep:
         if self.drafter is not None:
             for position in positions:
                 self.drafter.rewind(job.job_id, position)
+
+    def finished(self, job: JobState) -> None:
+        """A job ended: its output may be copied by other jobs' drafts (before `forget`)."""
+        if self.drafter is None or job.embeds or job.new_tokens == 0:
+            return  # pseudo ids under prompt embeddings are no text to copy
+        try:
+            self.drafter.finished(job.spec.cache_salt, job.tokens, job.prompt_len)
+        except Exception:
+            logger.exception("job %s: the drafter failed to keep its output", job.job_id[:8])
 
     def forget(self, job: JobState) -> None:
         if self.drafter is None:

@@ -32,6 +32,7 @@ from engine.jobs import JobId
 from engine.model.llama import LlamaModel
 from engine.runner import ModelRunner
 from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
+from engine.speculation.suffix_corpus import SuffixCorpus
 
 # DrafterKind and SpeculationConfig live in engine/speculation/speculation_config.py (no torch); they are
 # exported from here too, beside the drafters they configure.
@@ -56,6 +57,7 @@ class DraftRequest:
     tokens: Sequence[int]
     pages: Sequence[PageId]
     max_tokens: int
+    salt: str = ""  # the job's cache salt: drafts from other jobs' outputs come from this salt's only
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,11 @@ class Drafter(Protocol):
         built from the job's cache from that page on must be rebuilt. Its tokens did not change."""
         ...
 
+    def finished(self, salt: str, tokens: Sequence[int], prompt_len: int) -> None:
+        """A job of cache salt `salt` finished with `tokens` (prompt, then output): drafts for
+        other jobs may copy its output."""
+        ...
+
 
 # Earlier places an n-gram continued that the n-gram drafter keeps (the latest ones), and how far
 # back it compares each with the sequence's end to pick the one that matches longest.
@@ -96,10 +103,15 @@ class NgramDrafter:
     short n-gram (`",\n    "` in JSON) continues many ways, and the longer match is the one the
     text is copying. The index grows incrementally with each accepted token and is freed with the
     job; it holds at most max_ngram * NGRAM_CANDIDATES positions per token of the job.
+
+    With a corpus (suffix_corpus.py), finished jobs' outputs are matched the same way, and the
+    corpus's continuation is proposed where its match reaches further back than the job's own
+    (the job's own on a tie): outputs repeat across requests (the same preamble, keys, closing).
     """
 
-    def __init__(self, max_ngram: int) -> None:
+    def __init__(self, max_ngram: int, corpus: SuffixCorpus | None = None) -> None:
         self.max_ngram = max_ngram
+        self.corpus = corpus
         self._index: dict[JobId, dict[tuple[int, ...], list[int]]] = {}
         self._indexed: dict[JobId, int] = {}  # tokens whose continuation is in the index
 
@@ -125,14 +137,23 @@ class NgramDrafter:
         for r in requests:
             index = self._update(r.job_id, r.tokens)
             proposal: tuple[int, ...] = ()
+            length = 0
             for n in range(min(self.max_ngram, len(r.tokens)), 0, -1):
                 places = index.get(tuple(r.tokens[-n:]))
                 if places:
-                    at = max(places, key=lambda p: (_match_length(r.tokens, p, n), p))
+                    length, at = max((_match_length(r.tokens, p, n), p) for p in places)
                     proposal = tuple(r.tokens[at : at + r.max_tokens])
                     break
+            if self.corpus is not None and length < MATCH_LOOKBACK:
+                shared = self.corpus.match(r.salt, r.tokens, r.max_tokens)
+                if shared is not None and shared.length > length:
+                    proposal = shared.tokens
             drafts.append(Draft(proposal))
         return drafts
+
+    def finished(self, salt: str, tokens: Sequence[int], prompt_len: int) -> None:
+        if self.corpus is not None:
+            self.corpus.add_output(salt, tokens, prompt_len)
 
     def forget(self, job_id: JobId) -> None:
         self._index.pop(job_id, None)
@@ -207,6 +228,9 @@ class DraftModelDrafter:
 
     def forget(self, job_id: JobId) -> None:
         self._computed.pop(job_id, None)
+
+    def finished(self, salt: str, tokens: Sequence[int], prompt_len: int) -> None:
+        pass  # a draft model drafts from its own weights
 
     def rewind(self, job_id: JobId, position: int) -> None:
         # The swapped-in page's draft K/V was written by whichever job's drafter ran over it, if any

@@ -1,0 +1,150 @@
+"""Recent outputs of finished jobs, indexed by n-gram, for the n-gram drafter's drafts of other jobs.
+
+A model's outputs repeat across requests as well as within one: the same preamble, the same JSON
+keys, the same closing text, the same answer to a question asked twice. The corpus keeps the most
+recent `capacity` tokens of finished outputs (each with a few prompt tokens before it, so that its
+first tokens can be matched too) and maps every n-gram (n <= max_ngram) to the latest
+`candidates` places it continued. Jobs see only outputs of their own cache salt: the prefix cache's
+isolation (one salt per tenant, say) holds for drafts too, so no tenant's speed tells it what
+another tenant's jobs wrote.
+
+Eviction is first in, first out by output; an evicted output's places leave the index with it, so
+memory stays bounded by capacity * max_ngram places however long the server runs. A finished
+output waits in a queue (bounded the same) and is indexed when a draft next asks, ABSORB_TOKENS at a
+time: 64 jobs finishing in one step would otherwise stall that step for their whole indexing, and
+a server too busy to draft never pays for it at all.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Key = tuple[str, tuple[int, ...]]  # (cache salt, n-gram)
+PROMPT_CONTEXT = 8  # prompt tokens kept before an output, so that its first tokens can be matched
+ABSORB_TOKENS = 256  # queued output tokens indexed per match asked (at least one output)
+
+
+@dataclass(frozen=True)
+class CorpusMatch:
+    """An earlier output continuing the sequence's end: how many tokens before the continuation
+    match the sequence's last ones (up to the lookback), and the continuation."""
+
+    length: int
+    tokens: tuple[int, ...]
+
+
+class SuffixCorpus:
+    def __init__(self, max_ngram: int, capacity: int, candidates: int, lookback: int) -> None:
+        self.max_ngram = max_ngram
+        self.capacity = capacity
+        self.candidates = candidates
+        self.lookback = lookback
+        self._docs: dict[int, tuple[str, tuple[int, ...]]] = {}  # serial -> (salt, tokens)
+        self._order: deque[int] = deque()
+        self._next = 0
+        self._size = 0
+        self._index: dict[Key, list[tuple[int, int]]] = {}  # -> [(serial, continuation's position)]
+        self._queue: deque[tuple[str, tuple[int, ...]]] = deque()  # outputs not indexed yet
+        self._queued = 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens indexed (queued ones not counted)."""
+        return self._size
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued
+
+    def places(self) -> int:
+        return sum(len(p) for p in self._index.values())
+
+    def add_output(self, salt: str, tokens: Sequence[int], prompt_len: int) -> None:
+        """A finished job's tokens (prompt, then output): its output, with the last PROMPT_CONTEXT
+        prompt tokens before it, for other jobs of `salt` to copy."""
+        if len(tokens) > prompt_len:
+            self.add(salt, tokens[max(prompt_len - PROMPT_CONTEXT, 0) :])
+
+    def add(self, salt: str, tokens: Sequence[int]) -> None:
+        """Tokens that other jobs of `salt` may copy (queued; indexed by `absorb`)."""
+        doc = tuple(tokens[-self.capacity :])
+        if len(doc) < 2:
+            return
+        self._queue.append((salt, doc))
+        self._queued += len(doc)
+        while self._queued > self.capacity:  # older than anything the index would keep
+            self._queued -= len(self._queue.popleft()[1])
+
+    def absorb(self, budget: int | None = None) -> None:
+        """Index queued outputs, oldest first: all of them, or at least one and about `budget` tokens."""
+        while self._queue and (budget is None or budget > 0):
+            salt, doc = self._queue.popleft()
+            self._queued -= len(doc)
+            self._index_doc(salt, doc)
+            if budget is not None:
+                budget -= len(doc)
+
+    def _index_doc(self, salt: str, doc: tuple[int, ...]) -> None:
+        serial, self._next = self._next, self._next + 1
+        self._docs[serial] = (salt, doc)
+        self._order.append(serial)
+        self._size += len(doc)
+        for key, at in self._ngrams(salt, doc):
+            places = self._index.setdefault(key, [])
+            places.append((serial, at))
+            if len(places) > self.candidates:
+                del places[0]
+        while self._size > self.capacity:
+            self._evict(self._order.popleft())
+
+    def _ngrams(self, salt: str, doc: tuple[int, ...]) -> list[tuple[Key, int]]:
+        """Every n-gram of `doc` with a continuation, and the continuation's position."""
+        return [
+            ((salt, doc[i - n + 1 : i + 1]), i + 1)
+            for i in range(len(doc) - 1)
+            for n in range(1, min(self.max_ngram, i + 1) + 1)
+        ]
+
+    def _evict(self, serial: int) -> None:
+        salt, doc = self._docs.pop(serial)
+        self._size -= len(doc)
+        for key, _ in self._ngrams(salt, doc):
+            places = self._index.get(key)
+            if places is None:
+                continue
+            kept = [p for p in places if p[0] != serial]
+            if kept:
+                self._index[key] = kept
+            else:
+                del self._index[key]
+
+    def match(self, salt: str, tokens: Sequence[int], max_tokens: int) -> CorpusMatch | None:
+        """The continuation of the longest n-gram ending `tokens` that an output of `salt` has;
+        of its places, the one whose match reaches furthest back (the latest on a tie)."""
+        self.absorb(ABSORB_TOKENS)
+        for n in range(min(self.max_ngram, len(tokens)), 0, -1):
+            places = self._index.get((salt, tuple(tokens[-n:])))
+            if not places:
+                continue
+            best: tuple[int, int, int] | None = None  # (match length, serial, position)
+            for serial, at in places:
+                length = self._match_length(self._docs[serial][1], at, tokens, n)
+                if best is None or (length, serial) >= best[:2]:
+                    best = (length, serial, at)
+            assert best is not None
+            length, serial, at = best
+            return CorpusMatch(length, self._docs[serial][1][at : at + max_tokens])
+        return None
+
+    def _match_length(self, doc: tuple[int, ...], at: int, tokens: Sequence[int], known: int) -> int:
+        n, end = known, len(tokens)
+        while (
+            n < self.lookback
+            and at - n - 1 >= 0
+            and end - n - 1 >= 0
+            and doc[at - n - 1] == tokens[end - n - 1]
+        ):
+            n += 1
+        return n
