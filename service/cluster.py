@@ -20,8 +20,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2
+
 from service.haproxy_config import DEFAULT_BALANCE_FACTOR, Backend, BalancerConfig, render
 from service.smg_gateway import POLICIES, GatewayError, SmgGateway
+
+# How long a replica may take to reach SERVING before the gateway is started in front of it: a
+# cold first start (native build, autotune) on a busy 2-core machine, with room.
+REPLICA_START_SECONDS = 300.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -133,7 +140,36 @@ class Cluster:
     def start(self) -> None:
         for i in range(len(self.backends)):
             self.start_replica(i)
+        if self.gateway_policy is not None:
+            # The gateway reads each worker's model once, when it registers it: a worker still
+            # loading registers as an unknown model that is never routed to (seen on a loaded
+            # 2-core machine, where two replicas took 9 s to start).
+            for i in range(len(self.backends)):
+                self.wait_replica_serving(i, REPLICA_START_SECONDS)
         self.start_balancer()
+
+    def wait_replica_serving(self, i: int, timeout: float) -> None:
+        """Until replica i's gRPC health says SERVING; ClusterError at `timeout` or if it exits."""
+        target = self.replica_target(i)
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(target) as channel:
+            check = channel.unary_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            )
+            while time.monotonic() < deadline:
+                p = self.processes[i]
+                if p is not None and p.poll() is not None:
+                    raise ClusterError(f"replica {i} exited with status {p.returncode} while starting")
+                try:
+                    reply: health_pb2.HealthCheckResponse = check(health_pb2.HealthCheckRequest(), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise ClusterError(f"replica {i} ({target}) not SERVING within {timeout:.0f} s")
 
     def stop(self, grace: float = 60.0) -> None:
         """SIGTERM every replica (each drains), then stop HAProxy."""
