@@ -32,7 +32,7 @@ from engine.jobs import JobId
 from engine.model.llama import LlamaModel
 from engine.runner import ModelRunner
 from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
-from engine.speculation.suffix_corpus import SuffixCorpus
+from engine.speculation.suffix_corpus import SuffixCorpus, match_length, ngram_places
 
 # DrafterKind and SpeculationConfig live in engine/speculation/speculation_config.py (no torch); they are
 # exported from here too, beside the drafters they configure.
@@ -123,12 +123,11 @@ class NgramDrafter:
             start = 0
         # An n-gram ending at i is indexed once token i + 1 (its continuation) exists, so the
         # current suffix never matches itself.
-        for i in range(start, len(tokens) - 1):
-            for n in range(1, min(self.max_ngram, i + 1) + 1):
-                places = index.setdefault(tuple(tokens[i - n + 1 : i + 1]), [])
-                places.append(i + 1)
-                if len(places) > NGRAM_CANDIDATES:
-                    del places[0]
+        for gram, at in ngram_places(tokens, start, self.max_ngram):
+            places = index.setdefault(gram, [])
+            places.append(at)
+            if len(places) > NGRAM_CANDIDATES:
+                del places[0]
         self._indexed[job_id] = max(start, len(tokens) - 1)
         return index
 
@@ -141,7 +140,9 @@ class NgramDrafter:
             for n in range(min(self.max_ngram, len(r.tokens)), 0, -1):
                 places = index.get(tuple(r.tokens[-n:]))
                 if places:
-                    length, at = max((_match_length(r.tokens, p, n), p) for p in places)
+                    length, at = max(
+                        (match_length(r.tokens, p, r.tokens, n, MATCH_LOOKBACK), p) for p in places
+                    )
                     proposal = tuple(r.tokens[at : at + r.max_tokens])
                     break
             if self.corpus is not None and length < MATCH_LOOKBACK:
@@ -164,16 +165,6 @@ class NgramDrafter:
 
     def tracked_jobs(self) -> int:
         return len(self._index)
-
-
-def _match_length(tokens: Sequence[int], at: int, known: int) -> int:
-    """How many tokens before position `at` equal the sequence's last ones (the first `known`
-    are known to), up to MATCH_LOOKBACK."""
-    end = len(tokens)
-    n = known
-    while n < MATCH_LOOKBACK and at - n - 1 >= 0 and tokens[at - n - 1] == tokens[end - n - 1]:
-        n += 1
-    return n
 
 
 class DraftModelDrafter:

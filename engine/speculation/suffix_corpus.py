@@ -26,6 +26,25 @@ PROMPT_CONTEXT = 8  # prompt tokens kept before an output, so that its first tok
 ABSORB_TOKENS = 256  # queued output tokens indexed per match asked (at least one output)
 
 
+def ngram_places(tokens: Sequence[int], start: int, max_ngram: int) -> list[tuple[tuple[int, ...], int]]:
+    """Every n-gram (n <= max_ngram) ending at a position i >= start that has a continuation, with
+    the continuation's position i + 1 (the n-gram drafter's index and the corpus's alike)."""
+    return [
+        (tuple(tokens[i - n + 1 : i + 1]), i + 1)
+        for i in range(start, len(tokens) - 1)
+        for n in range(1, min(max_ngram, i + 1) + 1)
+    ]
+
+
+def match_length(source: Sequence[int], at: int, tokens: Sequence[int], known: int, lookback: int) -> int:
+    """How many tokens of `source` before position `at` equal the last ones of `tokens` (the first
+    `known` are known to), up to `lookback`."""
+    n, end = known, len(tokens)
+    while n < lookback and at - n - 1 >= 0 and end - n - 1 >= 0 and source[at - n - 1] == tokens[end - n - 1]:
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class CorpusMatch:
     """An earlier output continuing the sequence's end: how many tokens before the continuation
@@ -41,8 +60,7 @@ class SuffixCorpus:
         self.capacity = capacity
         self.candidates = candidates
         self.lookback = lookback
-        self._docs: dict[int, tuple[str, tuple[int, ...]]] = {}  # serial -> (salt, tokens)
-        self._order: deque[int] = deque()
+        self._docs: dict[int, tuple[str, tuple[int, ...]]] = {}  # serial -> (salt, tokens), oldest first
         self._next = 0
         self._size = 0
         self._index: dict[Key, list[tuple[int, int]]] = {}  # -> [(serial, continuation's position)]
@@ -89,28 +107,20 @@ class SuffixCorpus:
     def _index_doc(self, salt: str, doc: tuple[int, ...]) -> None:
         serial, self._next = self._next, self._next + 1
         self._docs[serial] = (salt, doc)
-        self._order.append(serial)
         self._size += len(doc)
-        for key, at in self._ngrams(salt, doc):
-            places = self._index.setdefault(key, [])
+        for gram, at in ngram_places(doc, 0, self.max_ngram):
+            places = self._index.setdefault((salt, gram), [])
             places.append((serial, at))
             if len(places) > self.candidates:
                 del places[0]
         while self._size > self.capacity:
-            self._evict(self._order.popleft())
-
-    def _ngrams(self, salt: str, doc: tuple[int, ...]) -> list[tuple[Key, int]]:
-        """Every n-gram of `doc` with a continuation, and the continuation's position."""
-        return [
-            ((salt, doc[i - n + 1 : i + 1]), i + 1)
-            for i in range(len(doc) - 1)
-            for n in range(1, min(self.max_ngram, i + 1) + 1)
-        ]
+            self._evict(next(iter(self._docs)))
 
     def _evict(self, serial: int) -> None:
         salt, doc = self._docs.pop(serial)
         self._size -= len(doc)
-        for key, _ in self._ngrams(salt, doc):
+        for gram, _ in ngram_places(doc, 0, self.max_ngram):
+            key = (salt, gram)
             places = self._index.get(key)
             if places is None:
                 continue
@@ -130,21 +140,10 @@ class SuffixCorpus:
                 continue
             best: tuple[int, int, int] | None = None  # (match length, serial, position)
             for serial, at in places:
-                length = self._match_length(self._docs[serial][1], at, tokens, n)
+                length = match_length(self._docs[serial][1], at, tokens, n, self.lookback)
                 if best is None or (length, serial) >= best[:2]:
                     best = (length, serial, at)
             assert best is not None
             length, serial, at = best
             return CorpusMatch(length, self._docs[serial][1][at : at + max_tokens])
         return None
-
-    def _match_length(self, doc: tuple[int, ...], at: int, tokens: Sequence[int], known: int) -> int:
-        n, end = known, len(tokens)
-        while (
-            n < self.lookback
-            and at - n - 1 >= 0
-            and end - n - 1 >= 0
-            and doc[at - n - 1] == tokens[end - n - 1]
-        ):
-            n += 1
-        return n
