@@ -21,7 +21,7 @@ from engine.model.loader import LoadedModel
 from engine.model.tokenizer import ChatMessage
 from engine.output.text_stream import TextStream
 from engine.prompt.guidance import Guidance
-from engine.sampling.positioned_uniform import ACCEPT_STREAM, positioned_uniform, seed_key
+from engine.sampling.positioned_uniform import positioned_uniform, seed_key
 from engine.sampling.sampler_state import SamplerState
 from tests.job_events import run_jobs
 
@@ -122,7 +122,7 @@ def test_positioned_draws_are_a_function_of_seed_position_and_stream() -> None:
     a = SamplerState(SamplingSettings(temperature=1.0, seed=42), [1], 100)
     b = SamplerState(SamplingSettings(temperature=1.0, seed=42), [1], 100)
     assert [a.uniform(p) for p in range(50)] == [b.uniform(p) for p in reversed(range(50))][::-1]
-    assert a.uniform(7) != a.uniform(7, 1) != a.uniform(7, ACCEPT_STREAM)
+    assert a.uniform(7) != a.uniform(7, 1) != a.uniform(7, 2)
     c = SamplerState(SamplingSettings(temperature=1.0, seed=43), [1], 100)
     assert [a.uniform(p) for p in range(20)] != [c.uniform(p) for p in range(20)]
     # Unpositioned draws go on in a sequence of their own.

@@ -316,49 +316,37 @@ def test_different_seeds_differ_and_unseeded_jobs_do_not_share_state(sampler: Sa
     assert both[0] != both[1] or draws(a) != draws(b)
 
 
-def test_sample_equals_draw_from_processed_probs(sampler: Sampler) -> None:
+def test_processed_probs_are_what_sample_draws_from(sampler: Sampler) -> None:
     sets = mixed_settings(40)
     logits = rand_logits(len(sets), seed=11)
-    first = [state(s) for s in sets]
-    second = [state(s) for s in sets]
-    tokens = [r.token_id for r in sampler.sample(logits, [SampleRequest(s) for s in first])]
-    probs = sampler.processed_probs(logits, [SampleRequest(s) for s in second])
-    drawn = [sampler.draw(probs[i], s) for i, s in enumerate(second)]
-    assert tokens == drawn
+    tokens = [r.token_id for r in sampler.sample(logits, [SampleRequest(state(s)) for s in sets])]
+    probs = sampler.processed_probs(logits, [SampleRequest(state(s)) for s in sets])
     assert all(float(probs[i, t]) > 0 for i, t in enumerate(tokens))
     torch.testing.assert_close(probs.sum(-1), torch.ones(len(sets)))
 
 
-def test_banned_tokens_are_never_sampled(sampler: Sampler) -> None:
-    favourites = frozenset(range(10))
-    logits = torch.zeros(1, V)
-    logits[0, :10] = 20.0  # the banned ids would win almost every draw
-    s_ = state(SamplingSettings(temperature=2.0, banned_token_ids=frozenset(range(5)), seed=3))
-    req = SampleRequest(s_, banned_extra=frozenset(range(5, 10)))
-    assert not {sampler.sample(logits, [req])[0].token_id for _ in range(200)} & favourites
-
-
-def test_bans_covering_the_vocabulary_fall_back_to_the_jobs_own_bans(sampler: Sampler) -> None:
-    vocab = 8
-    s = Sampler(vocab, mode=sampler.mode)
-    st_ = state(SamplingSettings(temperature=1.0, banned_token_ids=frozenset({0, 1})), vocab=vocab)
-    req = SampleRequest(st_, banned_extra=frozenset(range(2, vocab)))
-    for _ in range(20):
-        assert s.sample(rand_logits(1, vocab), [req])[0].token_id >= 2
-    s.close()
+def test_rows_of_one_job_at_distinct_positions_draw_as_they_would_alone(sampler: Sampler) -> None:
+    """Speculative verification samples a job's draft positions in one call: each row draws its own
+    position's uniform, so the tokens are those of one call per position."""
+    settings = SamplingSettings(temperature=0.9, top_p=0.9, seed=5)
+    logits = rand_logits(6, seed=4)
+    s_ = state(settings)
+    together = [r.token_id for r in sampler.sample(logits, [SampleRequest(s_, position=p) for p in range(6)])]
+    alone = [
+        sampler.sample(logits[p : p + 1], [SampleRequest(state(settings), position=p)])[0].token_id
+        for p in range(6)
+    ]
+    assert together == alone
 
 
 def test_rejects_bad_input(sampler: Sampler) -> None:
     s_ = state(REALISTIC)
-    with pytest.raises(ValueError, match="one row per sample call"):
+    with pytest.raises(ValueError, match="distinct output positions"):
         sampler.sample(rand_logits(2), [SampleRequest(s_), SampleRequest(s_)])
+    with pytest.raises(ValueError, match="distinct output positions"):
+        sampler.sample(rand_logits(2), [SampleRequest(s_, position=3), SampleRequest(s_, position=3)])
     with pytest.raises(ValueError, match="logits must be"):
         sampler.sample(rand_logits(1, 10), [SampleRequest(s_)])
-
-
-def test_draw_rejects_an_empty_distribution(sampler: Sampler) -> None:
-    with pytest.raises(ValueError, match="positive mass"):
-        sampler.draw(torch.zeros(V), state(REALISTIC))
 
 
 def test_logits_are_not_modified(sampler: Sampler) -> None:

@@ -3,8 +3,8 @@
 A job's sampled token at output position p uses the uniform keyed by (seed, p, stream), not the
 next value of a generator whose state depends on every draw before it. So a job re-created from
 its prompt and the tokens it already emitted (after an engine restart, with the same seed) draws
-exactly what it would have drawn, with no generator state to carry, and speculation's extra draws
-or a banned-string redraw never shift the draws of later positions.
+exactly what it would have drawn, with no generator state to carry, and a banned-string redraw
+never shifts the draws of later positions (speculation draws each draft position's own uniform).
 
 The hash is SplitMix64's finalizer (Steele, Lea and Flood, 2014) applied along the key; its
 outputs pass BigCrush as a counter-based generator. Three mixes of Python ints cost about a
@@ -17,9 +17,6 @@ _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _SCALE = 2.0**-24  # 24 bits: every value is exact in float32, as torch.rand's are
 
-# Stream of the draft acceptance tests (speculative decoding's rejection sampling): apart from the
-# token draws of the same position (streams 0, 1, 2, ...: the first draw, then redraws after bans).
-ACCEPT_STREAM = 1 << 32
 # Stream of draws that name no position (direct Sampler callers): numbered by the state in order.
 SEQUENTIAL_STREAM = 1 << 33
 

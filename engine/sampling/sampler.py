@@ -20,8 +20,8 @@ one token. The draw is by inverse CDF: one uniform u per sampled row, a function
 job's seed and the token's output position (positioned_uniform.py), CDF accumulated in
 float64 in vocabulary order, token = first id whose CDF exceeds u * total. So a seeded
 job's tokens depend on its logits and its seed only, whatever shares the batch or came
-before (a job re-created at a position draws the same), and `draw(processed_probs(...)[i])`
-picks what `sample` picks.
+before (a job re-created at a position draws the same; speculative verification samples each
+draft position with its own uniform, so drafts change nothing).
 
 Input logits are assumed finite. Rows are grouped by the candidates their filters need:
 top_k rows work on their k best tokens (topk, not a sort of the vocabulary); top_p-only
@@ -53,7 +53,7 @@ from engine.jobs import TokenLogprob
 from engine.sampling.logit_processors import apply_grammar_masks, fallback_row, penalize_bias_ban
 from engine.sampling.sample_request import SampleRequest, SampleResult
 from engine.sampling.sampler_state import NEG_INF, SamplerState
-from engine.sampling.token_filters import FinalProb, filter_and_draw, inverse_cdf, take_rows, temperatures
+from engine.sampling.token_filters import FinalProb, filter_and_draw, take_rows, temperatures
 from kernels.native.argmax import argmax_rows
 
 __all__ = [
@@ -116,12 +116,19 @@ class Sampler:
     ) -> list[SampleResult]:
         """One token per row; row i of logits (float32 [N, vocab]) belongs to requests[i].
 
-        Each sampled row draws its job's uniform for the row's position. Logits are not modified,
+        Each sampled row draws its job's uniform for the row's position (a job may have one row per
+        position: speculative verification samples each draft position). Logits are not modified,
         unless `overwrite`: then the rows with a grammar mask get it in place (no copy of the batch).
         """
         self._check(logits, requests)
-        if len({id(r.state) for r in requests}) != len(requests):
-            raise ValueError("a job may have only one row per sample call (its RNG draws would interleave)")
+        if len({id(r.state) for r in requests}) != len(requests) and (
+            any(r.position is None for r in requests)
+            or len({(id(r.state), r.position) for r in requests}) != len(requests)
+        ):
+            # Positioned draws are keyed by their position; unpositioned ones come in turn.
+            raise ValueError(
+                "a job may have several rows in one sample call only at distinct output positions"
+            )
         logits = apply_grammar_masks(logits, requests, overwrite)
         if all(r.plain_greedy for r in requests):
             return [SampleResult(t) for t in argmax_rows(logits).tolist()]
@@ -131,26 +138,12 @@ class Sampler:
     def processed_probs(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
         """The distributions sample() draws from, float32 [N, vocab]; one-hot for greedy rows.
 
-        Uses no randomness; for speculative decoding's rejection sampling.
+        Uses no randomness; greedy verification of draft tokens takes their argmax.
         """
         self._check(logits, requests)
         probs = self._dispatch(apply_grammar_masks(logits, requests), requests, draw=False).probs
         assert probs is not None
         return probs
-
-    def draw(
-        self, probs_row: torch.Tensor, state: SamplerState, position: int | None = None, attempt: int = 0
-    ) -> int:
-        """A token from a distribution (a row of processed_probs, or a residual; need not be normalized),
-        with the job's uniform for `position` (SamplerState.uniform), as sample() draws. Greedy jobs take
-        the argmax and draw nothing.
-        """
-        row = probs_row.reshape(1, -1).to(torch.float32)
-        if not float(row.sum()) > 0:
-            raise ValueError("draw needs a distribution with positive mass")
-        if state.settings.greedy:
-            return int(row.argmax(dim=-1).item())
-        return int(inverse_cdf(row, [state.uniform(position, attempt)])[0].item())
 
     def close(self) -> None:
         if self._pool is not None:

@@ -77,8 +77,8 @@ class SamplerState:
     def uniform(self, position: int | None = None, stream: int = 0) -> float:
         """The job's uniform in [0, 1) for output `position`: a function of (seed, position, stream)
         alone, so a job re-created at a position draws what it would have drawn there. `stream`
-        tells a position's draws apart (0 the token; k its k-th redraw; ACCEPT_STREAM the draft
-        acceptance test). None: the next of a sequence of its own (callers that track no position)."""
+        tells a position's draws apart (0 the token; k its k-th redraw). None: the next of a
+        sequence of its own (callers that track no position)."""
         if position is None:
             position, stream = self._unpositioned, SEQUENTIAL_STREAM
             self._unpositioned += 1

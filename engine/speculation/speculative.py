@@ -6,10 +6,11 @@ other job, and keeps the longest acceptable prefix plus one token of the target'
 
 - greedy jobs accept draft i while it equals the target's choice at that position
   (so the output is token-identical to decoding without speculation);
-- sampled jobs use rejection sampling: draft x drawn from q is kept with probability
-  min(1, p(x) / q(x)), and on rejection a token is drawn from max(0, p - q)
-  renormalised, so the output follows the target's distribution p exactly. An
-  n-gram draft is deterministic (q is one-hot), so it is kept with probability p(x).
+- sampled jobs accept draft i while it equals the token the job samples at that position
+  with that position's own uniform (the draw decoding one token at a time makes). Drafts
+  are deterministic (q is one-hot), so x is kept with probability p(x), as rejection
+  sampling would keep it, and the output is token-identical to decoding without
+  speculation for a given seed, not only equal in distribution.
 
 Rejected tokens need no undo in the pages: the generator only advances a job's
 `computed` past accepted tokens and registers a page in the prefix index only once
@@ -21,8 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
-import torch
 
 from engine.cache.kv_cache import PagedKVCache
 from engine.errors import InvalidRequestError
@@ -44,8 +43,7 @@ __all__ = [
     "DrafterKind",
     "NgramDrafter",
     "SpeculationConfig",
-    "accept_greedy",
-    "accept_sampled",
+    "accept_matching",
 ]
 
 
@@ -63,8 +61,6 @@ class DraftRequest:
 @dataclass(frozen=True)
 class Draft:
     tokens: tuple[int, ...]
-    # Per draft token, the draft's distribution it was drawn from (None: deterministic, one-hot).
-    probs: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
@@ -170,8 +166,8 @@ class NgramDrafter:
 class DraftModelDrafter:
     """A cheaper model of the same vocabulary proposes tokens greedily.
 
-    Greedy proposals are deterministic (q is one-hot), which rejection sampling accepts
-    exactly as it accepts n-gram drafts, so sampled jobs stay exact too.
+    Greedy proposals are deterministic, like n-gram drafts: a sampled job keeps one while it
+    matches its own draw at that position, so its tokens stay exactly its own.
 
     Its KV cache has the target's page geometry and is addressed through the target's
     page tables, so prefix sharing, cancel and preemption need nothing extra: a page a
@@ -231,33 +227,10 @@ class DraftModelDrafter:
             self._computed[job_id] = position
 
 
-def accept_greedy(target_choice: Sequence[int], draft: Sequence[int]) -> int:
-    """How many draft tokens match the target's own greedy choices, in order."""
+def accept_matching(target_choice: Sequence[int], draft: Sequence[int]) -> int:
+    """How many draft tokens match the target's own choices (its argmax, or its draw with each
+    position's uniform), in order."""
     n = 0
     while n < len(draft) and draft[n] == target_choice[n]:
         n += 1
     return n
-
-
-def accept_sampled(p: torch.Tensor, draft: Draft, uniforms: Sequence[float]) -> tuple[int, torch.Tensor]:
-    """Rejection sampling over draft tokens. p: target distributions [len(draft) + 1, vocab];
-    uniforms: one per draft token, for its acceptance test.
-
-    Returns (accepted count, the distribution the next token is drawn from): the
-    residual max(0, p - q) at the first rejection, or p after the last draft.
-    """
-    for i, x in enumerate(draft.tokens):
-        q_x = 1.0 if draft.probs is None else float(draft.probs[i, x])
-        p_x = float(p[i, x])
-        u = uniforms[i]
-        if q_x > 0 and u * q_x < p_x:  # u < p(x) / q(x), without dividing
-            continue
-        if draft.probs is None:
-            residual = p[i].clone()
-            residual[x] = 0.0
-        else:
-            residual = (p[i] - draft.probs[i]).clamp_min(0.0)
-        if float(residual.sum()) <= 0.0:  # p == q: any draw from p is exact
-            residual = p[i]
-        return i, residual
-    return len(draft.tokens), p[len(draft.tokens)]
