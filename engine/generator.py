@@ -424,12 +424,23 @@ class DynamicGenerator:
             spec = JobSpec(prompt_ids=(bos,) * n, max_new_tokens=2, ignore_eos=True)
             self.generate([spec])
         if self.speculation.wants_cost() and self.scheduler.idle():
-            self.speculation.measured(self._step_cost(bos))
+            cost = self._step_cost(bos)
+            if cost is not None:  # else drafts keep their fixed length
+                self.speculation.measured(cost)
 
-    def _step_cost(self, bos: int) -> StepCost:
-        """Seconds of a decode step of 1, 2, 4, ... rows up to the batch: the best of four steps each
-        (a single step's time on a shared 2-core machine can double), made non-decreasing."""
-        top = min(self.scheduler.config.max_batch_size, self.pool.num_pages // 2)
+    def _step_cost(self, bos: int) -> StepCost | None:
+        """Seconds of a decode step of 1, 2, 4, ... rows up to the batch (or twice the most jobs that
+        speculate: the table's last slope goes on past it): the best of four steps each (a single
+        step's time on a shared 2-core machine can double), made non-decreasing. None where the
+        queue or the pool holds fewer than two such jobs."""
+        top = min(
+            self.scheduler.config.max_batch_size,
+            self.scheduler.config.max_q_size,  # each size's jobs wait in the queue together
+            self.pool.num_pages // 2,
+            2 * self.config.speculation.max_batch_size,
+        )
+        if top < 2:
+            return None  # no batch to time: a queue or pool this small
         sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= top} | {max(top, 2)})
         rows: list[int] = []
         seconds: list[float] = []

@@ -104,6 +104,10 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.running and not self.queue
 
+    def prompts_pending(self) -> bool:
+        """Whether a prompt waits for the model: a queued job, or a running one still prefilling."""
+        return bool(self.queue) or not all(self._decoding(j) for j in self.running)
+
     def schedule(self, on_preempt: Callable[[JobState], None]) -> list[ScheduledChunk]:
         """The next forward's chunks. Jobs preempted to make room are reported to `on_preempt`."""
         budget = self.config.max_chunk_size

@@ -342,7 +342,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "tests only: the engine kills itself after a step that ran a job with this request identifier "
         "(docs/ARCHITECTURE.md, crash resume; off by default)",
     )
-    opt("speculate", str, d.speculate, "speculative decoding: none, ngram or draft_model")
+    opt("speculate", str, d.speculate, "speculative decoding: auto, none, ngram or draft_model")
     opt("num_draft_tokens", int, d.num_draft_tokens, "draft tokens verified per step")
     opt("max_ngram", int, d.max_ngram, "longest suffix the n-gram drafter matches")
     opt("speculate_max_batch", int, d.speculate_max_batch, "no speculation with more running jobs than this")

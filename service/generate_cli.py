@@ -115,6 +115,8 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     settings = engine_settings_from(args)
     loaded, generator = build_engine(settings, speculation_from_args(args), progress=not args.quiet)
+    if generator.speculation.wants_cost():
+        generator.warmup()  # adaptive draft lengths start from the step's measured cost, as in `serve`
     adapter: str | None = None
     if args.adapter:
         try:

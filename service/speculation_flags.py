@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,12 +21,26 @@ if TYPE_CHECKING:
     from engine.model.loader import WeightDtype
 
 
+# `--speculate auto`: n-gram drafts where a token's logits are the same bits whatever shares its
+# step (speculation then changes no token), none elsewhere.
+SPECULATE_AUTO = "auto"
+
+
 @dataclass(frozen=True)
 class SpeculationOptions:
     config: SpeculationConfig
     draft_model: Path | None  # None: the target model's own file
     draft_layers: int | None  # keep only the draft's first layers (None: all)
     draft_dtype: WeightDtype
+    where_exact: bool = False  # `auto`: drafts only for a model whose steps are row-invariant
+
+    def resolved(self, row_invariant: bool) -> SpeculationOptions:
+        """These options for the loaded model: `auto` turns drafting off where a token's logits
+        depend on how many rows its step carries (float linears: BLAS rounds apart by row count),
+        since drafts change those counts and so, on near ties, the tokens."""
+        if not self.where_exact or row_invariant:
+            return self
+        return replace(self, config=replace(self.config, kind=DrafterKind.NONE))
 
     def load_draft(
         self, target: Path | None, progress: bool, device: torch.device | None = None
@@ -45,7 +59,11 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
     d = SpeculationFlags()
     g = parser.add_argument_group("speculative decoding")
     g.add_argument(
-        "--speculate", choices=[k.value for k in DrafterKind], default=d.speculate, help="drafter kind"
+        "--speculate",
+        choices=[SPECULATE_AUTO, *(k.value for k in DrafterKind)],
+        default=d.speculate,
+        help="drafter kind (auto: ngram where speculation changes no token, as with the block linears "
+        "of --quant auto on the CPU; else none)",
     )
     g.add_argument(
         "--num-draft-tokens",
@@ -79,7 +97,8 @@ def speculation_options(
     """Validated options from flag values (shared by `dyngen generate` and `dyngen serve`)."""
     from engine.model.loader import WeightDtype
 
-    drafter = DrafterKind(kind)
+    auto = kind == SPECULATE_AUTO
+    drafter = DrafterKind.NGRAM if auto else DrafterKind(kind)
     same_as_target = draft_model is None and not draft_layers
     if drafter is DrafterKind.DRAFT_MODEL and same_as_target and draft_dtype == WeightDtype.FLOAT32.value:
         raise InvalidRequestError(
@@ -90,6 +109,7 @@ def speculation_options(
         Path(draft_model) if draft_model else None,
         draft_layers or None,
         WeightDtype(draft_dtype),
+        where_exact=auto,
     )
 
 

@@ -397,6 +397,7 @@ def test_decode_attention_matches_the_torch_path(
         (64, 64, ((0, 130), (40, 1), (100, 37))),  # (cached tokens, new tokens) per sequence
         (24, 32, ((0, 5), (17, 70), (48, 1))),  # pages that end inside 16-key blocks
         (16, 48, ((0, 1), (3, 33), (0, 64))),
+        (64, 64, ((600, 9), (7, 4))),  # verification rows at a long context: small row groups
     ],
 )
 @pytest.mark.parametrize("half", [False, True])

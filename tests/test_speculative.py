@@ -17,16 +17,14 @@ from engine.jobs import JobFinished, JobId, JobSpec, SamplingSettings, StopReaso
 from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, WeightDtype, load_model, open_weight_source
 from engine.model.tokenizer import ChatMessage
-from engine.sampling.sampler import Sampler, SamplerState
 from engine.scheduler import SchedulerConfig
+from engine.speculation.draft_policy import StepCost
 from engine.speculation.speculative import (
-    Draft,
     DrafterKind,
     DraftModelDrafter,
     DraftRequest,
     NgramDrafter,
     SpeculationConfig,
-    accept_sampled,
 )
 from tests.conftest import PARITY_PROMPTS
 from tests.tiny_llama import save_tiny_llama
@@ -71,41 +69,6 @@ def test_ngram_follows_the_place_whose_match_reaches_furthest_back() -> None:
     assert draft.tokens == (4, 4, 4)
 
 
-# -- rejection sampling is exact -----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("draft_token", [0, 3, 5])
-def test_rejection_sampling_emits_the_target_distribution(draft_token: int) -> None:
-    p = torch.tensor([[0.05, 0.1, 0.15, 0.3, 0.25, 0.15], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
-    sampler = Sampler(vocab_size=6)
-    state = SamplerState(SamplingSettings(temperature=1.0, seed=7), [0], 6)
-    n = 20000
-    counts = torch.zeros(6)
-    for _ in range(n):
-        accepted, dist = accept_sampled(p, Draft((draft_token,)), [state.uniform()])
-        first = draft_token if accepted == 1 else sampler.draw(dist, state)
-        counts[first] += 1
-    expected = p[0] * n
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 20.5  # 5 degrees of freedom, p = 0.001
-
-
-def test_rejection_sampling_with_a_draft_distribution() -> None:
-    p = torch.tensor([[0.5, 0.3, 0.2], [0.3, 0.3, 0.4]])
-    q = torch.tensor([[0.1, 0.1, 0.8]])
-    sampler = Sampler(vocab_size=3)
-    state = SamplerState(SamplingSettings(temperature=1.0, seed=3), [0], 3)
-    gen = torch.Generator().manual_seed(11)
-    n = 20000
-    counts = torch.zeros(3)
-    for _ in range(n):
-        x = int(torch.multinomial(q[0], 1, generator=gen))
-        accepted, dist = accept_sampled(p, Draft((x,), q), [state.uniform()])
-        counts[x if accepted == 1 else sampler.draw(dist, state)] += 1
-    expected = p[0] * n
-    assert float(((counts - expected) ** 2 / expected).sum()) < 13.8  # 2 dof, p = 0.001
-
-
 # -- generator on a tiny model: rejections, pages, limits ----------------------------------------
 
 
@@ -141,6 +104,67 @@ def test_pages_stay_consistent_through_rejections_and_cancel(tiny: LoadedModel) 
     assert isinstance(gen.drafter, NgramDrafter) and gen.drafter.tracked_jobs() == 0
 
 
+def test_adaptive_drafts_wait_while_a_prompt_is_queued_or_prefilling(tiny: LoadedModel) -> None:
+    config = GeneratorConfig(
+        page_size=16,
+        num_pages=256,
+        scheduler=SchedulerConfig(max_chunk_size=64, prefill_while_decoding=16),
+        speculation=SpeculationConfig(DrafterKind.NGRAM, num_draft_tokens=4),
+    )
+    gen = DynamicGenerator(tiny.model, tiny.tokenizer, config)
+    gen.speculation.measured(StepCost((1, 64), (1.0, 1.0)))  # a flat table: every likely draft pays
+
+    def budget(job: JobId) -> int:
+        return next(j.draft_budget for j in gen.scheduler.running if j.job_id == job)
+
+    def decoding(job: JobId) -> bool:
+        return next(j.decoding for j in gen.scheduler.running if j.job_id == job)
+
+    a = gen.enqueue(JobSpec(tuple([5, 6, 7, 8] * 6), max_new_tokens=300, ignore_eos=True))
+    gen.iterate()  # its prompt
+    gen.iterate()
+    assert budget(a) > 0  # alone and decoding: it drafts
+    b = gen.enqueue(JobSpec(tuple(range(10, 110)), max_new_tokens=300, ignore_eos=True))
+    gen.iterate()  # b waits in the queue when this step is planned
+    assert budget(a) == 0
+    steps = 0
+    while not decoding(b):  # b's prompt goes in slices of 16 beside a's decode steps
+        gen.iterate()
+        assert budget(a) == 0
+        steps += 1
+    assert steps >= 5
+    gen.iterate()
+    assert budget(a) > 0 and budget(b) > 0  # no prompt waits: both draft again
+    for job in (a, b):
+        gen.cancel(job)
+    while gen.has_work():
+        gen.iterate()
+    gen.close()
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(tmp_path: Path) -> None:
+    ref = save_tiny_llama(tmp_path, with_tokenizer=True, max_position_embeddings=1024)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(40.0)  # peaky distributions: outputs repeat, so drafts are kept too
+    ref.save_pretrained(str(tmp_path))
+    peaky = load_model(tmp_path, progress=False)
+    specs = [
+        JobSpec(
+            tuple([5, 6, 7, 8] * 6 + [i + 9]),
+            max_new_tokens=60,
+            ignore_eos=True,
+            sampling=SamplingSettings(temperature=0.8, top_p=0.95, seed=i),
+        )
+        for i in range(4)
+    ]
+    plain = DynamicGenerator(peaky.model, peaky.tokenizer, spec_config(DrafterKind.NONE)).generate(specs)
+    gen = DynamicGenerator(peaky.model, peaky.tokenizer, spec_config(DrafterKind.NGRAM))
+    drafted = gen.generate(specs)
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    stats = gen.stats()
+    assert stats.accepted_draft_tokens > 0 and stats.rejected_draft_tokens > 0
+
+
 def test_draft_model_with_another_vocabulary_is_refused(tiny: LoadedModel, tmp_path: Path) -> None:
     save_tiny_llama(tmp_path, vocab_size=256)
     other = LlamaModel.from_source(open_weight_source(tmp_path), progress=False)
@@ -174,11 +198,14 @@ def test_greedy_output_identical_with_each_drafter_amid_other_jobs(
         JobSpec(greedy[1].prompt_ids, max_new_tokens=40, sampling=SamplingSettings(temperature=0.8, seed=5)),
         JobSpec(greedy[2].prompt_ids, max_new_tokens=40, sampling=SamplingSettings(repetition_penalty=1.3)),
     ]
-    plain = DynamicGenerator(smollm.model, smollm.tokenizer, spec_config(DrafterKind.NONE)).generate(greedy)
+    plain = DynamicGenerator(smollm.model, smollm.tokenizer, spec_config(DrafterKind.NONE)).generate(
+        [*greedy, *neighbours]
+    )
     for kind in (DrafterKind.NGRAM, DrafterKind.DRAFT_MODEL):
         gen = DynamicGenerator(smollm.model, smollm.tokenizer, spec_config(kind), draft_model=draft.model)
         results = gen.generate([*greedy, *neighbours])
-        for a, b in zip(plain, results, strict=False):
+        # The seeded neighbour too: each position draws its own uniform, whatever the drafts.
+        for a, b in zip(plain, results, strict=True):
             assert b.token_ids == a.token_ids, kind
         assert gen.stats().accepted_draft_tokens > 0, kind
         gen.check_invariants()

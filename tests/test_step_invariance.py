@@ -137,3 +137,16 @@ def test_an_adapter_job_gives_the_same_tokens_alone_together_and_resumed(
         out[:17] + [t for e in deltas for t in e.token_ids]
         for out, (deltas, _) in zip(alone, resumed, strict=True)
     ] == alone
+
+
+def test_auto_drafts_only_where_it_changes_no_token() -> None:
+    """`--speculate auto` (the default): n-gram drafts over the server's block linears, none over
+    float linears, where BLAS rounds a token's logits apart by the step's row count."""
+    auto = options_from_flags(SpeculationFlags())
+    _, blocks = build_engine(EngineSettings(model=None), auto, False)
+    _, floats = build_engine(EngineSettings(model=None, quant="none"), auto, False)
+    try:
+        assert blocks.drafter is not None and floats.drafter is None
+    finally:
+        blocks.close()
+        floats.close()

@@ -212,6 +212,16 @@ class LlamaModel:
         self._decode_layers[key] = layers if usable and layers else None
         return self._decode_layers[key]
 
+    def row_invariant(self, kv_cache: KVCacheKind, page_size: int) -> bool:
+        """Whether a token's logits are the same bits however many rows its step carries (so drafts,
+        batch neighbours and prefill chunking change no token): every projection and the head are
+        block linears, whose native kernels compute each row alone, over the native attention of a
+        float cache. Float linears go to BLAS, which rounds apart by row count."""
+        if self._native_ops is None or self._native_layers(1, self.new_cache(1, page_size, kv_cache)) is None:
+            return False
+        head = self.lm_head.for_rows(1) if isinstance(self.lm_head, TunedLinear) else self.lm_head
+        return isinstance(head, BlockLinear)
+
     def _native_decode(self, batch: ForwardBatch, cache: PagedKVCache, native: NativeLibrary) -> torch.Tensor:
         """A step with one native call per layer (see _native_layers for when): decode rows, and
         chunks (a verification's drafts, short prefills) a token per row."""

@@ -31,6 +31,8 @@ def build_engine(
         quant=QuantMode(settings.quant),
         device=device,
     )
+    kv_cache = choose_kv_cache(settings.kv_cache, loaded.model.dtype, loaded.model.plan.quantized)
+    speculation = speculation.resolved(loaded.model.row_invariant(kv_cache, settings.page_size))
     config = GeneratorConfig(
         page_size=settings.page_size,
         num_pages=settings.num_pages,
@@ -46,7 +48,7 @@ def build_engine(
             tenant_weights=settings.tenant_weights(),
         ),
         speculation=speculation.config,
-        kv_cache=choose_kv_cache(settings.kv_cache, loaded.model.dtype, loaded.model.plan.quantized),
+        kv_cache=kv_cache,
         max_adapters=settings.max_adapters,
         adapter_limits=AdapterLimits(settings.max_adapter_rank, settings.max_adapter_bytes),
         adapter_dir=Path(settings.adapter_dir) if settings.adapter_dir else None,
