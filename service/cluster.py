@@ -20,10 +20,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2
-
 from service.haproxy_config import DEFAULT_BALANCE_FACTOR, Backend, BalancerConfig, render
+from service.health_probe import NotServingError, wait_serving
 from service.smg_gateway import POLICIES, GatewayError, SmgGateway
 
 # How long a replica may take to reach SERVING before the gateway is started in front of it: a
@@ -150,26 +148,15 @@ class Cluster:
 
     def wait_replica_serving(self, i: int, timeout: float) -> None:
         """Until replica i's gRPC health says SERVING; ClusterError at `timeout` or if it exits."""
-        target = self.replica_target(i)
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(target) as channel:
-            check = channel.unary_unary(
-                "/grpc.health.v1.Health/Check",
-                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                response_deserializer=health_pb2.HealthCheckResponse.FromString,
-            )
-            while time.monotonic() < deadline:
-                p = self.processes[i]
-                if p is not None and p.poll() is not None:
-                    raise ClusterError(f"replica {i} exited with status {p.returncode} while starting")
-                try:
-                    reply: health_pb2.HealthCheckResponse = check(health_pb2.HealthCheckRequest(), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
-        raise ClusterError(f"replica {i} ({target}) not SERVING within {timeout:.0f} s")
+
+        def exit_code() -> int | None:
+            p = self.processes[i]
+            return None if p is None else p.poll()
+
+        try:
+            wait_serving(self.replica_target(i), timeout, exit_code)
+        except NotServingError as e:
+            raise ClusterError(f"replica {i}: {e}") from None
 
     def stop(self, grace: float = 60.0) -> None:
         """SIGTERM every replica (each drains), then stop HAProxy."""

@@ -13,11 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2
-
 from dyngen_client import Client
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from service.health_probe import NotServingError, health_status, wait_serving
 
 
 def free_port() -> int:
@@ -58,28 +56,13 @@ class ServerProcess:
         raise AssertionError(f"no {event!r} log within {timeout} s: {self.logs[-5:]}")
 
     def health(self) -> int:
-        with grpc.insecure_channel(self.target) as channel:
-            # The typeshed HealthStub declares no methods; call the RPC by name.
-            check = channel.unary_unary(
-                "/grpc.health.v1.Health/Check",
-                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                response_deserializer=health_pb2.HealthCheckResponse.FromString,
-            )
-            response: health_pb2.HealthCheckResponse = check(
-                health_pb2.HealthCheckRequest(service=""), timeout=5
-            )
-            return int(response.status)
+        return health_status(self.target, timeout=5)
 
     def wait_serving(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.health() == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"not SERVING within {timeout} s: {self.logs[-5:]}")
+        try:
+            wait_serving(self.target, timeout, self.process.poll)
+        except NotServingError as e:
+            raise AssertionError(f"{e}: {self.logs[-5:]}") from None
 
     def client(self) -> Client:
         return Client(self.target)

@@ -244,8 +244,8 @@ def main() -> None:
     with Cluster(2, flags) as cluster:
         replicas = [cluster.replica_target(i) for i in range(2)]
         for i, target in enumerate(replicas):
-            asyncio.run(wait_serving(target, cluster.processes[i], START_TIMEOUT))
-        asyncio.run(wait_serving(cluster.target, None, 30))
+            wait_serving(target, cluster.processes[i], START_TIMEOUT)
+        wait_serving(cluster.target, None, 30)
         gateways = {
             p: SmgGateway(replicas, free_port(), free_port(), p) for p in ("cache_aware", "round_robin")
         }

@@ -79,8 +79,8 @@ def measure(
     flags = ["--torch-threads", "1", "--quant", "auto", "--cache-tokens", "16384"]
     with Cluster(replicas, flags, balance_factor=balance_factor) as cluster:
         for i in range(replicas):
-            asyncio.run(wait_serving(cluster.replica_target(i), cluster.processes[i], START_TIMEOUT))
-        asyncio.run(wait_serving(cluster.target, None, 30))
+            wait_serving(cluster.replica_target(i), cluster.processes[i], START_TIMEOUT)
+        wait_serving(cluster.target, None, 30)
         wait_for_idle(max_busy=0.2, timeout=9.0)
         seconds, results = asyncio.run(_drive(cluster.target, _requests(new_tokens), concurrency, affinity))
     cached = sum(r.finished.cached_tokens for r in results)

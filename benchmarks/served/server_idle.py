@@ -70,7 +70,7 @@ def measure(spin_count: int, idle_seconds: float) -> Row:
         stderr=subprocess.DEVNULL,
     )
     try:
-        asyncio.run(wait_serving(target, process, START_TIMEOUT))
+        wait_serving(target, process, START_TIMEOUT)
         w = load_workloads()["W1"]
         new = int(w["max_new_tokens"])
         one = [Request(Chat.user(w["user_messages"][0]), max_new_tokens=new, ignore_eos=True)]

@@ -8,7 +8,6 @@ the server and runs the same W1 prompts through the in-process generator in this
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 import signal
@@ -27,6 +26,7 @@ from benchmarks.workloads import load_workloads
 from dyngen_client import AsyncClient, Chat, Request
 from engine.model.loader import WeightDtype, load_model
 from engine.model.tokenizer import ChatMessage
+from service import health_probe
 
 CALL_TIMEOUT = 600.0
 START_TIMEOUT = 180.0
@@ -67,27 +67,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def wait_serving(target: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    from grpc_health.v1 import health_pb2
-
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(target) as channel:
-        check = channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
-        )
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise SystemExit(f"dyngen serve exited with {process.returncode}")
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                reply: health_pb2.HealthCheckResponse = await check(
-                    health_pb2.HealthCheckRequest(), timeout=2
-                )
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            await asyncio.sleep(0.2)
-    raise SystemExit(f"{target} not SERVING within {timeout:.0f} s")
+def wait_serving(target: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    try:
+        health_probe.wait_serving(target, timeout, lambda: None if process is None else process.poll())
+    except health_probe.NotServingError as e:
+        raise SystemExit(str(e)) from None
 
 
 async def _one(client: AsyncClient, request: Request) -> StreamTiming:
@@ -138,7 +122,7 @@ def run_service(dtype: WeightDtype, requests: list[Request], concurrency: int) -
         stderr=subprocess.DEVNULL,
     )
     try:
-        asyncio.run(wait_serving(target, process, START_TIMEOUT))
+        wait_serving(target, process, START_TIMEOUT)
         return asyncio.run(drive(target, requests, concurrency))
     finally:
         process.send_signal(signal.SIGTERM)

@@ -744,7 +744,7 @@ def run(
         with log_path.open("wb") as log:
             process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        asyncio.run(wait_serving(target, process, START_TIMEOUT))
+        wait_serving(target, process, START_TIMEOUT)
         pid = process.pid if process is not None else listening_pid(target)
         report = soak(target, settings, pid)
     finally:

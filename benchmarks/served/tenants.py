@@ -171,7 +171,7 @@ def run(workloads: Path | None) -> str:
         port = free_port()
         server = _serve(port, "--adapter-dir", str(root), "--max-adapter-bytes", str(256 << 20))
         try:
-            asyncio.run(wait_serving(f"127.0.0.1:{port}", server, 180))
+            wait_serving(f"127.0.0.1:{port}", server, 180)
             rows, notes = asyncio.run(_adapter_loads(f"127.0.0.1:{port}", prompts))
         finally:
             _stop(server)
@@ -190,7 +190,7 @@ def run(workloads: Path | None) -> str:
         port = free_port()
         server = _serve(port, "--auth-tokens-file", str(tokens))
         try:
-            asyncio.run(wait_serving(f"127.0.0.1:{port}", server, 180))
+            wait_serving(f"127.0.0.1:{port}", server, 180)
             flood = asyncio.run(_flood(f"127.0.0.1:{port}", prompts, "What is the capital of France?"))
         finally:
             _stop(server)

@@ -7,7 +7,6 @@ OpenAI `/v1/completions`. All run at most MAX_RUNNING requests at once, the rest
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -52,7 +51,7 @@ def dyngen(serve_args: Sequence[str], log: Path) -> Iterator[Send]:
     with log.open("w") as out:
         process = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            asyncio.run(wait_serving(f"127.0.0.1:{port}", process, 600.0))
+            wait_serving(f"127.0.0.1:{port}", process, 600.0)
             with Client(f"127.0.0.1:{port}") as client:
                 yield partial(grpc_stream.generate, client)
         finally:
