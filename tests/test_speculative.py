@@ -69,6 +69,17 @@ def test_ngram_follows_the_place_whose_match_reaches_furthest_back() -> None:
     assert draft.tokens == (4, 4, 4)
 
 
+def test_ngram_continues_a_loop_past_the_sequences_end() -> None:
+    """A match whose continuation reaches the end copies on through its own proposal: a text
+    looping with period 3 is proposed for as many tokens as asked, not cut at the end."""
+    d = NgramDrafter(max_ngram=3)
+    tokens = [5, 1, 2, 3, 1, 2, 3, 1, 2]  # "1 2" last continued with "3" two tokens before the end
+    (draft,) = d.propose([DraftRequest(JobId("a"), tokens, [], 7)])
+    assert draft.tokens == (3, 1, 2, 3, 1, 2, 3)
+    (short,) = d.propose([DraftRequest(JobId("b"), [4, 4], [], 5)])
+    assert short.tokens == (4, 4, 4, 4, 4)  # period 1
+
+
 # -- generator on a tiny model: rejections, pages, limits ----------------------------------------
 
 

@@ -97,8 +97,10 @@ class NgramDrafter:
     picks its candidates; of those, the one whose match extends furthest back (up to
     MATCH_LOOKBACK tokens, the latest on a tie) proposes its continuation. In structured text a
     short n-gram (`",\n    "` in JSON) continues many ways, and the longer match is the one the
-    text is copying. The index grows incrementally with each accepted token and is freed with the
-    job; it holds at most max_ngram * NGRAM_CANDIDATES positions per token of the job.
+    text is copying. A continuation that reaches the sequence's end goes on as the copy would:
+    text looping with period d is proposed d tokens, then the same d again. The index grows
+    incrementally with each accepted token and is freed with the job; it holds at most
+    max_ngram * NGRAM_CANDIDATES positions per token of the job.
 
     With a corpus (suffix_corpus.py), finished jobs' outputs are matched the same way, and the
     corpus's continuation is proposed where its match reaches further back than the job's own
@@ -139,7 +141,11 @@ class NgramDrafter:
                     length, at = max(
                         (match_length(r.tokens, p, r.tokens, n, MATCH_LOOKBACK), p) for p in places
                     )
-                    proposal = tuple(r.tokens[at : at + r.max_tokens])
+                    # Copying from `at` on: past the sequence's end the copy reads its own
+                    # proposal, so a text repeating itself is proposed for its whole period
+                    # cycle after cycle, not cut at the sequence's end.
+                    period = len(r.tokens) - at
+                    proposal = tuple(r.tokens[at + i % period] for i in range(r.max_tokens))
                     break
             if self.corpus is not None and length < MATCH_LOOKBACK:
                 shared = self.corpus.match(r.salt, r.tokens, r.max_tokens)
