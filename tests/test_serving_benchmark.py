@@ -70,7 +70,8 @@ def test_the_sweep_doubles_until_a_miss_then_tries_the_knee(
     tokenizer: HFTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stand-in for the timed runs whose inter-token gap grows with the offered rate: it meets
-    the SLO below 3 requests/s, so the sweep passes 1 and 2, misses 4 and tries 2.83."""
+    the SLO below 3 requests/s, so the sweep passes 1 and 2, misses 4, then narrows the knee:
+    2.83 passes, 3.36 misses."""
     t = trace.build("chat", tokenizer, requests_needed(1.0, 16.0, 1.0), 0, None)
 
     def run_rate(send: Send, requests: Sequence[trace.TraceRequest], rate: float, seed: int) -> RateResult:
@@ -79,8 +80,12 @@ def test_the_sweep_doubles_until_a_miss_then_tries_the_knee(
 
     monkeypatch.setattr(sweep_module, "run_rate", run_rate)
     results = sweep(_never, t, 1.0, 16.0, 1.0, SLO, 0, lambda line: None)
-    assert [round(r.rate, 2) for r in results] == [1.0, 2.0, 4.0, 2.83]
+    assert [round(r.rate, 2) for r in results] == [1.0, 2.0, 4.0, 2.83, 3.36]
     assert goodput(results, SLO) == pytest.approx(2.83, abs=0.01)
+    one_step = sweep(_never, t, 1.0, 16.0, 1.0, SLO, 0, lambda line: None, knee_steps=1)
+    assert [round(r.rate, 2) for r in one_step] == [1.0, 2.0, 4.0, 2.83]
+    first_misses = sweep(_never, t, 4.0, 16.0, 1.0, SLO, 0, lambda line: None)
+    assert [r.rate for r in first_misses] == [4.0]  # no pass to narrow from
 
 
 def _never(prompt: Sequence[int], output_tokens: int) -> RequestTiming:

@@ -22,7 +22,7 @@ from benchmarks.peers import vllm as peer_vllm
 from benchmarks.peers.process import PeerError, progress
 from benchmarks.peers.run import default_cache_dir
 from benchmarks.serving import servers
-from benchmarks.serving.sweep import RateResult, Slo, goodput, requests_needed, sweep, warm_up
+from benchmarks.serving.sweep import KNEE_STEPS, RateResult, Slo, goodput, requests_needed, sweep, warm_up
 from benchmarks.serving.trace import TRACES, Trace, build
 
 DYNGEN, VLLM, LLAMACPP = "dyngen", "vLLM-CPU", "llama.cpp"
@@ -223,7 +223,8 @@ def report(board: Board, traces: dict[str, Trace], options: Options) -> str:
         f"{defaults.MAX_CHUNK_SIZE} tokens per forward, --prefill-while-decoding "
         f"{defaults.PREFILL_WHILE_DECODING} prompt tokens in a forward with decode steps",
         f"SLO: {options.slo.describe()}; inter-token = the gap between streamed chunks carrying tokens",
-        f"rates double from {options.first_rate:g}/s until one misses the SLO, then one between; "
+        f"rates double from {options.first_rate:g}/s until one misses the SLO, then {KNEE_STEPS} bisect the "
+        "knee (geometric means of the highest pass and lowest miss); "
         f"~{options.seconds:g} s of Poisson arrivals per rate (seed {options.seed}); every request "
         f"greedy, EOS ignored, at most {servers.MAX_RUNNING} running per engine",
     ]

@@ -1,7 +1,9 @@
 """One engine's rate sweep on one trace: Poisson arrivals at rising rates until the SLO breaks.
 
-Rates double from the first until a rate misses the SLO, then one more between the last pass and
-the first miss (their geometric mean) narrows the knee. Each rate sends a fresh slice of the
+Rates double from the first until a rate misses the SLO, then KNEE_STEPS more narrow the knee,
+each at the geometric mean of the highest pass and the lowest miss so far: two engines whose knees
+lie in the same doubling are then told apart (a sweep of doublings alone read 4.00 for a knee
+anywhere in 4-5.6 req/s, so a ratio of two knees could be off by up to 1.41x). Each rate sends a fresh slice of the
 trace (no prompt is repeated across rates, so an earlier rate's cache does not help a later one),
 about `seconds` of arrivals and at least MIN_REQUESTS.
 """
@@ -20,6 +22,7 @@ from benchmarks.serving.timing import RequestTiming
 from benchmarks.serving.trace import Trace, TraceRequest, arrivals
 
 MIN_REQUESTS = 24
+KNEE_STEPS = 2  # bisections between the highest pass and the lowest miss
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ def sweep(
     slo: Slo,
     seed: int,
     progress: Callable[[str], None],
+    knee_steps: int = KNEE_STEPS,
 ) -> list[RateResult]:
     """The sweep's results in the order run; the trace must hold enough requests (`requests_needed`)."""
     lock = threading.Lock()
@@ -118,18 +122,25 @@ def sweep(
         return part
 
     results: list[RateResult] = []
-    rate = first_rate
-    passed: float | None = None
-    while rate <= max_rate:
+
+    def run(rate: float) -> bool:
         result = run_rate(send, take(rate), rate, seed)
         results.append(result)
         progress(_line(result, slo))
-        if not result.meets(slo):
-            if passed is not None:
-                mid = math.sqrt(passed * rate)
-                knee = run_rate(send, take(mid), mid, seed)
-                results.append(knee)
-                progress(_line(knee, slo))
+        return result.meets(slo)
+
+    rate = first_rate
+    passed: float | None = None
+    while rate <= max_rate:
+        if not run(rate):
+            missed = rate
+            for _ in range(knee_steps if passed is not None else 0):
+                assert passed is not None
+                mid = math.sqrt(passed * missed)
+                if run(mid):
+                    passed = mid
+                else:
+                    missed = mid
             break
         passed = rate
         rate *= 2
@@ -140,11 +151,12 @@ def requests_for(rate: float, seconds: float) -> int:
     return max(MIN_REQUESTS, round(rate * seconds))
 
 
-def requests_needed(first_rate: float, max_rate: float, seconds: float) -> int:
-    """An upper bound on the requests one sweep takes (every doubling plus a knee)."""
+def requests_needed(first_rate: float, max_rate: float, seconds: float, knee_steps: int = KNEE_STEPS) -> int:
+    """An upper bound on the requests one sweep takes (every doubling, then the knee's steps below
+    the last)."""
     total, rate = 0, first_rate
     while rate <= max_rate:
-        total += 2 * requests_for(rate, seconds)
+        total += (1 + knee_steps) * requests_for(rate, seconds)
         rate *= 2
     return total
 
