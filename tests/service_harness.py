@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,13 +14,8 @@ from pathlib import Path
 
 from dyngen_client import Client
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from service.cluster import free_port
 from service.health_probe import NotServingError, health_status, wait_serving
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -23,9 +23,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from dyngen_client import Chat, Client, Request, Sampling, collect
-from service.cluster import Cluster
+from service.cluster import Cluster, free_port
 from service.smg_gateway import SmgGateway
-from tests.service_harness import free_port
 
 MODEL = "smollm2"
 FLAGS = (

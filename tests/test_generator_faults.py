@@ -242,14 +242,17 @@ def test_a_speculation_fault_for_one_job_fails_only_that_job(
 
         monkeypatch.setattr(gen.drafter, "propose", propose)
     else:
-        real_probs = gen.sampler.processed_probs
+        real_sample = gen.sampler.sample
 
-        def processed_probs(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
-            if any(r.state in bad_state for r in requests):
+        def sample(
+            logits: torch.Tensor, requests: Sequence[SampleRequest], overwrite: bool = False
+        ) -> list[SampleResult]:
+            # A verification samples one job's rows only, a row per draft position and one more.
+            if len(requests) > 1 and all(r.state in bad_state for r in requests):
                 raise IndexError("injected verification fault")
-            return real_probs(logits, requests)
+            return real_sample(logits, requests, overwrite)
 
-        monkeypatch.setattr(gen.sampler, "processed_probs", processed_probs)
+        monkeypatch.setattr(gen.sampler, "sample", sample)
     tokens, finished = run(gen, specs(), arm)
     assert finished[0].new_tokens > 0  # it failed while speculating, not before
     assert gen.stats().accepted_draft_tokens + gen.stats().rejected_draft_tokens > 0

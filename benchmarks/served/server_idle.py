@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.idle import wait_for_idle
-from benchmarks.served.service_load import START_TIMEOUT, drive, free_port, wait_serving
+from benchmarks.served.service_load import START_TIMEOUT, drive, wait_serving
 from benchmarks.workloads import load_workloads
 from dyngen_client import Chat, Request
 from kernels.cpu_features import cpu_features
+from service.cluster import free_port
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -11,7 +11,6 @@ import asyncio
 import gc
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from dyngen_client import AsyncClient, Chat, Request
 from engine.model.loader import WeightDtype, load_model
 from engine.model.tokenizer import ChatMessage
 from service import health_probe
+from service.cluster import free_port
 
 CALL_TIMEOUT = 600.0
 START_TIMEOUT = 180.0
@@ -59,12 +59,6 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_serving(target: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:

@@ -60,9 +60,10 @@ from pathlib import Path
 import grpc
 import psutil  # type: ignore[import-untyped, unused-ignore]
 
-from benchmarks.served.service_load import START_TIMEOUT, free_port, wait_serving
+from benchmarks.served.service_load import START_TIMEOUT, wait_serving
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.proto.dyngen.v1 import generator_pb2_grpc as pb_grpc
+from service.cluster import free_port
 
 MAX_RSS_GROWTH_PERCENT = 5.0
 CANCEL_SETTLE_SECONDS = 1.0  # a call that ended this recently may still have its job in the engine

@@ -27,12 +27,13 @@ from pathlib import Path
 import grpc
 
 from benchmarks.inprocess.lora_throughput import write_adapter
-from benchmarks.served.service_load import free_port, percentile, wait_serving
+from benchmarks.served.service_load import percentile, wait_serving
 from benchmarks.workloads import load_workloads
 from dyngen_client import AsyncClient, Chat, Request
 from engine.model.gguf_source import GGUFSource
 from engine.model.loader import default_model_path
 from kernels.cpu_features import cpu_features
+from service.cluster import free_port
 
 EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STREAMS = 32

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from benchmarks.peers.llamacpp import LlamaCppPeer, LlamaServer, serving
 from benchmarks.peers.vllm import VllmPeer
-from benchmarks.served.service_load import free_port, wait_serving
+from benchmarks.served.service_load import wait_serving
 from benchmarks.serving import grpc_stream, openai_stream
 from benchmarks.serving.timing import RequestTiming
 from dyngen_client import Client
+from service.cluster import free_port
 
 Send = Callable[[Sequence[int], int], RequestTiming]
 MAX_RUNNING = 64  # every engine's batch: dyngen's default, vLLM's max_num_seqs, llama.cpp's slots

@@ -2,8 +2,8 @@
 
 Rates double from the first until a rate misses the SLO, then KNEE_STEPS more narrow the knee,
 each at the geometric mean of the highest pass and the lowest miss so far: two engines whose knees
-lie in the same doubling are then told apart (a sweep of doublings alone read 4.00 for a knee
-anywhere in 4-5.6 req/s, so a ratio of two knees could be off by up to 1.41x). Each rate sends a fresh slice of the
+lie in the same doubling are then told apart (one step read 4.00 for a knee anywhere in 4-5.6
+req/s, so a ratio of two knees could be off by up to 1.41x). Each rate sends a fresh slice of the
 trace (no prompt is repeated across rates, so an earlier rate's cache does not help a later one),
 about `seconds` of arrivals and at least MIN_REQUESTS.
 """
@@ -133,14 +133,11 @@ def sweep(
     passed: float | None = None
     while rate <= max_rate:
         if not run(rate):
-            missed = rate
-            for _ in range(knee_steps if passed is not None else 0):
-                assert passed is not None
-                mid = math.sqrt(passed * missed)
-                if run(mid):
-                    passed = mid
-                else:
-                    missed = mid
+            if passed is not None:
+                low, high = passed, rate
+                for _ in range(knee_steps):
+                    mid = math.sqrt(low * high)
+                    low, high = (mid, high) if run(mid) else (low, mid)
             break
         passed = rate
         rate *= 2

@@ -138,7 +138,7 @@ class Sampler:
     def processed_probs(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
         """The distributions sample() draws from, float32 [N, vocab]; one-hot for greedy rows.
 
-        Uses no randomness; greedy verification of draft tokens takes their argmax.
+        Uses no randomness; what tests compare with reference distributions.
         """
         self._check(logits, requests)
         probs = self._dispatch(apply_grammar_masks(logits, requests), requests, draw=False).probs

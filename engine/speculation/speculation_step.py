@@ -199,15 +199,12 @@ class SpeculationStep:
         requests = [
             self._intake.sample_request(job, ahead=i, allowed=masks[i]) for i in range(len(draft) + 1)
         ]
-        if job.spec.sampling.greedy:
-            choice = self._sampler.processed_probs(logits, requests).argmax(dim=-1).tolist()
-        else:
-            # The token the job samples at each position, with that position's own uniform (what
-            # decoding one token at a time would draw): drafts are kept while they match it. A
-            # draft token x is kept with probability p(x), as rejection sampling keeps a proposed
-            # token, and the job's tokens are the same whatever drafts it was offered: a seed
-            # gives one output at any load, after a resume too.
-            choice = [r.token_id for r in self._sampler.sample(logits, requests)]
+        # The token the job takes at each position, as decoding one token at a time would take it
+        # (its argmax, or its draw with that position's own uniform): drafts are kept while they
+        # match it. A sampled draft token x is kept with probability p(x), as rejection sampling
+        # keeps a proposed token, and the job's tokens are the same whatever drafts it was
+        # offered: a seed gives one output at any load, after a resume too.
+        choice = [r.token_id for r in self._sampler.sample(logits, requests)]
         accepted = accept_matching(choice, draft)
         bonus = int(choice[accepted])
         job.accepted_drafts += accepted

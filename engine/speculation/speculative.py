@@ -144,8 +144,8 @@ class NgramDrafter:
                     # Copying from `at` on: past the sequence's end the copy reads its own
                     # proposal, so a text repeating itself is proposed for its whole period
                     # cycle after cycle, not cut at the sequence's end.
-                    period = len(r.tokens) - at
-                    proposal = tuple(r.tokens[at + i % period] for i in range(r.max_tokens))
+                    head = tuple(r.tokens[at : at + r.max_tokens])  # one period, if shorter
+                    proposal = (head * -(-r.max_tokens // len(head)))[: r.max_tokens]
                     break
             if self.corpus is not None and length < MATCH_LOOKBACK:
                 shared = self.corpus.match(r.salt, r.tokens, r.max_tokens)
