@@ -3,12 +3,21 @@ tokens handed out while they raise the step's expected tokens per second."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.forward_batch import SequenceInput
+from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobId
+from engine.model.loader import LoadedModel
+from engine.runner import ForwardResult
+from engine.scheduler import SchedulerConfig
 from engine.speculation.draft_policy import DraftPolicy, DraftWant, StepCost
+from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
 
 # A 2-core CPU's shape: a row costs ~the weights' read up to a few rows, then ~1 ms each.
 CPU = StepCost((1, 2, 4, 8, 16, 32, 64), (0.0026, 0.0027, 0.0030, 0.0050, 0.0100, 0.0200, 0.0670))
@@ -125,3 +134,42 @@ def test_observed_steps_correct_a_table_measured_on_a_busy_machine() -> None:
     assert sum(drafted[-100:]) >= 100 * 3  # drafting again, on the table the steps taught
     rows = 1 + drafted[-1]
     assert policy.cost.at(rows) == pytest.approx(true.at(rows), abs=0.001)  # where it runs now
+
+
+def _disturbed_warmup(tiny: LoadedModel, rows: int, calls: int) -> StepCost:
+    """The warm-up's step cost table with the model's forward 40 ms slower at `rows` rows for its
+    first `calls` such calls (another process holding the cores while that size is timed)."""
+    config = GeneratorConfig(
+        page_size=4,
+        num_pages=128,
+        scheduler=SchedulerConfig(max_batch_size=16),
+        speculation=SpeculationConfig(DrafterKind.NGRAM),
+    )
+    gen = DynamicGenerator(tiny.model, tiny.tokenizer, config)
+    run = gen.runner.run
+    left = [calls]
+
+    def slow(seqs: Sequence[SequenceInput]) -> ForwardResult:
+        if sum(len(s.token_ids) for s in seqs) == rows and left[0] > 0:
+            left[0] -= 1
+            time.sleep(0.04)
+        return run(seqs)
+
+    gen.runner.run = slow  # type: ignore[method-assign]
+    gen.warmup()
+    assert gen.speculation.policy is not None
+    gen.close()
+    return gen.speculation.policy.cost
+
+
+def test_a_warmup_size_timed_while_the_machine_was_busy_is_timed_again(tiny: LoadedModel) -> None:
+    # The 4-row size's prompt step and its four timed steps are all slow; its next timing is not.
+    cost = _disturbed_warmup(tiny, rows=4, calls=5)
+    four, two = cost.at(4), cost.at(2)
+    assert four < 0.04 and four <= 2 * two
+
+
+def test_a_size_slow_at_every_timing_is_held_to_the_rows_bound(tiny: LoadedModel) -> None:
+    cost = _disturbed_warmup(tiny, rows=8, calls=10_000)
+    assert cost.at(8) == pytest.approx(2 * cost.at(4))  # no dearer per row than 4 rows
+    assert cost.at(16) >= cost.at(8)
