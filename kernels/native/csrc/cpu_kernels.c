@@ -1202,7 +1202,7 @@ static inline __m512 dg_sum16(const __m512 v[16]) {
 
 /* Scores of one query head against `count` (<= 16) consecutive K rows of a page, float32 or
  * float16 (half), times `scale`, into out[0..count). D is a multiple of 16. */
-static inline void dg_scores16(const float *qh, const void *k, int half, int64_t count, int64_t D, float scale,
+static inline __attribute__((always_inline)) void dg_scores16(const float *qh, const void *k, int half, int64_t count, int64_t D, float scale,
                                float *out) {
     __m512 acc[16];
     for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
@@ -1389,8 +1389,13 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                 for (int64_t j = 0; j < count; j += 16) {
                     const int64_t n16 = count - j < 16 ? count - j : 16;
                     const char *rows = (const char *)k_cache + (base + j) * D * (half ? 2 : 4);
-                    for (int64_t g = 0; g < per_kv; g++)
-                        dg_scores16(qg + g * D, rows, half, n16, D, scale, scores + g * len + t + j);
+                    /* constants for the compiler: no test on the cache's type inside the sums */
+                    if (half)
+                        for (int64_t g = 0; g < per_kv; g++)
+                            dg_scores16(qg + g * D, rows, 1, n16, D, scale, scores + g * len + t + j);
+                    else
+                        for (int64_t g = 0; g < per_kv; g++)
+                            dg_scores16(qg + g * D, rows, 0, n16, D, scale, scores + g * len + t + j);
                     dg_prefetch_step(&pf, pf_step);
                 }
                 t += count;
