@@ -437,7 +437,7 @@ class DynamicGenerator:
 
         A step of more rows never costs more per row than a smaller one (its weights are read once
         for all rows): a size whose time breaks that was timed while something else held the
-        cores, and is timed again (up to RETIMES times), then held to the bound. One such table
+        cores, and is timed again (STEP_COST_RETIMES times at most), then held to the bound. One such table
         (8 rows at 45 ms against 4.4) kept a batch-1 run's drafts short for its whole life."""
         top = min(
             self.scheduler.config.max_batch_size,
@@ -454,12 +454,13 @@ class DynamicGenerator:
         try:
             for n in sizes:
                 best = self._time_step(bos, n)
-                for _ in range(STEP_COST_RETIMES):
-                    if not rows or best <= seconds[-1] * n / rows[-1]:
-                        break
-                    best = min(best, self._time_step(bos, n))
                 if rows:
-                    best = min(max(best, seconds[-1]), seconds[-1] * n / rows[-1])
+                    bound = seconds[-1] * n / rows[-1]  # the smaller size's cost per row
+                    for _ in range(STEP_COST_RETIMES):
+                        if best <= bound:
+                            break
+                        best = min(best, self._time_step(bos, n))
+                    best = min(max(best, seconds[-1]), bound)
                 rows.append(n)
                 seconds.append(best)
         finally:

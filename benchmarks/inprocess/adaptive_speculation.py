@@ -19,9 +19,8 @@ from pathlib import Path
 from benchmarks.inprocess.throughput import served_kv_cache
 from benchmarks.serving.trace import editing_trace
 from benchmarks.workloads import load_workloads
-from engine.completion import run_to_completion
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.jobs import JobEvent, JobSpec, TokensGenerated
+from engine.jobs import JobSpec
 from engine.model.loader import LoadedModel, WeightDtype, load_model
 from engine.model.quantization import QuantMode
 from engine.model.tokenizer import ChatMessage
@@ -78,17 +77,10 @@ def _one_at_a_time(gen: DynamicGenerator, specs: Sequence[JobSpec]) -> BatchOneR
     seconds, first, outputs, kept, drafted = 0.0, 0.0, [], 0, 0
     for spec in specs:
         t0 = time.perf_counter()
-        first_at: list[float] = []
-
-        def iterate(first_at: list[float] = first_at) -> list[JobEvent]:
-            events = gen.iterate()
-            if not first_at and any(isinstance(e, TokensGenerated) for e in events):
-                first_at.append(time.perf_counter())
-            return events
-
-        (result,) = run_to_completion([gen.enqueue(spec)], iterate)
+        (result,) = gen.generate([spec])
         seconds += time.perf_counter() - t0
-        first += first_at[0] - t0
+        timings = result.finished.timings
+        first += timings.queued + timings.prefill  # the job's own clock, up to its first token
         outputs.append(result.token_ids)
         kept += result.finished.accepted_draft_tokens
         drafted += result.finished.accepted_draft_tokens + result.finished.rejected_draft_tokens
