@@ -1186,48 +1186,68 @@ static _Thread_local struct {
 } dg_attn_tls;
 
 #if defined(DG_AVX512)
-/* The lane sums of 16 vectors as one vector: out[i] = sum of v[i]'s lanes (pairs of vectors
- * merged within 128-bit lanes, then across them: 45 operations for 16 sums). */
-static inline __m512 dg_sum16(const __m512 v[16]) {
-    __m512 a[8], b[4];
-    for (int i = 0; i < 8; i++)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int j = 0; j < 4; j++)
-        b[j] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * j], a[2 * j + 1], 0x44),
-                             _mm512_shuffle_ps(a[2 * j], a[2 * j + 1], 0xEE));
-    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-}
-
-/* Scores of one query head against `count` (<= 16) consecutive K rows of a page, float32 or
- * float16 (half), times `scale`, into out[0..count). D is a multiple of 16. */
-static inline __attribute__((always_inline)) void dg_scores16(const float *qh, const void *k, int half, int64_t count, int64_t D, float scale,
-                               float *out) {
-    __m512 acc[16];
-    for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
-    if (count == 16) { /* a whole block: the same sums with no test per row (unrolled) */
+/* Scores of HG (1-3) query heads (qh + g * D) against `count` (<= 16) consecutive K rows of a page,
+ * float32 or float16 (half), times `scale`, into out + g * stride [0..count). D is a multiple of 16.
+ * Each K vector is loaded (and converted) once for all HG heads. A score is 16 lane sums over D,
+ * then a fixed tree over the lanes: pairs merged within 128-bit lanes (unpack, shuffle), then
+ * across them (shuffle_f32x4), 16 keys' trees in one pass. Keys go four at a time (HG x 4 sums in
+ * registers) through the tree's first two levels; the last two join the four quarters. */
+static inline __attribute__((always_inline)) void dg_scores16_heads(const int HG, const float *qh, const void *k,
+                                                                    int half, int64_t count, int64_t D,
+                                                                    float scale, float *out, int64_t stride) {
+    __m512 b[3][4];
+    for (int qq = 0; qq < 4; qq++) {
+        __m512 acc[3][4];
+        for (int g = 0; g < HG; g++)
+            for (int t = 0; t < 4; t++) acc[g][t] = _mm512_setzero_ps();
         for (int64_t i = 0; i < D; i += 16) {
-            const __m512 qv = _mm512_loadu_ps(qh + i);
-            for (int t = 0; t < 16; t++) {
-                const __m512 kv = half ? dg_vload_h((const uint16_t *)k + t * D + i)
-                                       : _mm512_loadu_ps((const float *)k + t * D + i);
-                acc[t] = _mm512_fmadd_ps(qv, kv, acc[t]);
+            __m512 qv[3];
+            for (int g = 0; g < HG; g++) qv[g] = _mm512_loadu_ps(qh + g * D + i);
+            for (int t = 0; t < 4; t++) {
+                if (4 * qq + t >= count) break;
+                const int64_t row = 4 * qq + t;
+                const __m512 kv = half ? dg_vload_h((const uint16_t *)k + row * D + i)
+                                       : _mm512_loadu_ps((const float *)k + row * D + i);
+                for (int g = 0; g < HG; g++) acc[g][t] = _mm512_fmadd_ps(qv[g], kv, acc[g][t]);
             }
         }
-    } else {
-        for (int64_t i = 0; i < D; i += 16) {
-            const __m512 qv = _mm512_loadu_ps(qh + i);
-            for (int t = 0; t < 16; t++)
-                if (t < count) {
-                    const __m512 kv = half ? dg_vload_h((const uint16_t *)k + t * D + i)
-                                           : _mm512_loadu_ps((const float *)k + t * D + i);
-                    acc[t] = _mm512_fmadd_ps(qv, kv, acc[t]);
-                }
+        for (int g = 0; g < HG; g++) { /* the tree's first two levels over this quarter's keys */
+            const __m512 a0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[g][0], acc[g][1]),
+                                            _mm512_unpackhi_ps(acc[g][0], acc[g][1]));
+            const __m512 a1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[g][2], acc[g][3]),
+                                            _mm512_unpackhi_ps(acc[g][2], acc[g][3]));
+            b[g][qq] = _mm512_add_ps(_mm512_shuffle_ps(a0, a1, 0x44), _mm512_shuffle_ps(a0, a1, 0xEE));
         }
     }
     const __mmask16 keep = (__mmask16)((1u << count) - 1u);
-    _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(dg_sum16(acc), _mm512_set1_ps(scale)));
+    for (int g = 0; g < HG; g++) {
+        const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[g][0], b[g][1], 0x88),
+                                        _mm512_shuffle_f32x4(b[g][0], b[g][1], 0xDD));
+        const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[g][2], b[g][3], 0x88),
+                                        _mm512_shuffle_f32x4(b[g][2], b[g][3], 0xDD));
+        const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+        _mm512_mask_storeu_ps(out + g * stride, keep, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+    }
+}
+
+/* The scores of a group's per_kv query heads against one block of (<= 16) K rows, HG <= 3 heads
+ * per pass; half and the pass's head count become constants in each branch. */
+static inline void dg_scores16_group(const float *qg, const void *k, int half, int64_t count, int64_t D,
+                                     float scale, float *out, int64_t stride, int64_t per_kv) {
+    for (int64_t g = 0; g < per_kv; g += 3) {
+        const int64_t n = per_kv - g < 3 ? per_kv - g : 3;
+        const float *qh = qg + g * D;
+        float *o = out + g * stride;
+        if (half) {
+            if (n == 3) dg_scores16_heads(3, qh, k, 1, count, D, scale, o, stride);
+            else if (n == 2) dg_scores16_heads(2, qh, k, 1, count, D, scale, o, stride);
+            else dg_scores16_heads(1, qh, k, 1, count, D, scale, o, stride);
+        } else {
+            if (n == 3) dg_scores16_heads(3, qh, k, 0, count, D, scale, o, stride);
+            else if (n == 2) dg_scores16_heads(2, qh, k, 0, count, D, scale, o, stride);
+            else dg_scores16_heads(1, qh, k, 0, count, D, scale, o, stride);
+        }
+    }
 }
 #endif
 
@@ -1389,13 +1409,7 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                 for (int64_t j = 0; j < count; j += 16) {
                     const int64_t n16 = count - j < 16 ? count - j : 16;
                     const char *rows = (const char *)k_cache + (base + j) * D * (half ? 2 : 4);
-                    /* constants for the compiler: no test on the cache's type inside the sums */
-                    if (half)
-                        for (int64_t g = 0; g < per_kv; g++)
-                            dg_scores16(qg + g * D, rows, 1, n16, D, scale, scores + g * len + t + j);
-                    else
-                        for (int64_t g = 0; g < per_kv; g++)
-                            dg_scores16(qg + g * D, rows, 0, n16, D, scale, scores + g * len + t + j);
+                    dg_scores16_group(qg, rows, half, n16, D, scale, scores + t + j, len, per_kv);
                     dg_prefetch_step(&pf, pf_step);
                 }
                 t += count;
