@@ -95,6 +95,7 @@ class ServiceConfig:
     spare_engine: bool = False
     speculate: str = SpeculationFlags.speculate
     num_draft_tokens: int = SpeculationFlags.num_draft_tokens
+    step_draft_tokens: int = SpeculationFlags.step_draft_tokens
     max_ngram: int = SpeculationFlags.max_ngram
     speculate_max_batch: int = SpeculationFlags.speculate_max_batch
     draft_model: str | None = SpeculationFlags.draft_model
@@ -343,7 +344,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(docs/ARCHITECTURE.md, crash resume; off by default)",
     )
     opt("speculate", str, d.speculate, "speculative decoding: auto, none, ngram or draft_model")
-    opt("num_draft_tokens", int, d.num_draft_tokens, "draft tokens verified per step")
+    opt("num_draft_tokens", int, d.num_draft_tokens, "the most draft tokens a job verifies per step")
+    opt("step_draft_tokens", int, d.step_draft_tokens, "the most draft tokens a step verifies over its jobs")
     opt("max_ngram", int, d.max_ngram, "longest suffix the n-gram drafter matches")
     opt("speculate_max_batch", int, d.speculate_max_batch, "no speculation with more running jobs than this")
     opt("draft_model", str, d.draft_model, "draft model file (default: the target's own)")

@@ -94,6 +94,7 @@ class SpeculationFlags:
     # lengths need the warm-up's cost table.
     speculate: str = "auto"
     num_draft_tokens: int = _SPECULATION.num_draft_tokens  # the most; adaptive lengths below it
+    step_draft_tokens: int = _SPECULATION.step_draft_tokens  # the most over one step's jobs
     max_ngram: int = _SPECULATION.max_ngram
     speculate_max_batch: int = _SPECULATION.max_batch_size  # no speculation with more running jobs than this
     draft_model: str | None = None  # default: the target's own file

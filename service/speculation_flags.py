@@ -72,6 +72,12 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
         help="the most draft tokens a job verifies per step (each job's own length adapts below it)",
     )
     g.add_argument(
+        "--step-draft-tokens",
+        type=int,
+        default=d.step_draft_tokens,
+        help="the most draft tokens one step verifies over all its jobs (bounds the rows drafts add to a step)",
+    )
+    g.add_argument(
         "--max-ngram", type=int, default=d.max_ngram, help="longest suffix the n-gram drafter matches"
     )
     g.add_argument(
@@ -88,6 +94,7 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
 def speculation_options(
     kind: str,
     num_draft_tokens: int,
+    step_draft_tokens: int,
     max_ngram: int,
     max_batch: int,
     draft_model: str | None,
@@ -105,7 +112,13 @@ def speculation_options(
             "--speculate draft_model needs a cheaper draft: --draft-model, --draft-layers or --draft-dtype bfloat16"
         )
     return SpeculationOptions(
-        SpeculationConfig(drafter, num_draft_tokens, max_ngram, max_batch),
+        SpeculationConfig(
+            drafter,
+            num_draft_tokens=num_draft_tokens,
+            step_draft_tokens=step_draft_tokens,
+            max_ngram=max_ngram,
+            max_batch_size=max_batch,
+        ),
         Path(draft_model) if draft_model else None,
         draft_layers or None,
         WeightDtype(draft_dtype),
@@ -118,6 +131,7 @@ def options_from_flags(f: SpeculationFlags) -> SpeculationOptions:
     return speculation_options(
         f.speculate,
         f.num_draft_tokens,
+        f.step_draft_tokens,
         f.max_ngram,
         f.speculate_max_batch,
         f.draft_model,
@@ -130,6 +144,7 @@ def speculation_from_args(args: argparse.Namespace) -> SpeculationOptions:
     return speculation_options(
         args.speculate,
         args.num_draft_tokens,
+        args.step_draft_tokens,
         args.max_ngram,
         args.speculate_max_batch,
         None if args.draft_model is None else str(args.draft_model),

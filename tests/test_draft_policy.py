@@ -63,6 +63,21 @@ def test_a_job_gets_no_more_than_it_can_use() -> None:
     assert policy.budgets([DraftWant(A, 3)], rows=1)[A] == 3
 
 
+def test_a_step_verifies_no_more_drafts_than_its_bound_however_many_jobs_draft() -> None:
+    # Rows cost next to nothing: every job's certain drafts would pay up to the per-job most.
+    flat = StepCost((1, 64, 128), (0.0026, 0.0027, 0.0028))
+    policy = DraftPolicy(flat, 8, step_draft_tokens=12)
+    jobs = [JobId(f"j{i}") for i in range(4)]
+    for job in jobs:
+        for _ in range(20):
+            policy.verified(job, 8, 8)
+    alone = policy.budgets([DraftWant(jobs[0], 100)], rows=1)
+    assert alone[jobs[0]] == 8  # the per-job most binds first at batch 1
+    for _ in range(100):  # probes included: they stay within the step's bound too
+        budgets = policy.budgets([DraftWant(j, 100) for j in jobs], rows=4)
+        assert sum(budgets.values()) == 12 and max(budgets.values()) <= 8
+
+
 def test_a_paused_job_is_probed_again() -> None:
     policy = trained(0, 4)
     for _ in range(40):

@@ -115,9 +115,10 @@ class DraftWant:
 
 
 class DraftPolicy:
-    def __init__(self, cost: StepCost, max_draft_tokens: int) -> None:
+    def __init__(self, cost: StepCost, max_draft_tokens: int, step_draft_tokens: int | None = None) -> None:
         self.cost = cost
-        self.max_draft_tokens = max_draft_tokens
+        self.max_draft_tokens = max_draft_tokens  # per job
+        self.step_draft_tokens = max_draft_tokens if step_draft_tokens is None else step_draft_tokens
         self._jobs: dict[JobId, _Acceptance] = {}
         self._prior = _Acceptance(INITIAL_PRIOR * PRIOR_WEIGHT, PRIOR_WEIGHT)
         self._probe_in = PROBE_EVERY  # steps until the next probe
@@ -152,7 +153,7 @@ class DraftPolicy:
         heap = [(-p[w.job_id], w.job_id) for w in wants if most[w.job_id] > 0 and p[w.job_id] > 0]
         heapq.heapify(heap)
         added = 0
-        while heap:
+        while heap and added < self.step_draft_tokens:
             neg_q, job_id = heapq.heappop(heap)
             q = -neg_q
             more = self.cost.at(base + added + 1)
@@ -173,7 +174,7 @@ class DraftPolicy:
             return out
         self._probe_in = PROBE_EVERY
         able = [w for w in wants if out[w.job_id] < min(w.most, self.max_draft_tokens)]
-        if able:
+        if able and sum(out.values()) < self.step_draft_tokens:
             out[max(able, key=lambda w: self.acceptance(w.job_id)).job_id] += 1
             self._probing = True
         return out

@@ -88,7 +88,7 @@ class SpeculationStep:
         return self.drafter is not None and self._config.adaptive
 
     def measured(self, cost: StepCost) -> None:
-        self.policy = DraftPolicy(cost, self._config.num_draft_tokens)
+        self.policy = DraftPolicy(cost, self._config.num_draft_tokens, self._config.step_draft_tokens)
 
     def learns_cost(self) -> bool:
         return self.policy is not None and not self.paused
