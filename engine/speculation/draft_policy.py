@@ -18,7 +18,9 @@ Two measured things decide it:
 
 Draft tokens are then handed out one at a time, each to the job whose next draft token is the
 most likely to be kept, while it raises the step's expected tokens per second: the step makes n
-tokens (one per decoding job) plus the expected kept drafts, in the time of its rows. At batch 1
+tokens (one per decoding job) plus the expected kept drafts, in the time of its rows, up to
+`max_draft_tokens` a job and `step_draft_tokens` over the step (so drafts lengthen no step by more
+than that many rows, whatever the table says a row costs). At batch 1
 a draft kept with p = 0.3 pays; at batch 64 on 2 cores even a near-certain one barely does, so
 speculation switches itself off under load with no setting. A job whose drafts stop paying
 drafts nothing; its estimate drifts back toward the prior while it does not draft (`RELAX` per
