@@ -25,7 +25,7 @@ A, B = JobId("a"), JobId("b")
 
 
 def trained(p_kept: int, p_drafted: int, rounds: int = 20, cost: StepCost = CPU) -> DraftPolicy:
-    policy = DraftPolicy(cost, 16)
+    policy = DraftPolicy(cost, 16, 16)
     for _ in range(rounds):
         policy.verified(A, p_drafted, p_kept)
     return policy
@@ -66,7 +66,7 @@ def test_a_job_gets_no_more_than_it_can_use() -> None:
 def test_a_step_verifies_no_more_drafts_than_its_bound_however_many_jobs_draft() -> None:
     # Rows cost next to nothing: every job's certain drafts would pay up to the per-job most.
     flat = StepCost((1, 64, 128), (0.0026, 0.0027, 0.0028))
-    policy = DraftPolicy(flat, 8, step_draft_tokens=12)
+    policy = DraftPolicy(flat, 8, 12)
     jobs = [JobId(f"j{i}") for i in range(4)]
     for job in jobs:
         for _ in range(20):
@@ -135,7 +135,7 @@ def test_observed_steps_correct_a_table_measured_on_a_busy_machine() -> None:
     pays and none is verified. Probes and every step's time bring drafting back."""
     true = StepCost((1, 2, 4, 8, 16), (0.004, 0.0042, 0.0048, 0.0066, 0.011))
     busy = StepCost((1, 2, 4, 8, 16), (0.004, 0.012, 0.020, 0.030, 0.050))
-    policy = DraftPolicy(busy, 8)
+    policy = DraftPolicy(busy, 8, 8)
     for _ in range(20):
         policy.verified(A, 8, 8)  # the job's drafts are always kept
     assert policy.budgets([DraftWant(A, 10_000)], rows=1)[A] == 0

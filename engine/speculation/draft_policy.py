@@ -117,10 +117,10 @@ class DraftWant:
 
 
 class DraftPolicy:
-    def __init__(self, cost: StepCost, max_draft_tokens: int, step_draft_tokens: int | None = None) -> None:
+    def __init__(self, cost: StepCost, max_draft_tokens: int, step_draft_tokens: int) -> None:
         self.cost = cost
         self.max_draft_tokens = max_draft_tokens  # per job
-        self.step_draft_tokens = max_draft_tokens if step_draft_tokens is None else step_draft_tokens
+        self.step_draft_tokens = step_draft_tokens  # over all jobs of a step
         self._jobs: dict[JobId, _Acceptance] = {}
         self._prior = _Acceptance(INITIAL_PRIOR * PRIOR_WEIGHT, PRIOR_WEIGHT)
         self._probe_in = PROBE_EVERY  # steps until the next probe
