@@ -961,6 +961,28 @@ static inline __m256 dg_exp8(__m256 x) {
 }
 #endif
 
+#if defined(DG_AVX512)
+/* dg_exp8 on 16 floats: the same steps and constants, so each lane gives dg_exp8's bits. */
+static inline __m512 dg_exp16(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+#endif
+
 /* x += delta (when delta is not NULL), then out = w * (x / rms(x)), per row of `dim`. */
 void dg_add_rms_norm(float *x, const float *delta, const float *w, float *out, int64_t rows, int64_t dim,
                      float eps) {
@@ -1391,7 +1413,7 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                                         (2 * ((len + 15) / 16));
         const float *qg = q + b * q_stride + kh * per_kv * D; /* the group's query heads, D apart */
         float *og = out + b * H * D + kh * per_kv * D;
-        const size_t need = (size_t)(len * per_kv + len * D);
+        const size_t need = (size_t)(len * per_kv + len * D + per_kv);
         if (need > dg_attn_tls.cap) {
             float *buf = (float *)malloc(need * sizeof(float));
             if (!buf) abort(); /* a few KiB per thread; nothing sensible to return into */
@@ -1400,6 +1422,7 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         }
         float *scores = dg_attn_tls.buf; /* [per_kv, len] */
         float *vrows = scores + len * per_kv; /* dequantized V rows of an int8 cache [len, D] */
+        float *inv = vrows + len * D; /* [per_kv]: 1 / each head's sum of exp(score - max) */
         /* Scores: one K row read serves every query head of the group. */
         for (int64_t p = 0, t = 0; t < len; p++) {
             const int64_t base = (table[p] * KVH + kh) * page_size;
@@ -1457,11 +1480,23 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                 }
             }
         }
+        /* Unnormalized: the scores become exp(s - max), and each head's output is divided by
+         * their sum once its V rows are summed (D products, not one per key). */
         for (int64_t g = 0; g < per_kv; g++) {
             float *sg = scores + g * len;
             float mx = dg_max_scores(sg, len);
             float sum = 0.0f;
             int64_t t = 0;
+#if defined(DG_AVX512)
+            __m512 vs16 = _mm512_setzero_ps();
+            const __m512 vmx16 = _mm512_set1_ps(mx);
+            for (; t + 16 <= len; t += 16) {
+                const __m512 e = dg_exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vmx16));
+                _mm512_storeu_ps(sg + t, e);
+                vs16 = _mm512_add_ps(vs16, e);
+            }
+            sum = _mm512_reduce_add_ps(vs16);
+#endif
 #if defined(DG_AVX2)
             __m256 vs = _mm256_setzero_ps();
             const __m256 vmx = _mm256_set1_ps(mx);
@@ -1470,14 +1505,13 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                 _mm256_storeu_ps(sg + t, e);
                 vs = _mm256_add_ps(vs, e);
             }
-            sum = dg_hsum(vs);
+            sum += dg_hsum(vs);
 #endif
             for (; t < len; t++) {
                 sg[t] = expf(sg[t] - mx);
                 sum += sg[t];
             }
-            const float inv = 1.0f / sum;
-            for (t = 0; t < len; t++) sg[t] *= inv;
+            inv[g] = 1.0f / sum;
         }
 #if defined(DG_AVX512)
         /* Heads of up to 64 values in a float or float16 cache: up to 4 heads of the group at once,
@@ -1561,6 +1595,8 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                 }
             }
         }
+        for (int64_t g = 0; g < per_kv; g++)
+            for (int64_t i = 0; i < D; i++) og[g * D + i] *= inv[g];
     }
     }
 }
