@@ -35,10 +35,11 @@ SAMPLING_THREADS = 2  # the sampler's thread pool, used in the threaded sampler 
 SAMPLER_MODES = ("batched", "threaded")
 SAMPLER_MODE = "batched"
 # The KV cache's storage (kernels.attention.kv_layer.KVCacheKind's values, and auto): float = the model's
-# dtype; float16 = half a float32 cache's bytes; int8 = int8 with a float16 scale per token and
+# dtype; float16 = half a float32 cache's bytes; bfloat16 = the same bytes, bfloat16 pair products
+# in the native attention where the CPU has them; int8 = int8 with a float16 scale per token and
 # head. auto = float16 where the linears are quantized and the model computes in float32, float
 # elsewhere (engine.cache.kv_cache.choose_kv_cache says why).
-KV_CACHE_KINDS = ("auto", "float", "float16", "int8")
+KV_CACHE_KINDS = ("auto", "float", "float16", "bfloat16", "int8")
 KV_CACHE = "auto"
 # LoRA adapters an engine holds at once (`--max-adapters`): each is rank x (in + out) float32 per
 # adapted projection, ~2.4 MB for rank 8 on every projection of the shipped model.

@@ -1,9 +1,10 @@
 """The native CPU kernels (kernels/native/csrc/cpu_kernels.c) against torch references.
 
 Every test runs on the builds this host can run: `-march=native` (512-bit VNNI block matmuls
-where the CPU has AVX-512 VNNI, else AVX2 intrinsics), `-march=x86-64-v3` (the AVX2 code, on
-hosts with AVX2) and `-march=x86-64` (the portable scalar code), so every path this CPU can
-execute is checked.
+where the CPU has AVX-512 VNNI, else AVX2 intrinsics), `-march=cascadelake` (the 512-bit code
+without bfloat16 pair products, on hosts that have them natively), `-march=x86-64-v3` (the AVX2
+code, on hosts with AVX2) and `-march=x86-64` (the portable scalar code), so every path this CPU
+can execute is checked.
 
 Tolerances: integer block dot products are exact, so a matmul must equal the float32
 product of the dequantized weights and the dequantized activations up to float32
@@ -50,11 +51,30 @@ from kernels.native.native_library import (
 from tests.reference_generate import GenerationSettings, generate_batch
 from tests.tiny_llama import save_tiny_llama
 
+# What each build needs of the CPU beyond x86-64: cascadelake is the 512-bit VNNI code without
+# bfloat16 pair products (a bfloat16 cache then widens to float32, as on AVX2).
+NEEDS = {
+    "x86-64-v3": {"avx2", "fma", "f16c"},
+    "cascadelake": {
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512cd",
+        "avx512dq",
+        "avx512vl",
+        "avx512_vnni",
+    },
+}
 
-@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64"])
+
+@pytest.fixture(scope="module", params=["native", "cascadelake", "x86-64-v3", "x86-64"])
 def lib(request: pytest.FixtureRequest) -> NativeLibrary:
-    if request.param == "x86-64-v3" and not {"avx2", "fma", "f16c"} <= cpu_features().flags:
-        pytest.skip("this CPU cannot run AVX2 code")
+    if not NEEDS.get(str(request.param), set()) <= cpu_features().flags:
+        pytest.skip(f"this CPU cannot run {request.param} code")
+    if request.param == "cascadelake" and "avx512_bf16" not in cpu_features().flags:
+        pytest.skip("the native build is this code already")
     try:
         return build_library(str(request.param))
     except NativeBuildError as e:
@@ -341,8 +361,21 @@ def test_float16_conversion_rounds_as_torch(lib: NativeLibrary) -> None:
     assert torch.isnan(lib.to_half(torch.tensor([float("nan")]))).all()
 
 
+def test_bfloat16_conversion_rounds_as_torch(lib: NativeLibrary) -> None:
+    """The decoder layer's bfloat16 cache writes equal torch's .bfloat16() (the per-op path's), bit for bit."""
+    torch.manual_seed(4)
+    big = torch.finfo(torch.float32).max
+    ties = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-8 + 2.0**-20]  # halfway: to even, and just past
+    edges = torch.tensor([0.0, -0.0, 1.0, *ties, big, -big, 1e-40, -3e-39, float("inf"), float("-inf")])
+    spread = torch.randn(20000) * torch.exp2(torch.randint(-120, 120, (20000,)).float())
+    x = torch.cat([edges, spread, torch.randn(5000)])
+    got = lib.to_bfloat16(x)
+    assert torch.equal(got.view(torch.int16), x.bfloat16().view(torch.int16))
+    assert torch.isnan(lib.to_bfloat16(torch.tensor([float("nan")]))).all()
+
+
 @pytest.mark.parametrize("heads", [6, 10])  # 3 or 5 query heads per K/V head (the V sums take 4 at once)
-@pytest.mark.parametrize("quant", [None, torch.float32, torch.float16, "half"])
+@pytest.mark.parametrize("quant", [None, torch.float32, torch.float16, "half", "bfloat16"])
 @pytest.mark.parametrize(
     ("page_size", "dim", "seq_lens"),
     [
@@ -366,8 +399,8 @@ def test_decode_attention_matches_the_torch_path(
     v = torch.randn(pages, kvh, page_size, dim)
     k_scale = v_scale = None
     kq, vq = k, v
-    if quant == "half":  # a float16 cache: the reference sees its values
-        kq, vq = k.half(), v.half()
+    if quant in ("half", "bfloat16"):  # a 2-byte cache: the reference sees its values
+        kq, vq = (k.half(), v.half()) if quant == "half" else (k.bfloat16(), v.bfloat16())
         k, v = kq.float(), vq.float()
     elif isinstance(quant, torch.dtype):
         k_scale = (k.abs().amax(-1) / 127).to(quant)
@@ -388,7 +421,10 @@ def test_decode_attention_matches_the_torch_path(
         s = torch.einsum("hd,nhd->hn", q[i], keys[:, kv_of_head]) * dim**-0.5
         ref[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), vals[:, kv_of_head]).reshape(-1)
     got = lib.decode_attention(q, kq, vq, k_scale, v_scale, tables, torch.tensor(seq_lens), dim**-0.5)
-    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+    # With bfloat16 pair products (CPUs with AVX512_BF16, head sizes of 32s) the queries and the
+    # softmax weights are rounded to bfloat16 too: 8 bits of mantissa.
+    tol = 1e-2 if quant == "bfloat16" else 1e-5
+    assert torch.allclose(got, ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize(
@@ -400,15 +436,19 @@ def test_decode_attention_matches_the_torch_path(
         (64, 64, ((600, 9), (7, 4))),  # verification rows at a long context: small row groups
     ],
 )
-@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_chunk_rows_match_plain_causal_attention_and_decoding_alone(
-    lib: NativeLibrary, page_size: int, dim: int, chunks: tuple[tuple[int, int], ...], half: bool
+    lib: NativeLibrary,
+    page_size: int,
+    dim: int,
+    chunks: tuple[tuple[int, int], ...],
+    cache_dtype: torch.dtype,
 ) -> None:
     torch.manual_seed(page_size + dim)
     kvh, heads, pages = 2, 6, 40
     k = torch.randn(pages, kvh, page_size, dim)
     v = torch.randn(pages, kvh, page_size, dim)
-    kc, vc = (k.half(), v.half()) if half else (k, v)
+    kc, vc = k.to(cache_dtype), v.to(cache_dtype)
     k, v = kc.float(), vc.float()  # the reference sees the cache's values
     seq_lens = [c + n for c, n in chunks]
     per_seq = max(-(-n // page_size) for n in seq_lens)
@@ -448,7 +488,8 @@ def test_chunk_rows_match_plain_causal_attention_and_decoding_alone(
         s = s.masked_fill(~visible, float("-inf"))
         ref[row : row + new] = torch.einsum("hqn,nhd->qhd", s.softmax(-1), vals).reshape(new, -1)
         row += new
-    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+    tol = 1e-2 if cache_dtype is torch.bfloat16 else 1e-5  # bfloat16 queries and weights (see above)
+    assert torch.allclose(got, ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("kind", list(KVCacheKind))
@@ -475,7 +516,7 @@ def test_native_attention_and_fused_ops_match_the_torch_model(tmp_path: Path, ki
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", [KVCacheKind.FLOAT, KVCacheKind.FLOAT16])
+@pytest.mark.parametrize("kind", [KVCacheKind.FLOAT, KVCacheKind.FLOAT16, KVCacheKind.BFLOAT16])
 def test_one_call_decoder_layers_match_the_per_op_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: KVCacheKind
 ) -> None:
@@ -484,8 +525,9 @@ def test_one_call_decoder_layers_match_the_per_op_path(
     lib = native_library()
     if lib is None:
         pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
+    # Heads of 32 values: a bfloat16 cache's pair products where the CPU has them.
     save_tiny_llama(
-        tmp_path, with_tokenizer=True, hidden_size=96, num_attention_heads=6, num_key_value_heads=2
+        tmp_path, with_tokenizer=True, hidden_size=192, num_attention_heads=6, num_key_value_heads=2
     )
     model = load_model(tmp_path, progress=False, attention=AttentionKind.NATIVE, quant=QuantMode.INT4).model
     calls = chunk_calls = 0

@@ -150,3 +150,34 @@ def test_auto_drafts_only_where_it_changes_no_token() -> None:
     finally:
         blocks.close()
         floats.close()
+
+
+def test_a_bfloat16_cache_keeps_drafts_and_resumes_exact() -> None:
+    """`--kv-cache bfloat16` (bfloat16 pair products in the attention where the CPU has them): drafts
+    verified as chunks, and a job resumed from part of its output, give plain decoding's tokens."""
+    runs: dict[str, list[list[int]]] = {}
+    for speculate in ("none", "ngram"):
+        options = options_from_flags(SpeculationFlags(speculate=speculate, speculate_max_batch=len(PROMPTS)))
+        _, gen = build_engine(EngineSettings(model=None, kv_cache="bfloat16"), options, False)
+        try:
+            assert "bfloat16" in gen.cache.describe()
+            prompts = _prompts(gen)
+            done = run_jobs(gen, [JobSpec(prompt_ids=p, max_new_tokens=N, ignore_eos=True) for p in prompts])
+            runs[speculate] = [[t for e in deltas for t in e.token_ids] for deltas, _ in done]
+            if speculate == "ngram":
+                assert sum(f.accepted_draft_tokens for _, f in done) > 0
+                continue
+            resumed = run_jobs(
+                gen,
+                [
+                    JobSpec(prompt_ids=p, max_new_tokens=N, ignore_eos=True, resume_output=tuple(out[:17]))
+                    for p, out in zip(prompts, runs["none"], strict=True)
+                ],
+            )
+            assert [
+                out[:17] + [t for e in deltas for t in e.token_ids]
+                for out, (deltas, _) in zip(runs["none"], resumed, strict=True)
+            ] == runs["none"]
+        finally:
+            gen.close()
+    assert runs["ngram"] == runs["none"]

@@ -174,11 +174,13 @@ def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
     i4 = LinearKind.INT4
     i8d = LinearKind.INT8_DYNAMIC
     float_kv, half_kv, int8_kv = KVCacheKind.FLOAT, KVCacheKind.FLOAT16, KVCacheKind.INT8
+    bf16_kv = KVCacheKind.BFLOAT16
     plans: list[tuple[str, LinearPlan, KVCacheKind]] = [
         (f"--quant {m.value}", plan_for(m, cpu), float_kv)
         for m in (QuantMode.NONE, QuantMode.INT8, QuantMode.INT4)
     ]
     plans.insert(1, ("--kv-cache int8", plan_for(QuantMode.NONE, cpu), int8_kv))
+    plans.insert(1, ("--kv-cache bfloat16", plan_for(QuantMode.NONE, cpu), bf16_kv))
     plans.insert(1, ("--kv-cache float16", plan_for(QuantMode.NONE, cpu), half_kv))
     plans += [
         ("dynamic int8 (fbgemm), all", LinearPlan.uniform(i8d), float_kv),
@@ -189,6 +191,7 @@ def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
         # The autotune picks by rows per call; these windows run in its 64-row bucket.
         plans.append(("--quant auto --kv-cache float", plan_for(QuantMode.AUTO, cpu), float_kv))
         plans.append(("--quant auto --kv-cache float16", plan_for(QuantMode.AUTO, cpu), half_kv))
+        plans.append(("--quant auto --kv-cache bfloat16", plan_for(QuantMode.AUTO, cpu), bf16_kv))
     lines = [
         f"### Quality per linear plan: {tokens} tokens of {TEXT_SOURCE}, windows of {WINDOW}",
         "",

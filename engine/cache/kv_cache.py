@@ -8,7 +8,9 @@ Which page belongs to which sequence is the page tables' business (the caller's)
 this module only owns the storage.
 
 Kinds (kernels.attention.kv_layer.KVCacheKind): FLOAT keeps K/V in the model's dtype; FLOAT16 in
-float16 (half a float32 cache's bytes, which decode attention reads every step); INT8 keeps
+float16 (half a float32 cache's bytes, which decode attention reads every step); BFLOAT16 in
+bfloat16 (the same bytes; where the CPU multiplies bfloat16 pairs natively, the native attention
+does so); INT8 keeps
 them as int8 in the same layout plus a float16 scale per token and head
 ([layers, num_pages, kv_heads, page_size]), quantized as they are written and
 dequantized inside attention: ~3.8x the tokens of a float32 cache in the same memory.
@@ -66,6 +68,8 @@ def storage_dtype(kind: KVCacheKind, dtype: torch.dtype) -> torch.dtype:
             return dtype
         case KVCacheKind.FLOAT16:
             return torch.float16
+        case KVCacheKind.BFLOAT16:
+            return torch.bfloat16
         case KVCacheKind.INT8:
             return torch.int8
         case _:
@@ -181,6 +185,8 @@ class PagedKVCache:
                 what = f"float ({str(self.dtype).removeprefix('torch.')})"
             case KVCacheKind.FLOAT16:
                 what = "float16"
+            case KVCacheKind.BFLOAT16:
+                what = "bfloat16"
             case KVCacheKind.INT8:
                 what = "int8 (float16 scale per token and head)"
             case _:

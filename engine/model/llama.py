@@ -34,7 +34,14 @@ from kernels.linear.block_linear import BlockLinear
 from kernels.linear.int4_groups import Int4Groups
 from kernels.linear.linear_autotune import LinearTuner, TunedLinear, bucket
 from kernels.linear.make_linear import Linear, LinearKind
-from kernels.native.native_library import DecodeLayer, DecodeStep, LinearDesc, NativeLibrary, native_library
+from kernels.native.native_library import (
+    CACHE_DTYPES,
+    DecodeLayer,
+    DecodeStep,
+    LinearDesc,
+    NativeLibrary,
+    native_library,
+)
 
 # Steps of at most this many new tokens may run each layer as one native call: decode steps,
 # verifications and the small prefill slices beside decoding. Larger prefills are compute-bound,
@@ -198,7 +205,7 @@ class LlamaModel:
         usable = (
             isinstance(self.attention, NativePagedAttention)
             and not cache.layer(0).quantized
-            and cache.k.dtype in (torch.float32, torch.float16)
+            and cache.k.dtype in CACHE_DTYPES
         )
         for i, layer in enumerate(self.layers if usable else []):
             d = [desc(layer.qkv), desc(layer.o), desc(layer.gate_up), desc(layer.down)]

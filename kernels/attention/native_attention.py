@@ -20,7 +20,7 @@ import torch
 from kernels.attention.batch import AttentionBatch
 from kernels.attention.kv_layer import KVLayer
 from kernels.attention.torch_attention import TorchPagedAttention
-from kernels.native.native_library import NativeLibrary
+from kernels.native.native_library import CACHE_DTYPES, NativeLibrary
 
 
 class _PreparedNativeAttention:
@@ -41,7 +41,7 @@ class _PreparedNativeAttention:
 
     def attend(self, q: torch.Tensor, cache: KVLayer) -> torch.Tensor:
         head_dim = int(q.shape[-1])
-        if not self._float or (not cache.quantized and cache.k.dtype not in (torch.float32, torch.float16)):
+        if not self._float or (not cache.quantized and cache.k.dtype not in CACHE_DTYPES):
             return self._torch.attend(q, cache)
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()  # rows may be strided (views of the fused QKV), heads may not

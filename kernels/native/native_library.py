@@ -41,6 +41,8 @@ def source_digest() -> str:
 
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# The float K/V caches the native attention reads, and their element codes (DG_KV_* in the source).
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 32
 SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+avx_vnni", 3: "avx2+avx512_vnni", 4: "avx512_vnni"}
 
@@ -51,6 +53,11 @@ _F = ctypes.c_float
 
 class NativeBuildError(RuntimeError):
     pass
+
+
+def cache_kind(dtype: torch.dtype) -> int:
+    """The kernels' code for a float K/V cache's element type."""
+    return CACHE_DTYPES.index(dtype)
 
 
 def _compiler() -> str | None:
@@ -156,7 +163,7 @@ class DecodeStep:
 
 @dataclass(frozen=True)
 class DecodeLayer:
-    """One decoder layer's weights and float32 cache for `NativeLibrary.decode_layer`."""
+    """One decoder layer's weights and float cache for `NativeLibrary.decode_layer`."""
 
     qkv: LinearDesc
     o: LinearDesc
@@ -164,7 +171,7 @@ class DecodeLayer:
     down: LinearDesc
     ffn_norm: torch.Tensor
     next_norm: torch.Tensor | None  # the next layer's attention norm (None: the last layer)
-    k_cache: torch.Tensor  # [pages, kv_heads, page_size, head_dim] float32
+    k_cache: torch.Tensor  # [pages, kv_heads, page_size, head_dim] float32, float16 or bfloat16
     v_cache: torch.Tensor
 
 
@@ -243,6 +250,8 @@ class NativeLibrary:
         lib.dg_decode_attention.restype = None
         lib.dg_to_half_array.argtypes = [_P, _I, _P]
         lib.dg_to_half_array.restype = None
+        lib.dg_to_bf16_array.argtypes = [_P, _I, _P]
+        lib.dg_to_bf16_array.restype = None
         self._lib = lib
         self.block_q4_bytes = int(lib.dg_block_q4_size())
         self.block_q8_bytes = int(lib.dg_block_q8_size())
@@ -307,7 +316,7 @@ class NativeLibrary:
             step.positions.data_ptr(),
             layer.k_cache.data_ptr(),
             layer.v_cache.data_ptr(),
-            int(layer.k_cache.dtype == torch.float16),
+            cache_kind(layer.k_cache.dtype),
             step.slots.data_ptr(),
             step.page_tables.data_ptr(),
             step.page_tables.shape[1],
@@ -438,6 +447,12 @@ class NativeLibrary:
         self._lib.dg_to_half_array(_f32(x), x.numel(), int(out.data_ptr()))
         return out
 
+    def to_bfloat16(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 -> bfloat16 as the decoder layer writes a bfloat16 KV cache (nearest, ties to even)."""
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        self._lib.dg_to_bf16_array(_f32(x), x.numel(), int(out.data_ptr()))
+        return out
+
     def decode_attention(
         self,
         q: torch.Tensor,
@@ -451,7 +466,8 @@ class NativeLibrary:
         row_seq: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Query rows q [B, H, D] float32 against a layer's paged cache [pages, KVH, page_size, D]
-        (float32 or float16, or int8 with [pages, KVH, page_size] float32/float16 scales) -> [B, H * D].
+        (float32, float16 or bfloat16, or int8 with [pages, KVH, page_size] float32/float16 scales) ->
+        [B, H * D].
         Row b sees the first seq_lens[b] keys of page table row_seq[b] (of b without row_seq: one
         query per sequence, a decode step); each row's result is what it would be alone."""
         b, heads, dim = q.shape
@@ -467,7 +483,7 @@ class NativeLibrary:
         if row_seq is None and page_tables.shape[0] != b:
             raise ValueError("decode_attention: one page table per query row without row_seq")
         quant = k_scale is not None and v_scale is not None
-        want = (torch.int8,) if quant else (torch.float32, torch.float16)
+        want = (torch.int8,) if quant else CACHE_DTYPES
         if k_cache.dtype not in want or v_cache.dtype is not k_cache.dtype:
             raise ValueError(
                 f"decode_attention: a {'quantized' if quant else 'float'} cache must be one of {want}"
@@ -488,7 +504,7 @@ class NativeLibrary:
             _ptr(k_scale) if quant and k_scale is not None else None,
             _ptr(v_scale) if quant and v_scale is not None else None,
             int(quant and k_scale is not None and k_scale.dtype == torch.float16),
-            int(k_cache.dtype == torch.float16),
+            0 if quant else cache_kind(k_cache.dtype),
             _ptr(page_tables),
             int(page_tables.shape[1]),
             _ptr(row_seq) if row_seq is not None else None,

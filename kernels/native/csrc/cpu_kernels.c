@@ -80,6 +80,32 @@ static inline uint16_t dg_to_half(float f) {
 #endif
 }
 
+/* A bfloat16 value (its bits) as float32: the top half of its bits. */
+static inline float dg_bf16(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* float32 to bfloat16 bits, rounding to nearest even (as torch's .bfloat16()); a NaN stays a NaN. */
+static inline uint16_t dg_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40);
+    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* x [n] float32 -> bfloat16 bits, as the decoder layer writes a bfloat16 cache (its tests' entry). */
+void dg_to_bf16_array(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = dg_to_bf16(x[i]);
+}
+
+/* The K/V cache's element types (kv_kind below). */
+#define DG_KV_F32 0
+#define DG_KV_F16 1
+#define DG_KV_BF16 2
+
 /* x [n] float32 -> float16 bits, as the decoder layer writes a float16 cache (its tests' entry). */
 void dg_to_half_array(const float *x, int64_t n, uint16_t *out) {
     for (int64_t i = 0; i < n; i++) out[i] = dg_to_half(x[i]);
@@ -1187,6 +1213,8 @@ typedef __m512 dg_vf;
 #define dg_vsum _mm512_reduce_add_ps
 #define dg_vload_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define dg_vload_h(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define dg_vload_b(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #elif defined(DG_AVX2)
 #define DG_VW 8
 typedef __m256 dg_vf;
@@ -1200,6 +1228,8 @@ typedef __m256 dg_vf;
 #define dg_vsum dg_hsum
 #define dg_vload_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define dg_vload_h(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define dg_vload_b(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
 static _Thread_local struct {
@@ -1209,13 +1239,14 @@ static _Thread_local struct {
 
 #if defined(DG_AVX512)
 /* Scores of HG (1-3) query heads (qh + g * D) against `count` (<= 16) consecutive K rows of a page,
- * float32 or float16 (half), times `scale`, into out + g * stride [0..count). D is a multiple of 16.
+ * float32, float16 or bfloat16 (kind: DG_KV_*), times `scale`, into out + g * stride [0..count). D is
+ * a multiple of 16.
  * Each K vector is loaded (and converted) once for all HG heads. A score is 16 lane sums over D,
  * then a fixed tree over the lanes: pairs merged within 128-bit lanes (unpack, shuffle), then
  * across them (shuffle_f32x4), 16 keys' trees in one pass. Keys go four at a time (HG x 4 sums in
  * registers) through the tree's first two levels; the last two join the four quarters. */
 static inline __attribute__((always_inline)) void dg_scores16_heads(const int HG, const float *qh, const void *k,
-                                                                    int half, int64_t count, int64_t D,
+                                                                    int kind, int64_t count, int64_t D,
                                                                     float scale, float *out, int64_t stride) {
     __m512 b[3][4];
     for (int qq = 0; qq < 4; qq++) {
@@ -1228,8 +1259,9 @@ static inline __attribute__((always_inline)) void dg_scores16_heads(const int HG
             for (int t = 0; t < 4; t++) {
                 if (4 * qq + t >= count) break;
                 const int64_t row = 4 * qq + t;
-                const __m512 kv = half ? dg_vload_h((const uint16_t *)k + row * D + i)
-                                       : _mm512_loadu_ps((const float *)k + row * D + i);
+                const __m512 kv = kind == DG_KV_F16    ? dg_vload_h((const uint16_t *)k + row * D + i)
+                                  : kind == DG_KV_BF16 ? dg_vload_b((const uint16_t *)k + row * D + i)
+                                                       : _mm512_loadu_ps((const float *)k + row * D + i);
                 for (int g = 0; g < HG; g++) acc[g][t] = _mm512_fmadd_ps(qv[g], kv, acc[g][t]);
             }
         }
@@ -1253,24 +1285,82 @@ static inline __attribute__((always_inline)) void dg_scores16_heads(const int HG
 }
 
 /* The scores of a group's per_kv query heads against one block of (<= 16) K rows, HG <= 3 heads
- * per pass; half and the pass's head count become constants in each branch. */
-static inline void dg_scores16_group(const float *qg, const void *k, int half, int64_t count, int64_t D,
+ * per pass; the element kind and the pass's head count become constants in each branch. */
+#define DG_SCORES16_KIND(KIND)                                                                         \
+    do {                                                                                               \
+        if (n == 3) dg_scores16_heads(3, qh, k, KIND, count, D, scale, o, stride);                     \
+        else if (n == 2) dg_scores16_heads(2, qh, k, KIND, count, D, scale, o, stride);                \
+        else dg_scores16_heads(1, qh, k, KIND, count, D, scale, o, stride);                            \
+    } while (0)
+static inline void dg_scores16_group(const float *qg, const void *k, int kind, int64_t count, int64_t D,
                                      float scale, float *out, int64_t stride, int64_t per_kv) {
     for (int64_t g = 0; g < per_kv; g += 3) {
         const int64_t n = per_kv - g < 3 ? per_kv - g : 3;
         const float *qh = qg + g * D;
         float *o = out + g * stride;
-        if (half) {
-            if (n == 3) dg_scores16_heads(3, qh, k, 1, count, D, scale, o, stride);
-            else if (n == 2) dg_scores16_heads(2, qh, k, 1, count, D, scale, o, stride);
-            else dg_scores16_heads(1, qh, k, 1, count, D, scale, o, stride);
-        } else {
-            if (n == 3) dg_scores16_heads(3, qh, k, 0, count, D, scale, o, stride);
-            else if (n == 2) dg_scores16_heads(2, qh, k, 0, count, D, scale, o, stride);
-            else dg_scores16_heads(1, qh, k, 0, count, D, scale, o, stride);
-        }
+        if (kind == DG_KV_F16) DG_SCORES16_KIND(DG_KV_F16);
+        else if (kind == DG_KV_BF16) DG_SCORES16_KIND(DG_KV_BF16);
+        else DG_SCORES16_KIND(DG_KV_F32);
     }
 }
+#undef DG_SCORES16_KIND
+
+#if defined(__AVX512BF16__)
+/* dg_scores16_heads for a bfloat16 cache on CPUs with bfloat16 pair dot products: the HG query heads
+ * come as bfloat16 (qb + g * D), each K row's 32-value vectors are multiplied
+ * with them by pairs (vdpbf16ps: two exact products added to a float32 lane per instruction, half
+ * the instructions of float32 products and no conversion of K), then the same tree over the lanes.
+ * D is a multiple of 32. */
+static inline __attribute__((always_inline)) void dg_scores16_bf16_heads(const int HG, const uint16_t *qb,
+                                                                         const uint16_t *k, int64_t count,
+                                                                         int64_t D, float scale, float *out,
+                                                                         int64_t stride) {
+    __m512 b[3][4];
+    for (int qq = 0; qq < 4; qq++) {
+        __m512 acc[3][4];
+        for (int g = 0; g < HG; g++)
+            for (int t = 0; t < 4; t++) acc[g][t] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 32) {
+            __m512bh qv[3];
+            for (int g = 0; g < HG; g++) qv[g] = (__m512bh)_mm512_loadu_si512((const void *)(qb + g * D + i));
+            for (int t = 0; t < 4; t++) {
+                if (4 * qq + t >= count) break;
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512((const void *)(k + (4 * qq + t) * D + i));
+                for (int g = 0; g < HG; g++) acc[g][t] = _mm512_dpbf16_ps(acc[g][t], qv[g], kv);
+            }
+        }
+        for (int g = 0; g < HG; g++) {
+            const __m512 a0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[g][0], acc[g][1]),
+                                            _mm512_unpackhi_ps(acc[g][0], acc[g][1]));
+            const __m512 a1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[g][2], acc[g][3]),
+                                            _mm512_unpackhi_ps(acc[g][2], acc[g][3]));
+            b[g][qq] = _mm512_add_ps(_mm512_shuffle_ps(a0, a1, 0x44), _mm512_shuffle_ps(a0, a1, 0xEE));
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << count) - 1u);
+    for (int g = 0; g < HG; g++) {
+        const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[g][0], b[g][1], 0x88),
+                                        _mm512_shuffle_f32x4(b[g][0], b[g][1], 0xDD));
+        const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[g][2], b[g][3], 0x88),
+                                        _mm512_shuffle_f32x4(b[g][2], b[g][3], 0xDD));
+        const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+        _mm512_mask_storeu_ps(out + g * stride, keep, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+    }
+}
+
+static inline void dg_scores16_bf16_group(const uint16_t *qb, const uint16_t *k, int64_t count, int64_t D,
+                                          float scale, float *out, int64_t stride, int64_t per_kv) {
+    for (int64_t g = 0; g < per_kv; g += 3) {
+        const int64_t n = per_kv - g < 3 ? per_kv - g : 3;
+        const uint16_t *qh = qb + g * D;
+        float *o = out + g * stride;
+        if (n == 3) dg_scores16_bf16_heads(3, qh, k, count, D, scale, o, stride);
+        else if (n == 2) dg_scores16_bf16_heads(2, qh, k, count, D, scale, o, stride);
+        else dg_scores16_bf16_heads(1, qh, k, count, D, scale, o, stride);
+    }
+}
+
+#endif
 #endif
 
 /* The largest of n scores, NaNs skipped (as fmaxf does; a maximum rounds nothing, so lanes give
@@ -1338,7 +1428,7 @@ static inline void dg_prefetch_step(dg_prefetch *pf, int64_t n) {
  * head's NV sums form a chain as long as the rows, bound by the FMA's latency). Called with
  * constant HG and NV where it matters, so the loops unroll and the sums stay in registers. */
 static inline __attribute__((always_inline)) void dg_pv_heads(const int HG, const int NV, const float *p, int64_t len,
-                                                              const void *v_cache, int half, const int64_t *table,
+                                                              const void *v_cache, int kind, const int64_t *table,
                                                               int64_t KVH, int64_t kh, int64_t page_size, int64_t D,
                                                               dg_prefetch *pf, int64_t pf_step, int prefetch,
                                                               float *o) {
@@ -1352,8 +1442,9 @@ static inline __attribute__((always_inline)) void dg_pv_heads(const int HG, cons
             if (prefetch && t % 16 == 0) dg_prefetch_step(pf, pf_step);
             __m512 vr[4];
             for (int v = 0; v < NV; v++)
-                vr[v] = half ? dg_vload_h((const uint16_t *)v_cache + (base + j) * D + 16 * v)
-                             : _mm512_loadu_ps((const float *)v_cache + (base + j) * D + 16 * v);
+                vr[v] = kind == DG_KV_F16    ? dg_vload_h((const uint16_t *)v_cache + (base + j) * D + 16 * v)
+                        : kind == DG_KV_BF16 ? dg_vload_b((const uint16_t *)v_cache + (base + j) * D + 16 * v)
+                                             : _mm512_loadu_ps((const float *)v_cache + (base + j) * D + 16 * v);
             for (int a = 0; a < HG; a++) {
                 const __m512 pv = _mm512_set1_ps(p[a * len + t]);
                 for (int v = 0; v < NV; v++) acc[a][v] = _mm512_fmadd_ps(pv, vr[v], acc[a][v]);
@@ -1365,8 +1456,59 @@ static inline __attribute__((always_inline)) void dg_pv_heads(const int HG, cons
 }
 #endif
 
+#if defined(DG_AVX512) && defined(__AVX512BF16__)
+/* o[a] (HG heads of D = 32 * NW values, D apart) = the sum over rows t < len of p * V[t] for a
+ * bfloat16 cache, two rows at a time through bfloat16 pair dot products: pb holds each head's
+ * weights as bfloat16 pairs (p[t], p[t + 1]) (pb + a * pstride), rows t and t + 1 are interleaved
+ * by 16-bit element (a missing row t + 1 is zeros), and each lane sums p[t] V[t][d] + p[t + 1]
+ * V[t + 1][d] for one d. The interleave permutes d within each 32 values; the stores undo it. */
+static inline __attribute__((always_inline)) void dg_pv_bf16_heads(const int HG, const int NW, const uint32_t *pb,
+                                                                   int64_t pstride, int64_t len,
+                                                                   const uint16_t *v_cache, const int64_t *table,
+                                                                   int64_t KVH, int64_t kh, int64_t page_size,
+                                                                   int64_t D, dg_prefetch *pf, int64_t pf_step,
+                                                                   int prefetch, float *o) {
+    __m512 lo[4][2], hi[4][2];
+    for (int a = 0; a < HG; a++)
+        for (int w = 0; w < NW; w++) lo[a][w] = hi[a][w] = _mm512_setzero_ps();
+    int64_t pg = 0, off = 0; /* the next row's page-table entry and slot in its page */
+    for (int64_t t = 0; t < len; t += 2) {
+        if (prefetch && t % 16 == 0) dg_prefetch_step(pf, pf_step);
+        const uint16_t *r0 = v_cache + ((table[pg] * KVH + kh) * page_size + off) * D, *r1 = NULL;
+        if (++off == page_size) pg++, off = 0;
+        if (t + 1 < len) {
+            r1 = v_cache + ((table[pg] * KVH + kh) * page_size + off) * D;
+            if (++off == page_size) pg++, off = 0;
+        }
+        __m512bh vl[2], vh[2];
+        for (int w = 0; w < NW; w++) {
+            const __m512i x0 = _mm512_loadu_si512((const void *)(r0 + 32 * w));
+            const __m512i x1 = r1 ? _mm512_loadu_si512((const void *)(r1 + 32 * w)) : _mm512_setzero_si512();
+            vl[w] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+            vh[w] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+        }
+        for (int a = 0; a < HG; a++) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pb[a * pstride + t / 2]);
+            for (int w = 0; w < NW; w++) {
+                lo[a][w] = _mm512_dpbf16_ps(lo[a][w], pp, vl[w]);
+                hi[a][w] = _mm512_dpbf16_ps(hi[a][w], pp, vh[w]);
+            }
+        }
+    }
+    /* lo's lane 4L + j holds d = 8L + j, hi's d = 8L + 4 + j (the interleave works in 128-bit lanes) */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int a = 0; a < HG; a++)
+        for (int w = 0; w < NW; w++) {
+            _mm512_storeu_ps(o + a * D + 32 * w, _mm512_permutex2var_ps(lo[a][w], first, hi[a][w]));
+            _mm512_storeu_ps(o + a * D + 32 * w + 16, _mm512_permutex2var_ps(lo[a][w], second, hi[a][w]));
+        }
+}
+#endif
+
 /* One query row per task group: q [B, H, D] (row b at q + b * q_stride); the caches are
- * [pages, KVH, page_size, D], float32, float16 (kv_half) or, with scales, int8 with one scale per
+ * [pages, KVH, page_size, D], float32, float16 or bfloat16 (kv_kind: DG_KV_*) or, with scales, int8
+ * with one scale per
  * (page, head, slot), float32 or float16 (scale_half); row b reads page table row_seq[b] of
  * page_tables [*, max_pages] (b itself where row_seq is NULL) and sees its first seq_lens[b] keys;
  * out [B, H * D]. Query heads h share K/V head h / (H / KVH). Work is split over (row, K/V head);
@@ -1380,13 +1522,19 @@ static inline __attribute__((always_inline)) void dg_pv_heads(const int HG, cons
  * would: a job's tokens do not depend on how its prompt and output were split into steps (a
  * resumed job, a prefix-cache hit, a verified draft). */
 void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                         const void *k_scale, const void *v_scale, int scale_half, int kv_half,
+                         const void *k_scale, const void *v_scale, int scale_half, int kv_kind,
                          const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
                          const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
                          float scale, float *out) {
     const int64_t per_kv = H / KVH;
-    const int quant = k_scale != NULL, half = kv_half && !quant;
-    const int64_t row_bytes = D * (quant ? 1 : half ? 2 : 4);
+    const int quant = k_scale != NULL, kind = quant ? DG_KV_F32 : kv_kind;
+    const int half = kind == DG_KV_F16, bf16 = kind == DG_KV_BF16;
+    const int64_t row_bytes = D * (quant ? 1 : half || bf16 ? 2 : 4);
+#if defined(__AVX512BF16__)
+    /* A bfloat16 cache on a CPU with bfloat16 pair dot products: scores from bfloat16 queries, and
+     * V rows summed two at a time with bfloat16 weights (dg_pv_bf16_heads, head_dim <= 64). */
+    const int dot_bf16 = bf16 && D % 32 == 0;
+#endif
     /* Tasks are claimed one ahead from a shared counter, so each thread knows its next task and
      * can prefetch its rows while the load stays balanced. */
     int64_t claimed = 0;
@@ -1413,7 +1561,9 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                                         (2 * ((len + 15) / 16));
         const float *qg = q + b * q_stride + kh * per_kv * D; /* the group's query heads, D apart */
         float *og = out + b * H * D + kh * per_kv * D;
-        const size_t need = (size_t)(len * per_kv + len * D + per_kv);
+        /* scores, int8 V rows, inverse sums, then (bfloat16 dot products) the queries and the
+         * weights as bfloat16, 16 floats of slack each for 64-byte vectors */
+        const size_t need = (size_t)(len * per_kv + len * D + per_kv + per_kv * D / 2 + per_kv * (len / 2 + 1) + 32);
         if (need > dg_attn_tls.cap) {
             float *buf = (float *)malloc(need * sizeof(float));
             if (!buf) abort(); /* a few KiB per thread; nothing sensible to return into */
@@ -1423,6 +1573,17 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         float *scores = dg_attn_tls.buf; /* [per_kv, len] */
         float *vrows = scores + len * per_kv; /* dequantized V rows of an int8 cache [len, D] */
         float *inv = vrows + len * D; /* [per_kv]: 1 / each head's sum of exp(score - max) */
+#if defined(__AVX512BF16__)
+        uint16_t *qb = NULL;   /* [per_kv * D]: the group's queries as bfloat16 */
+        uint32_t *pb = NULL;   /* [per_kv, len / 2 + 1]: its weights as bfloat16 pairs */
+        if (dot_bf16) {
+            qb = (uint16_t *)(inv + per_kv);
+            pb = (uint32_t *)(inv + per_kv + per_kv * D / 2 + 16);
+            for (int64_t i = 0; i < per_kv * D; i += 32)
+                _mm512_storeu_si512((void *)(qb + i),
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + i + 16), _mm512_loadu_ps(qg + i)));
+        }
+#endif
         /* Scores: one K row read serves every query head of the group. */
         for (int64_t p = 0, t = 0; t < len; p++) {
             const int64_t base = (table[p] * KVH + kh) * page_size;
@@ -1431,8 +1592,13 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
             if (!quant && D % 16 == 0) { /* 16 rows per head at a time, one transpose-sum */
                 for (int64_t j = 0; j < count; j += 16) {
                     const int64_t n16 = count - j < 16 ? count - j : 16;
-                    const char *rows = (const char *)k_cache + (base + j) * D * (half ? 2 : 4);
-                    dg_scores16_group(qg, rows, half, n16, D, scale, scores + t + j, len, per_kv);
+                    const char *rows = (const char *)k_cache + (base + j) * D * (half || bf16 ? 2 : 4);
+#if defined(__AVX512BF16__)
+                    if (dot_bf16)
+                        dg_scores16_bf16_group(qb, (const uint16_t *)rows, n16, D, scale, scores + t + j, len, per_kv);
+                    else
+#endif
+                        dg_scores16_group(qg, rows, kind, n16, D, scale, scores + t + j, len, per_kv);
                     dg_prefetch_step(&pf, pf_step);
                 }
                 t += count;
@@ -1455,6 +1621,9 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                     } else if (half) {
                         const uint16_t *kr = (const uint16_t *)k_cache + slot * D;
                         for (; i + DG_VW <= D; i += DG_VW) acc = dg_vfma(dg_vload(qh + i), dg_vload_h(kr + i), acc);
+                    } else if (bf16) {
+                        const uint16_t *kr = (const uint16_t *)k_cache + slot * D;
+                        for (; i + DG_VW <= D; i += DG_VW) acc = dg_vfma(dg_vload(qh + i), dg_vload_b(kr + i), acc);
                     } else {
                         const float *kr = (const float *)k_cache + slot * D;
                         for (; i + DG_VW <= D; i += DG_VW) acc = dg_vfma(dg_vload(qh + i), dg_vload(kr + i), acc);
@@ -1467,6 +1636,9 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                     } else if (half) {
                         const uint16_t *kr = (const uint16_t *)k_cache + slot * D;
                         for (; i < D; i++) dot += qh[i] * dg_half(kr[i]);
+                    } else if (bf16) {
+                        const uint16_t *kr = (const uint16_t *)k_cache + slot * D;
+                        for (; i < D; i++) dot += qh[i] * dg_bf16(kr[i]);
                     } else {
                         const float *kr = (const float *)k_cache + slot * D;
                         for (; i < D; i++) dot += qh[i] * kr[i];
@@ -1518,13 +1690,49 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
          * so each V row is read once for them and 16 sums run side by side (one head's 4 sums
          * form a chain as long as the rows, bound by the FMA's latency). */
         int64_t g_done = 0;
+#if defined(__AVX512BF16__)
+        if (dot_bf16 && D <= 64) {
+            const int64_t pstride = len / 2 + 1;
+            for (int64_t g = 0; g < per_kv; g++) { /* the weights as bfloat16 pairs, a zero past the last */
+                const float *sg = scores + g * len;
+                uint16_t *ph = (uint16_t *)(pb + g * pstride);
+                for (int64_t t = 0; t < len; t += 32) {
+                    const int64_t n = len - t < 32 ? len - t : 32;
+                    const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u);
+                    const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1u);
+                    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, sg + t + 16),
+                                                           _mm512_maskz_loadu_ps(m0, sg + t));
+                    _mm512_mask_storeu_epi16(ph + t, (__mmask32)(n >= 32 ? 0xFFFFFFFFu : (1u << n) - 1u), (__m512i)v);
+                }
+                ph[len] = 0;
+            }
+            for (; g_done < per_kv; g_done += 4) {
+                const int64_t hg = per_kv - g_done < 4 ? per_kv - g_done : 4;
+                const uint32_t *pg = pb + g_done * pstride;
+                float *og4 = og + g_done * D;
+#define DG_PVB(HG, NW) dg_pv_bf16_heads(HG, NW, pg, pstride, len, (const uint16_t *)v_cache, table, KVH, kh, \
+                                        page_size, D, &pf, pf_step, g_done == 0, og4)
+                if (D == 64) {
+                    switch (hg) {
+                    case 1: DG_PVB(1, 2); break;
+                    case 2: DG_PVB(2, 2); break;
+                    case 3: DG_PVB(3, 2); break;
+                    default: DG_PVB(4, 2); break;
+                    }
+                } else {
+                    DG_PVB((int)hg, 1);
+                }
+#undef DG_PVB
+            }
+        }
+#endif
         if (!quant && D % 16 == 0 && D <= 64) {
             const int64_t nv = D / 16;
             for (; g_done < per_kv; g_done += 4) {
                 const int64_t hg = per_kv - g_done < 4 ? per_kv - g_done : 4;
                 const float *pg = scores + g_done * len;
                 float *og4 = og + g_done * D;
-#define DG_PV(HG, NV) dg_pv_heads(HG, NV, pg, len, v_cache, half, table, KVH, kh, page_size, D, &pf, pf_step, \
+#define DG_PV(HG, NV) dg_pv_heads(HG, NV, pg, len, v_cache, kind, table, KVH, kh, page_size, D, &pf, pf_step, \
                                   g_done == 0, og4)
                 if (nv == 4) { /* head_dim 64: constants for the compiler, sums kept in registers */
                     switch (hg) {
@@ -1559,10 +1767,12 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                     for (int64_t j = 0; j < count; j++, t++) {
                         if (t % 16 == 0 && g == 0) dg_prefetch_step(&pf, pf_step);
                         const dg_vf pv = dg_vset1(sg[t]);
-                        if (half) {
+                        if (half || bf16) {
                             const uint16_t *vh = (const uint16_t *)v_cache + (base + j) * D;
                             for (int v = 0; v < NV; v++)
-                                if (v < nv) acc[v] = dg_vfma(pv, dg_vload_h(vh + i0 + v * DG_VW), acc[v]);
+                                if (v < nv)
+                                    acc[v] = dg_vfma(pv, half ? dg_vload_h(vh + i0 + v * DG_VW) : dg_vload_b(vh + i0 + v * DG_VW),
+                                                     acc[v]);
                             continue;
                         }
                         const float *vr = quant ? vrows + t * D : (const float *)v_cache + (base + j) * D;
@@ -1584,9 +1794,9 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                     const int64_t base = (table[p] * KVH + kh) * page_size;
                     const int64_t count = len - t < page_size ? len - t : page_size;
                     for (int64_t j = 0; j < count; j++, t++) {
-                        if (half) {
+                        if (half || bf16) {
                             const uint16_t *vh = (const uint16_t *)v_cache + (base + j) * D;
-                            for (int64_t i = i0; i < D; i++) o[i] += sg[t] * dg_half(vh[i]);
+                            for (int64_t i = i0; i < D; i++) o[i] += sg[t] * (half ? dg_half(vh[i]) : dg_bf16(vh[i]));
                             continue;
                         }
                         const float *vr = quant ? vrows + t * D : (const float *)v_cache + (base + j) * D;
@@ -1648,7 +1858,7 @@ void dg_lora_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, const 
 
 /* ---- one whole decoder layer for a decode step -------------------------------------------------
  *
- * B rows, activations float32, the K/V cache float32 or float16 (kv_half), and all four
+ * B rows, activations float32, the K/V cache float32, float16 or bfloat16 (kv_kind), and all four
  * projections block linears: then the layer is one call, not a dozen, so the host work per layer
  * (argument checks, allocations, calls) is paid once. Same ops, same order and same kernels as
  * the per-op path: norms, linears, rotary, the K/V write at each row's slot, decode attention,
@@ -1684,7 +1894,7 @@ static float *dg_layer_scratch(size_t floats) {
 int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_linear_desc *o,
                     const dg_linear_desc *gate_up, const dg_linear_desc *down, const float *ffn_norm,
                     const float *next_norm, float eps, const float *cos_table, const float *sin_signed,
-                    const int64_t *positions, void *k_cache, void *v_cache, int kv_half, const int64_t *slots,
+                    const int64_t *positions, void *k_cache, void *v_cache, int kv_kind, const int64_t *slots,
                     const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
                     const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
                     float attn_scale) {
@@ -1699,16 +1909,19 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
         for (int64_t kh = 0; kh < KVH; kh++) {
             const int64_t at = ((page * KVH + kh) * page_size + off) * D;
             const float *k = qkv_out + b * width + (H + kh) * D, *v = qkv_out + b * width + (H + KVH + kh) * D;
-            if (kv_half) {
+            if (kv_kind == DG_KV_F16) {
                 uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
                 for (int64_t d = 0; d < D; d++) kd[d] = dg_to_half(k[d]), vd[d] = dg_to_half(v[d]);
+            } else if (kv_kind == DG_KV_BF16) {
+                uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
+                for (int64_t d = 0; d < D; d++) kd[d] = dg_to_bf16(k[d]), vd[d] = dg_to_bf16(v[d]);
             } else {
                 memcpy((float *)k_cache + at, k, (size_t)D * sizeof(float));
                 memcpy((float *)v_cache + at, v, (size_t)D * sizeof(float));
             }
         }
     }
-    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, kv_half, page_tables, max_pages, row_seq,
+    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, kv_kind, page_tables, max_pages, row_seq,
                         seq_lens, B, H, KVH, D, page_size, attn_scale, attn);
     if (dg_linear(o->layout, o->blocks, hidden, o->k, attn, B, delta)) return -1;
     dg_add_rms_norm(x, delta, ffn_norm, h, B, hidden, eps);
