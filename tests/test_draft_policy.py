@@ -78,6 +78,21 @@ def test_a_step_verifies_no_more_drafts_than_its_bound_however_many_jobs_draft()
         assert sum(budgets.values()) == 12 and max(budgets.values()) <= 8
 
 
+def test_a_job_decoding_alone_may_draft_past_the_step_bound() -> None:
+    """The step's bound protects other streams; a job alone in its step delays only itself."""
+    flat = StepCost((1, 64, 128), (0.0026, 0.0027, 0.0028))
+    policy = DraftPolicy(flat, 24, 12)
+    jobs = [JobId(f"j{i}") for i in range(2)]
+    for job in jobs:
+        for _ in range(20):
+            policy.verified(job, 24, 24)
+    assert policy.budgets([DraftWant(jobs[0], 100)], rows=1)[jobs[0]] == 24
+    # Two rows decoding (two jobs, or one guided pair): the step's bound again.
+    assert policy.budgets([DraftWant(jobs[0], 100)], rows=2)[jobs[0]] == 12
+    for _ in range(100):
+        assert sum(policy.budgets([DraftWant(j, 100) for j in jobs], rows=2).values()) == 12
+
+
 def test_a_paused_job_is_probed_again() -> None:
     policy = trained(0, 4)
     for _ in range(40):

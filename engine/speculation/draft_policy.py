@@ -19,8 +19,9 @@ Two measured things decide it:
 Draft tokens are then handed out one at a time, each to the job whose next draft token is the
 most likely to be kept, while it raises the step's expected tokens per second: the step makes n
 tokens (one per decoding job) plus the expected kept drafts, in the time of its rows, up to
-`max_draft_tokens` a job and `step_draft_tokens` over the step (so drafts lengthen no step by more
-than that many rows, whatever the table says a row costs). At batch 1
+`max_draft_tokens` a job and, where other streams share the step, `step_draft_tokens` over it (so
+drafts lengthen no other stream's step by more than that many rows, whatever the table says a row
+costs; a job decoding alone delays only itself). At batch 1
 a draft kept with p = 0.3 pays; at batch 64 on 2 cores even a near-certain one barely does, so
 speculation switches itself off under load with no setting. A job whose drafts stop paying
 drafts nothing; its estimate drifts back toward the prior while it does not draft (`RELAX` per
@@ -148,14 +149,14 @@ class DraftPolicy:
         tokens, seconds = float(base), self.cost.at(base)
         if (tokens + 1) / self.cost.at(base + 1) <= tokens / seconds:
             # Not even a certain draft token pays for its row (a full batch): no per-job work.
-            return self._probe(wants, out)
+            return self._probe(wants, out, rows)
         p = {w.job_id: self._relaxed(w.job_id) for w in wants}
         most = {w.job_id: min(w.most, self.max_draft_tokens) for w in wants}
         # The next draft token of each job, most likely to be kept first (a heap of -probability).
         heap = [(-p[w.job_id], w.job_id) for w in wants if most[w.job_id] > 0 and p[w.job_id] > 0]
         heapq.heapify(heap)
-        added = 0
-        while heap and added < self.step_draft_tokens:
+        added, bound = 0, self._step_bound(rows)
+        while heap and added < bound:
             neg_q, job_id = heapq.heappop(heap)
             q = -neg_q
             more = self.cost.at(base + added + 1)
@@ -165,9 +166,15 @@ class DraftPolicy:
             out[job_id] += 1
             if out[job_id] < most[job_id]:
                 heapq.heappush(heap, (-q * p[job_id], job_id))
-        return self._probe(wants, out)
+        return self._probe(wants, out, rows)
 
-    def _probe(self, wants: Sequence[DraftWant], out: dict[JobId, int]) -> dict[JobId, int]:
+    def _step_bound(self, rows: int) -> int:
+        """The most draft tokens a step of `rows` rows before drafts verifies: the step's bound
+        protects the other running streams' next tokens; a job decoding alone (one row) delays no
+        one but itself, and may use its per-job most."""
+        return self.max_draft_tokens if rows <= 1 else self.step_draft_tokens
+
+    def _probe(self, wants: Sequence[DraftWant], out: dict[JobId, int], rows: int) -> dict[JobId, int]:
         """`out`, or, every PROBE_EVERY steps, `out` with one more draft token for the likeliest
         job that can use it: the step's time then tells the table what one more row costs, which
         a table that overstates it would otherwise never learn (its rows are never run)."""
@@ -176,7 +183,7 @@ class DraftPolicy:
             return out
         self._probe_in = PROBE_EVERY
         able = [w for w in wants if out[w.job_id] < min(w.most, self.max_draft_tokens)]
-        if able and sum(out.values()) < self.step_draft_tokens:
+        if able and sum(out.values()) < self._step_bound(rows):
             out[max(able, key=lambda w: self.acceptance(w.job_id)).job_id] += 1
             self._probing = True
         return out

@@ -21,11 +21,13 @@ class DrafterKind(enum.Enum):
 @dataclass(frozen=True)
 class SpeculationConfig:
     kind: DrafterKind = DrafterKind.NONE
-    # The most draft tokens one job verifies per step, and one step over all its jobs (adaptive).
-    # The step's bound keeps every running stream's next token from waiting on more than that many
-    # extra rows, however many jobs draft; at batch 1 a job may use all of it. Editing trace, batch
-    # 1, Zen 5: 16 per job gave 1.88x over no drafts against 1.81x for 8 (docs/ARCHITECTURE.md).
-    num_draft_tokens: int = 16
+    # The most draft tokens one job verifies per step, and (adaptive) one step over all its jobs
+    # where other streams share it: the step's bound keeps every running stream's next token from
+    # waiting on more than that many extra rows, however many jobs draft; a job decoding alone
+    # delays no one and may use its per-job most. Editing trace, batch 1, Zen 5 (best of 3 rounds,
+    # two seeds): 32 a job alone gave 2.04x and 2.41x over no drafts against 1.97x and 2.23x for 16
+    # (docs/ARCHITECTURE.md).
+    num_draft_tokens: int = 32
     step_draft_tokens: int = 16
     max_ngram: int = 4
     # With more running jobs than this, no speculation at all. With `adaptive`, the step's measured
