@@ -1561,9 +1561,9 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                                         (2 * ((len + 15) / 16));
         const float *qg = q + b * q_stride + kh * per_kv * D; /* the group's query heads, D apart */
         float *og = out + b * H * D + kh * per_kv * D;
-        /* scores, int8 V rows, inverse sums, then (bfloat16 dot products) the queries and the
-         * weights as bfloat16, 16 floats of slack each for 64-byte vectors */
-        const size_t need = (size_t)(len * per_kv + len * D + per_kv + per_kv * D / 2 + per_kv * (len / 2 + 1) + 32);
+        /* scores, int8 V rows, then (bfloat16 dot products) the queries and the weights as
+         * bfloat16, 16 floats of slack each for 64-byte vectors */
+        const size_t need = (size_t)(len * per_kv + len * D + per_kv * D / 2 + per_kv * (len / 2 + 1) + 32);
         if (need > dg_attn_tls.cap) {
             float *buf = (float *)malloc(need * sizeof(float));
             if (!buf) abort(); /* a few KiB per thread; nothing sensible to return into */
@@ -1572,13 +1572,12 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         }
         float *scores = dg_attn_tls.buf; /* [per_kv, len] */
         float *vrows = scores + len * per_kv; /* dequantized V rows of an int8 cache [len, D] */
-        float *inv = vrows + len * D; /* [per_kv]: 1 / each head's sum of exp(score - max) */
 #if defined(__AVX512BF16__)
         uint16_t *qb = NULL;   /* [per_kv * D]: the group's queries as bfloat16 */
         uint32_t *pb = NULL;   /* [per_kv, len / 2 + 1]: its weights as bfloat16 pairs */
         if (dot_bf16) {
-            qb = (uint16_t *)(inv + per_kv);
-            pb = (uint32_t *)(inv + per_kv + per_kv * D / 2 + 16);
+            qb = (uint16_t *)(vrows + len * D);
+            pb = (uint32_t *)(vrows + len * D + per_kv * D / 2 + 16);
             for (int64_t i = 0; i < per_kv * D; i += 32)
                 _mm512_storeu_si512((void *)(qb + i),
                                     (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + i + 16), _mm512_loadu_ps(qg + i)));
@@ -1652,38 +1651,53 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                 }
             }
         }
-        /* Unnormalized: the scores become exp(s - max), and each head's output is divided by
-         * their sum once its V rows are summed (D products, not one per key). */
-        for (int64_t g = 0; g < per_kv; g++) {
-            float *sg = scores + g * len;
-            float mx = dg_max_scores(sg, len);
-            float sum = 0.0f;
-            int64_t t = 0;
-#if defined(DG_AVX512)
-            __m512 vs16 = _mm512_setzero_ps();
-            const __m512 vmx16 = _mm512_set1_ps(mx);
-            for (; t + 16 <= len; t += 16) {
-                const __m512 e = dg_exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vmx16));
-                _mm512_storeu_ps(sg + t, e);
-                vs16 = _mm512_add_ps(vs16, e);
-            }
-            sum = _mm512_reduce_add_ps(vs16);
-#endif
+        /* Softmax per head. Up to 4 heads go through the exponentials together: each head's sum is
+         * one chain of additions (its order fixes its bits), and side by side the chains overlap. */
+        for (int64_t g0 = 0; g0 < per_kv; g0 += 4) {
+            const int64_t ng = per_kv - g0 < 4 ? per_kv - g0 : 4;
+            float mx[4], sum[4];
+            int64_t t0 = 0;
+            for (int64_t a = 0; a < ng; a++) mx[a] = dg_max_scores(scores + (g0 + a) * len, len), sum[a] = 0.0f;
 #if defined(DG_AVX2)
-            __m256 vs = _mm256_setzero_ps();
-            const __m256 vmx = _mm256_set1_ps(mx);
-            for (; t + 8 <= len; t += 8) {
-                const __m256 e = dg_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vmx));
-                _mm256_storeu_ps(sg + t, e);
-                vs = _mm256_add_ps(vs, e);
-            }
-            sum += dg_hsum(vs);
+            __m256 vs[4];
+            for (int64_t a = 0; a < ng; a++) vs[a] = _mm256_setzero_ps();
+#if defined(DG_AVX512)
+            /* 16 exponentials at a time, each dg_exp8's bits, summed 8 lanes at a time in the
+             * order of the 8-wide loop below: the same sums, bit for bit */
+            for (; t0 + 16 <= len; t0 += 16)
+                for (int64_t a = 0; a < ng; a++) {
+                    float *sg = scores + (g0 + a) * len;
+                    const __m512 e = dg_exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t0), _mm512_set1_ps(mx[a])));
+                    _mm512_storeu_ps(sg + t0, e);
+                    vs[a] = _mm256_add_ps(vs[a], _mm512_castps512_ps256(e));
+                    vs[a] = _mm256_add_ps(vs[a], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+                }
 #endif
-            for (; t < len; t++) {
-                sg[t] = expf(sg[t] - mx);
-                sum += sg[t];
+#endif
+            for (int64_t a = 0; a < ng; a++) {
+                float *sg = scores + (g0 + a) * len;
+                int64_t t = t0;
+#if defined(DG_AVX2)
+                const __m256 vmx = _mm256_set1_ps(mx[a]);
+                for (; t + 8 <= len; t += 8) {
+                    const __m256 e = dg_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vmx));
+                    _mm256_storeu_ps(sg + t, e);
+                    vs[a] = _mm256_add_ps(vs[a], e);
+                }
+                sum[a] = dg_hsum(vs[a]);
+#endif
+                for (; t < len; t++) {
+                    sg[t] = expf(sg[t] - mx[a]);
+                    sum[a] += sg[t];
+                }
+                const float inv = 1.0f / sum[a];
+                t = 0;
+#if defined(DG_AVX512)
+                for (const __m512 vi = _mm512_set1_ps(inv); t + 16 <= len; t += 16)
+                    _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), vi));
+#endif
+                for (; t < len; t++) sg[t] *= inv;
             }
-            inv[g] = 1.0f / sum;
         }
 #if defined(DG_AVX512)
         /* Heads of up to 64 values in a float or float16 cache: up to 4 heads of the group at once,
@@ -1805,8 +1819,6 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                 }
             }
         }
-        for (int64_t g = 0; g < per_kv; g++)
-            for (int64_t i = 0; i < D; i++) og[g * D + i] *= inv[g];
     }
     }
 }
