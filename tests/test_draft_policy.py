@@ -63,14 +63,19 @@ def test_a_job_gets_no_more_than_it_can_use() -> None:
     assert policy.budgets([DraftWant(A, 3)], rows=1)[A] == 3
 
 
-def test_a_step_verifies_no_more_drafts_than_its_bound_however_many_jobs_draft() -> None:
-    # Rows cost next to nothing: every job's certain drafts would pay up to the per-job most.
-    flat = StepCost((1, 64, 128), (0.0026, 0.0027, 0.0028))
-    policy = DraftPolicy(flat, 8, 12)
-    jobs = [JobId(f"j{i}") for i in range(4)]
+def certain_drafters(per_job: int, per_step: int, count: int) -> tuple[DraftPolicy, list[JobId]]:
+    """`count` jobs whose drafts are always kept, where rows cost next to nothing: every certain
+    draft would pay up to the per-job most, so only the limits bind."""
+    policy = DraftPolicy(StepCost((1, 64, 128), (0.0026, 0.0027, 0.0028)), per_job, per_step)
+    jobs = [JobId(f"j{i}") for i in range(count)]
     for job in jobs:
         for _ in range(20):
-            policy.verified(job, 8, 8)
+            policy.verified(job, per_job, per_job)
+    return policy, jobs
+
+
+def test_a_step_verifies_no_more_drafts_than_its_bound_however_many_jobs_draft() -> None:
+    policy, jobs = certain_drafters(8, 12, 4)
     alone = policy.budgets([DraftWant(jobs[0], 100)], rows=1)
     assert alone[jobs[0]] == 8  # the per-job most binds first at batch 1
     for _ in range(100):  # probes included: they stay within the step's bound too
@@ -80,12 +85,7 @@ def test_a_step_verifies_no_more_drafts_than_its_bound_however_many_jobs_draft()
 
 def test_a_job_decoding_alone_may_draft_past_the_step_bound() -> None:
     """The step's bound protects other streams; a job alone in its step delays only itself."""
-    flat = StepCost((1, 64, 128), (0.0026, 0.0027, 0.0028))
-    policy = DraftPolicy(flat, 24, 12)
-    jobs = [JobId(f"j{i}") for i in range(2)]
-    for job in jobs:
-        for _ in range(20):
-            policy.verified(job, 24, 24)
+    policy, jobs = certain_drafters(24, 12, 2)
     assert policy.budgets([DraftWant(jobs[0], 100)], rows=1)[jobs[0]] == 24
     # Two rows decoding (two jobs, or one guided pair): the step's bound again.
     assert policy.budgets([DraftWant(jobs[0], 100)], rows=2)[jobs[0]] == 12

@@ -964,22 +964,36 @@ int dg_linear(int layout, const void *w, int64_t n, int64_t k, const float *x, i
 /* ---- the small per-layer ops (float32), for steps of few tokens ------------------------- */
 
 #if defined(DG_AVX2)
+/* exp's constants, shared by dg_exp8 and dg_exp16 so both give the same bits: the clamp, log2(e),
+ * ln 2 in two parts, the polynomial. */
+#define DG_EXP_HI 88.3762626647949f
+#define DG_EXP_LO -87.3365478515625f
+#define DG_EXP_LOG2E 1.44269504088896341f
+#define DG_EXP_LN2_HI 0.693359375f
+#define DG_EXP_LN2_LO -2.12194440e-4f
+#define DG_EXP_P0 1.9875691500e-4f
+#define DG_EXP_P1 1.3981999507e-3f
+#define DG_EXP_P2 8.3334519073e-3f
+#define DG_EXP_P3 4.1665795894e-2f
+#define DG_EXP_P4 1.6666665459e-1f
+#define DG_EXP_P5 5.0000001201e-1f
+
 /* exp(x) for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
  * (relative error ~2e-7 over the float range; inputs below -87.3 give 0, as expf nearly does). */
 static inline __m256 dg_exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+    const __m256 hi = _mm256_set1_ps(DG_EXP_HI), lo = _mm256_set1_ps(DG_EXP_LO);
     const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(DG_EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(DG_EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(DG_EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(DG_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P5));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     /* 2^n through the exponent bits; n in [-126, 127] after the clamp, so this never wraps */
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -990,19 +1004,19 @@ static inline __m256 dg_exp8(__m256 x) {
 #if defined(DG_AVX512)
 /* dg_exp8 on 16 floats: the same steps and constants, so each lane gives dg_exp8's bits. */
 static inline __m512 dg_exp16(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
+    const __m512 hi = _mm512_set1_ps(DG_EXP_HI), lo = _mm512_set1_ps(DG_EXP_LO);
     const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
     x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(DG_EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(DG_EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(DG_EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(DG_EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P5));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
@@ -1238,6 +1252,24 @@ static _Thread_local struct {
 } dg_attn_tls;
 
 #if defined(DG_AVX512)
+/* The fixed lane-sum tree of the 16-key score blocks (dg_scores16_heads, dg_scores16_bf16_heads).
+ * Its first two levels: a quarter's 4 keys (16 lane sums each) into one vector, pairs merged within
+ * 128-bit lanes. */
+static inline __m512 dg_tree_quarter(const __m512 acc[4]) {
+    const __m512 a0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+    const __m512 a1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+    return _mm512_add_ps(_mm512_shuffle_ps(a0, a1, 0x44), _mm512_shuffle_ps(a0, a1, 0xEE));
+}
+
+/* Its last two levels: the four quarters joined across 128-bit lanes into 16 scores, times
+ * `scale`; the first `count` are stored. */
+static inline void dg_tree_store(const __m512 b[4], int64_t count, float scale, float *out) {
+    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+}
+
 /* Scores of HG (1-3) query heads (qh + g * D) against `count` (<= 16) consecutive K rows of a page,
  * float32, float16 or bfloat16 (kind: DG_KV_*), times `scale`, into out + g * stride [0..count). D is
  * a multiple of 16.
@@ -1265,23 +1297,9 @@ static inline __attribute__((always_inline)) void dg_scores16_heads(const int HG
                 for (int g = 0; g < HG; g++) acc[g][t] = _mm512_fmadd_ps(qv[g], kv, acc[g][t]);
             }
         }
-        for (int g = 0; g < HG; g++) { /* the tree's first two levels over this quarter's keys */
-            const __m512 a0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[g][0], acc[g][1]),
-                                            _mm512_unpackhi_ps(acc[g][0], acc[g][1]));
-            const __m512 a1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[g][2], acc[g][3]),
-                                            _mm512_unpackhi_ps(acc[g][2], acc[g][3]));
-            b[g][qq] = _mm512_add_ps(_mm512_shuffle_ps(a0, a1, 0x44), _mm512_shuffle_ps(a0, a1, 0xEE));
-        }
+        for (int g = 0; g < HG; g++) b[g][qq] = dg_tree_quarter(acc[g]);
     }
-    const __mmask16 keep = (__mmask16)((1u << count) - 1u);
-    for (int g = 0; g < HG; g++) {
-        const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[g][0], b[g][1], 0x88),
-                                        _mm512_shuffle_f32x4(b[g][0], b[g][1], 0xDD));
-        const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[g][2], b[g][3], 0x88),
-                                        _mm512_shuffle_f32x4(b[g][2], b[g][3], 0xDD));
-        const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-        _mm512_mask_storeu_ps(out + g * stride, keep, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
-    }
+    for (int g = 0; g < HG; g++) dg_tree_store(b[g], count, scale, out + g * stride);
 }
 
 /* The scores of a group's per_kv query heads against one block of (<= 16) K rows, HG <= 3 heads
@@ -1329,23 +1347,9 @@ static inline __attribute__((always_inline)) void dg_scores16_bf16_heads(const i
                 for (int g = 0; g < HG; g++) acc[g][t] = _mm512_dpbf16_ps(acc[g][t], qv[g], kv);
             }
         }
-        for (int g = 0; g < HG; g++) {
-            const __m512 a0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[g][0], acc[g][1]),
-                                            _mm512_unpackhi_ps(acc[g][0], acc[g][1]));
-            const __m512 a1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[g][2], acc[g][3]),
-                                            _mm512_unpackhi_ps(acc[g][2], acc[g][3]));
-            b[g][qq] = _mm512_add_ps(_mm512_shuffle_ps(a0, a1, 0x44), _mm512_shuffle_ps(a0, a1, 0xEE));
-        }
+        for (int g = 0; g < HG; g++) b[g][qq] = dg_tree_quarter(acc[g]);
     }
-    const __mmask16 keep = (__mmask16)((1u << count) - 1u);
-    for (int g = 0; g < HG; g++) {
-        const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[g][0], b[g][1], 0x88),
-                                        _mm512_shuffle_f32x4(b[g][0], b[g][1], 0xDD));
-        const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[g][2], b[g][3], 0x88),
-                                        _mm512_shuffle_f32x4(b[g][2], b[g][3], 0xDD));
-        const __m512 sum = _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-        _mm512_mask_storeu_ps(out + g * stride, keep, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
-    }
+    for (int g = 0; g < HG; g++) dg_tree_store(b[g], count, scale, out + g * stride);
 }
 
 static inline void dg_scores16_bf16_group(const uint16_t *qb, const uint16_t *k, int64_t count, int64_t D,
@@ -1591,7 +1595,7 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
             if (!quant && D % 16 == 0) { /* 16 rows per head at a time, one transpose-sum */
                 for (int64_t j = 0; j < count; j += 16) {
                     const int64_t n16 = count - j < 16 ? count - j : 16;
-                    const char *rows = (const char *)k_cache + (base + j) * D * (half || bf16 ? 2 : 4);
+                    const char *rows = (const char *)k_cache + (base + j) * row_bytes;
 #if defined(__AVX512BF16__)
                     if (dot_bf16)
                         dg_scores16_bf16_group(qb, (const uint16_t *)rows, n16, D, scale, scores + t + j, len, per_kv);
