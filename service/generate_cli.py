@@ -101,6 +101,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from engine.model.tokenizer import ChatMessage
     from engine.output.loop_detector import LoopStop
     from engine.prompt.guidance import Guidance
+    from engine.startup_objects import freeze_startup_objects
     from service.engine.build import build_engine
     from service.engine_config import engine_settings_from, split_lora_flag
     from service.speculation_flags import speculation_from_args
@@ -117,6 +118,7 @@ def run_generate(args: argparse.Namespace) -> int:
     loaded, generator = build_engine(settings, speculation_from_args(args), progress=not args.quiet)
     if generator.speculation.wants_cost():
         generator.warmup()  # adaptive draft lengths start from the step's measured cost, as in `serve`
+    freeze_startup_objects()  # as `serve` does once started
     adapter: str | None = None
     if args.adapter:
         try:

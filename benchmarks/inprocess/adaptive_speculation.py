@@ -26,6 +26,7 @@ from engine.model.quantization import QuantMode
 from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
 from engine.speculation.speculative import DrafterKind, SpeculationConfig
+from engine.startup_objects import freeze_startup_objects
 from kernels.cpu_features import cpu_features
 
 MODES: dict[str, SpeculationConfig] = {
@@ -50,6 +51,7 @@ def _generator(loaded: LoadedModel, speculation: SpeculationConfig, pages: int) 
     )
     gen = DynamicGenerator(loaded.model, loaded.tokenizer, config)
     gen.warmup()
+    freeze_startup_objects()  # as the engine process does before it serves
     return gen
 
 

@@ -28,6 +28,7 @@ from engine.model.loader import LoadedModel, WeightDtype, default_model_path, lo
 from engine.model.tokenizer import ChatMessage
 from engine.prompt.guidance import Guidance
 from engine.scheduler import SchedulerConfig
+from engine.startup_objects import freeze_startup_objects
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ def run_dyngen(
         ),
     )
     gen.warmup()
+    freeze_startup_objects()  # as the engine process does before it serves
     names = [gen.load_adapter(name, path).name for name, path in adapters]
     specs = [
         JobSpec(

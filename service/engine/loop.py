@@ -28,6 +28,7 @@ from engine.errors import (
     QueueFullError,
 )
 from engine.jobs import JobEvent, JobId
+from engine.startup_objects import freeze_startup_objects
 from kernels.cpu_features import cpu_features
 from service.engine.adapter_loads import AdapterLoads
 from service.engine.build import build_engine
@@ -100,6 +101,7 @@ class EngineLoop:
             tokenizer_dir, loaded.model.config, self.generator.eos_token_ids, self.generator.max_seq_len
         )
         start["tokenizer"] = time.monotonic() - t
+        freeze_startup_objects()
         self._last_stats = 0.0
         self._kv_next = 0  # the first KV event not yet sent
         ready = Ready(
