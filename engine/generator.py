@@ -421,13 +421,19 @@ class DynamicGenerator:
         """Run a few throwaway forwards so first requests don't pay one-time kernel setup; with
         adaptive speculation, time plain steps of growing batches for its cost model."""
         bos = self.model.config.bos_token_id or 0
-        for n in (1, 8):
-            spec = JobSpec(prompt_ids=(bos,) * n, max_new_tokens=2, ignore_eos=True)
-            self.generate([spec])
-        if self.speculation.wants_cost() and self.scheduler.idle():
-            cost = self._step_cost(bos)
-            if cost is not None:  # else drafts keep their fixed length
-                self.speculation.measured(cost)
+        # Throwaway outputs are no text for other jobs' drafts to copy: ~70 runs of BOS tokens
+        # in the n-gram drafter's corpus cost every draft request their indexing and matching.
+        self.speculation.keeps_outputs = False
+        try:
+            for n in (1, 8):
+                spec = JobSpec(prompt_ids=(bos,) * n, max_new_tokens=2, ignore_eos=True)
+                self.generate([spec])
+            if self.speculation.wants_cost() and self.scheduler.idle():
+                cost = self._step_cost(bos)
+                if cost is not None:  # else drafts keep their fixed length
+                    self.speculation.measured(cost)
+        finally:
+            self.speculation.keeps_outputs = True
 
     def _step_cost(self, bos: int) -> StepCost | None:
         """Seconds of a decode step of 1, 2, 4, ... rows up to the batch (or twice the most jobs that

@@ -25,6 +25,7 @@ from engine.speculation.speculative import (
     DraftRequest,
     NgramDrafter,
     SpeculationConfig,
+    evidence_class,
 )
 from tests.conftest import PARITY_PROMPTS
 from tests.tiny_llama import save_tiny_llama
@@ -78,6 +79,19 @@ def test_ngram_continues_a_loop_past_the_sequences_end() -> None:
     assert draft.tokens == (3, 1, 2, 3, 1, 2, 3)
     (short,) = d.propose([DraftRequest(JobId("b"), [4, 4], [], 5)])
     assert short.tokens == (4, 4, 4, 4, 4)  # period 1
+
+
+def test_ngram_evidence_marks_where_the_places_part_ways() -> None:
+    """Each draft token's evidence class counts the places that continued the matched n-gram as
+    the draft does up to that token: all of them while the text is shared, fewer after a branch."""
+    d = NgramDrafter(max_ngram=1)
+    # "5" continued four times; all four go on "6 7", then two ways: "8" (the latest, proposed) and "9".
+    tokens = [5, 6, 7, 9, 5, 6, 7, 9, 5, 6, 7, 8, 5, 6, 7, 8, 5]
+    (draft,) = d.propose([DraftRequest(JobId("a"), tokens, [], 4)])
+    assert draft.tokens == (6, 7, 8, 5)
+    all_four, two_of_four = evidence_class(4, 4, 1), evidence_class(4, 2, 1)
+    assert draft.evidence == (all_four, all_four, two_of_four, two_of_four)
+    assert len({evidence_class(p, a, m) for p in range(1, 5) for a in range(1, p + 1) for m in (1, 8)}) == 20
 
 
 # -- generator on a tiny model: rejections, pages, limits ----------------------------------------

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from engine.ids import PageId
 from engine.jobs import JobId
 from engine.speculation.speculative import DraftRequest, NgramDrafter
-from engine.speculation.suffix_corpus import PROMPT_CONTEXT, SuffixCorpus
+from engine.speculation.suffix_corpus import PROMPT_CONTEXT, SuffixCorpus, agreement, common_prefix
 
 
 def corpus(capacity: int = 1000) -> SuffixCorpus:
@@ -22,6 +22,31 @@ def test_another_jobs_output_continues_the_sequence() -> None:
     m = c.match("", [40, 41, 3, 4], max_tokens=3)
     assert m is not None and m.tokens == (5, 6, 7) and m.length == 2
     assert c.match("", [40, 41, 42], max_tokens=3) is None
+
+
+def test_a_match_counts_the_places_that_agree_with_it_at_each_token() -> None:
+    c = corpus()
+    c.add("", [1, 2, 7])
+    c.add("", [1, 2, 3, 4, 5])
+    c.add("", [1, 2, 3, 4, 6])
+    m = c.match("", [0, 2], max_tokens=3)  # "2" continued three times: "7", "3 4 5", "3 4 6"
+    assert m is not None and m.places == 3
+    assert m.tokens == (3, 4, 6)  # the latest of the two longest matches ("2"), on a tie
+    assert m.agree == (2, 2, 1)
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=12), st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=6)
+)
+def test_agreement_counts_continuations_sharing_each_prefix(
+    proposal: list[int], others: list[list[int]]
+) -> None:
+    got = agreement(tuple(proposal), others)
+    want = tuple(sum(1 for o in others if o[: i + 1] == proposal[: i + 1]) for i in range(len(proposal)))
+    assert got == want
+    for o in others:
+        n = common_prefix(tuple(proposal), tuple(o))
+        assert proposal[:n] == o[:n] and (n == min(len(proposal), len(o)) or proposal[n] != o[n])
 
 
 def test_the_place_matching_furthest_back_wins() -> None:

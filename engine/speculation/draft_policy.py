@@ -16,6 +16,13 @@ Two measured things decide it:
   now (`observe`: the error shared by the two row counts around it, `OBSERVE_RATE` of it), so
   long contexts' attention and a start on a busy machine are corrected by the steps themselves.
 
+A drafter may also say, per draft token, which class of evidence it has for it (the n-gram
+drafter: how many earlier places continued the matched n-gram and how many of them agree up to
+that token). Once drafted, a draft is verified only as far as its tokens pay (`trim`): token i's
+chance is the product of its class's kept rate and those of the tokens before it, each class's
+rate learned from verifications like a job's (`CLASS_FADE`), and a class a trim passes over drifts
+toward the prior (`RELAX`), so that it is tried again. The job's budget stays the upper bound.
+
 Draft tokens are then handed out one at a time, each to the job whose next draft token is the
 most likely to be kept, while it raises the step's expected tokens per second: the step makes n
 tokens (one per decoding job) plus the expected kept drafts, in the time of its rows, up to
@@ -48,6 +55,8 @@ INITIAL_PRIOR = 0.5
 OBSERVE_RATE = 0.05  # share of a decode step's timing error its neighbouring table points take
 PROBE_EVERY = 64  # steps between two probes (a draft token more than pays, for the likeliest job)
 PROBE_RATE = 0.5  # OBSERVE_RATE for a probe's step: its row count is rarely run otherwise
+OUTLIER = 0.5  # the most a step's timing error counts for, as a share of its prediction
+CLASS_FADE = 0.99  # weight of an evidence class's earlier verified tokens at each new one
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,12 @@ class StepCost:
         goes to the two row counts around `rows` in proportion to their weight in it (one step of
         least squares on the interpolation); the times kept non-decreasing."""
         r, s = self.rows, list(self.seconds)
-        error = seconds - self.at(rows)
+        # A step the OS or a garbage collection held up (108 ms for a 6-row step predicted at
+        # 5) moves the table no more than one OUTLIER of its prediction off would: unclipped, that
+        # one step raised the 4- and 8-row points by 2.5 ms and kept those sizes unrun, and so
+        # uncorrected, for the rest of the run.
+        predicted = self.at(rows)
+        error = min(max(seconds - predicted, -OUTLIER * predicted), OUTLIER * predicted)
         if rows <= r[0]:
             shares = [(0, 1.0)]
         elif rows >= r[-1]:
@@ -126,6 +140,7 @@ class DraftPolicy:
         self._prior = _Acceptance(INITIAL_PRIOR * PRIOR_WEIGHT, PRIOR_WEIGHT)
         self._probe_in = PROBE_EVERY  # steps until the next probe
         self._probing = False  # the last budgets asked for a probe
+        self._classes: dict[int, _Acceptance] = {}  # evidence class -> its tokens' kept rate
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode step (no prompt tokens) of `rows` rows, drafts included, took `seconds`."""
@@ -168,6 +183,29 @@ class DraftPolicy:
                 heapq.heappush(heap, (-q * p[job_id], job_id))
         return self._probe(wants, out, rows)
 
+    def trim(self, evidence: Sequence[int], rows: int) -> int:
+        """How many leading tokens of a draft whose tokens have these evidence classes are worth
+        verifying in a step of `rows` rows without them (each row a token of its own): the length
+        that makes the step's expected tokens per second highest."""
+        tokens = float(max(rows, 1))
+        best, best_rate = 0, tokens / self.cost.at(max(rows, 1))
+        chance = 1.0
+        for i, c in enumerate(evidence):
+            chance *= self._class_rate(c)
+            tokens += chance
+            rate = tokens / self.cost.at(max(rows, 1) + i + 1)
+            if rate > best_rate:
+                best, best_rate = i + 1, rate
+        for c in evidence[best : best + 1]:  # the class that stopped it: back toward the prior
+            a = self._classes.get(c)
+            if a is not None:
+                a.kept += (self.prior * a.tried - a.kept) * RELAX
+        return best
+
+    def _class_rate(self, c: int) -> float:
+        a = self._classes.get(c)
+        return self.prior if a is None else a.p
+
     def _step_bound(self, rows: int) -> int:
         """The most draft tokens a step of `rows` rows before drafts verifies: the step's bound
         protects the other running streams' next tokens; a job decoding alone (one row) delays no
@@ -199,10 +237,18 @@ class DraftPolicy:
         a.idle = True  # until `verified` says it drafted
         return a.p
 
-    def verified(self, job_id: JobId, drafted: int, kept: int) -> None:
-        """A verification of `drafted` draft tokens of which the first `kept` were kept."""
+    def verified(self, job_id: JobId, drafted: int, kept: int, evidence: Sequence[int] = ()) -> None:
+        """A verification of `drafted` draft tokens of which the first `kept` were kept (their
+        evidence classes, if the drafter gave them)."""
         if drafted <= 0:
             return
+        # Each token verified after kept ones was kept or not on its own evidence.
+        for i, c in enumerate(evidence[: min(drafted, kept + 1)]):
+            a = self._classes.get(c)
+            if a is None:
+                a = self._classes[c] = _Acceptance(self.prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
+            a.kept = a.kept * CLASS_FADE + (i < kept)
+            a.tried = a.tried * CLASS_FADE + 1
         tried = kept + (1 if kept < drafted else 0)
         a = self._jobs.get(job_id)
         if a is None:

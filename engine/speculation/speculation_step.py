@@ -16,7 +16,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.grammar.constraints import mask_words
 from engine.job_state import JobState
-from engine.jobs import JobEvent
+from engine.jobs import JobEvent, JobId
 from engine.model.llama import LlamaModel
 from engine.output.token_intake import CARRY_ON, Outcome, TokenIntake
 from engine.sampling.sampler import Sampler
@@ -83,6 +83,8 @@ class SpeculationStep:
         # that, every speculating job may verify num_draft_tokens while the batch is small.
         self.policy: DraftPolicy | None = None
         self.paused = False  # no drafts at all (while warm-up times plain steps)
+        self.keeps_outputs = True  # finished outputs go to the drafter (not the warm-up's)
+        self._evidence: dict[JobId, tuple[int, ...]] = {}  # this step's drafts' evidence classes
 
     def wants_cost(self) -> bool:
         return self.drafter is not None and self._config.adaptive
@@ -176,14 +178,23 @@ class SpeculationStep:
                     failures.append(StepFailure(c.job, "drafting", exc))
         failed = {id(f.job) for f in failures}
         out = []
+        # The step's rows without each job's drafts: what a draft's trim weighs its rows against.
+        rows = sum(c.num_tokens for c in chunks) - sum(c.num_tokens - 1 for c in wanting)
         for c in chunks:
             if id(c.job) in failed:
                 continue
             draft = drafts.get(id(c))
             if draft is None:
                 out.append(c)
-            else:
-                out.append(ScheduledChunk(c.job, 1 + len(draft.tokens), draft.tokens))
+                continue
+            tokens = draft.tokens
+            if self.policy is not None and draft.evidence:
+                kept = self.policy.trim(draft.evidence, rows)
+                tokens = tokens[:kept]
+                if tokens:
+                    self._evidence[c.job.job_id] = draft.evidence[:kept]
+            rows += len(tokens)
+            out.append(ScheduledChunk(c.job, 1 + len(tokens), tokens))
         return out, failures
 
     def verify(
@@ -209,8 +220,9 @@ class SpeculationStep:
         bonus = int(choice[accepted])
         job.accepted_drafts += accepted
         job.rejected_drafts += drafted - accepted
+        evidence = self._evidence.pop(job.job_id, ())
         if self.policy is not None:
-            self.policy.verified(job.job_id, drafted, accepted)
+            self.policy.verified(job.job_id, drafted, accepted, evidence[:drafted])
         self.accepted += accepted
         self.rejected += drafted - accepted
         base = job.computed
@@ -252,7 +264,7 @@ class SpeculationStep:
 
     def finished(self, job: JobState) -> None:
         """A job ended: its output may be copied by other jobs' drafts (before `forget`)."""
-        if self.drafter is None or job.embeds or job.new_tokens == 0:
+        if self.drafter is None or not self.keeps_outputs or job.embeds or job.new_tokens == 0:
             return  # pseudo ids under prompt embeddings are no text to copy
         try:
             self.drafter.finished(job.spec.cache_salt, job.tokens, job.prompt_len)
@@ -262,6 +274,7 @@ class SpeculationStep:
     def forget(self, job: JobState) -> None:
         if self.drafter is None:
             return
+        self._evidence.pop(job.job_id, None)
         if self.policy is not None:
             self.policy.forget(job.job_id)
         try:

@@ -45,13 +45,44 @@ def match_length(source: Sequence[int], at: int, tokens: Sequence[int], known: i
     return n
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (a binary search of slice comparisons, each a C
+    loop: drafts agree with their candidates for most of their length)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def agreement(proposal: Sequence[int], continuations: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """For each position i of `proposal`, how many `continuations` (the proposal's own among them)
+    begin with its first i + 1 tokens: where places that continued the same n-gram part ways, the
+    text branches, and a draft past that point is a guess between them."""
+    n = len(proposal)
+    ends = [0] * (n + 1)  # ends[l]: continuations sharing exactly l leading tokens with the proposal
+    for c in continuations:
+        ends[common_prefix(proposal, tuple(c[:n]))] += 1
+    out, alive = [0] * n, 0
+    for i in range(n - 1, -1, -1):
+        alive += ends[i + 1]
+        out[i] = alive
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class CorpusMatch:
     """An earlier output continuing the sequence's end: how many tokens before the continuation
-    match the sequence's last ones (up to the lookback), and the continuation."""
+    match the sequence's last ones (up to the lookback), the continuation, how many places continued
+    the matched n-gram, and how many of them agree with the continuation at each of its tokens."""
 
     length: int
     tokens: tuple[int, ...]
+    places: int = 1
+    agree: tuple[int, ...] = ()
 
 
 class SuffixCorpus:
@@ -145,5 +176,7 @@ class SuffixCorpus:
                     best = (length, serial, at)
             assert best is not None
             length, serial, at = best
-            return CorpusMatch(length, self._docs[serial][1][at : at + max_tokens])
+            tokens = self._docs[serial][1][at : at + max_tokens]
+            others = [self._docs[s][1][a : a + max_tokens] for s, a in places]
+            return CorpusMatch(length, tokens, len(places), agreement(tokens, others))
         return None
