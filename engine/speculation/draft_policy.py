@@ -122,6 +122,15 @@ class _Acceptance:
     def p(self) -> float:
         return self.kept / self.tried if self.tried > 0 else 0.0
 
+    def add(self, kept: float, tried: float, fade: float) -> None:
+        """A new observation of `tried` trials, `kept` of them kept; earlier ones weigh `fade`."""
+        self.kept = self.kept * fade + kept
+        self.tried = self.tried * fade + tried
+
+    def relax(self, prior: float) -> None:
+        """RELAX of the way back toward `prior`, the trials' weight kept."""
+        self.kept += (prior * self.tried - self.kept) * RELAX
+
 
 @dataclass(frozen=True)
 class DraftWant:
@@ -187,19 +196,20 @@ class DraftPolicy:
         """How many leading tokens of a draft whose tokens have these evidence classes are worth
         verifying in a step of `rows` rows without them (each row a token of its own): the length
         that makes the step's expected tokens per second highest."""
-        tokens = float(max(rows, 1))
-        best, best_rate = 0, tokens / self.cost.at(max(rows, 1))
+        base = max(rows, 1)
+        tokens = float(base)
+        best, best_rate = 0, tokens / self.cost.at(base)
         chance = 1.0
         for i, c in enumerate(evidence):
             chance *= self._class_rate(c)
             tokens += chance
-            rate = tokens / self.cost.at(max(rows, 1) + i + 1)
+            rate = tokens / self.cost.at(base + i + 1)
             if rate > best_rate:
                 best, best_rate = i + 1, rate
         for c in evidence[best : best + 1]:  # the class that stopped it: back toward the prior
             a = self._classes.get(c)
             if a is not None:
-                a.kept += (self.prior * a.tried - a.kept) * RELAX
+                a.relax(self.prior)
         return best
 
     def _class_rate(self, c: int) -> float:
@@ -233,7 +243,7 @@ class DraftPolicy:
         if a is None:
             return self.prior
         if a.idle:
-            a.kept += (self.prior * a.tried - a.kept) * RELAX
+            a.relax(self.prior)
         a.idle = True  # until `verified` says it drafted
         return a.p
 
@@ -244,20 +254,20 @@ class DraftPolicy:
             return
         # Each token verified after kept ones was kept or not on its own evidence.
         for i, c in enumerate(evidence[: min(drafted, kept + 1)]):
-            a = self._classes.get(c)
-            if a is None:
-                a = self._classes[c] = _Acceptance(self.prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
-            a.kept = a.kept * CLASS_FADE + (i < kept)
-            a.tried = a.tried * CLASS_FADE + 1
+            if c not in self._classes:
+                self._classes[c] = self._from_prior()
+            self._classes[c].add(float(i < kept), 1.0, CLASS_FADE)
         tried = kept + (1 if kept < drafted else 0)
         a = self._jobs.get(job_id)
         if a is None:
-            a = self._jobs[job_id] = _Acceptance(self.prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
-        a.kept = a.kept * FADE + kept
-        a.tried = a.tried * FADE + tried
+            a = self._jobs[job_id] = self._from_prior()
+        a.add(kept, tried, FADE)
         a.idle = False
-        self._prior.kept = self._prior.kept * PRIOR_FADE + kept
-        self._prior.tried = self._prior.tried * PRIOR_FADE + tried
+        self._prior.add(kept, tried, PRIOR_FADE)
+
+    def _from_prior(self) -> _Acceptance:
+        """A new estimate: the acceptance of all jobs so far, counted as PRIOR_WEIGHT trials."""
+        return _Acceptance(self.prior * PRIOR_WEIGHT, PRIOR_WEIGHT)
 
     def forget(self, job_id: JobId) -> None:
         self._jobs.pop(job_id, None)

@@ -222,7 +222,7 @@ class SpeculationStep:
         job.rejected_drafts += drafted - accepted
         evidence = self._evidence.pop(job.job_id, ())
         if self.policy is not None:
-            self.policy.verified(job.job_id, drafted, accepted, evidence[:drafted])
+            self.policy.verified(job.job_id, drafted, accepted, evidence)
         self.accepted += accepted
         self.rejected += drafted - accepted
         base = job.computed

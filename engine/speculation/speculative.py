@@ -154,28 +154,23 @@ class NgramDrafter:
         drafts = []
         for r in requests:
             index = self._update(r.job_id, r.tokens)
-            proposal: tuple[int, ...] = ()
-            length, places = 0, 1
-            agree: tuple[int, ...] = ()
+            own: list[int] = []  # the places that continued the longest matching n-gram
+            length, at = 0, 0
             for n in range(min(self.max_ngram, len(r.tokens)), 0, -1):
-                at_places = index.get(tuple(r.tokens[-n:]))
-                if at_places:
-                    length, at = max(
-                        (match_length(r.tokens, p, r.tokens, n, MATCH_LOOKBACK), p) for p in at_places
-                    )
-                    proposal = _copy(r.tokens, at, r.max_tokens)
-                    places = len(at_places)
-                    agree = agreement(proposal, [_copy(r.tokens, p, r.max_tokens) for p in at_places])
+                own = index.get(tuple(r.tokens[-n:]), [])
+                if own:
+                    length, at = max((match_length(r.tokens, p, r.tokens, n, MATCH_LOOKBACK), p) for p in own)
                     break
+            shared = None
             if self.corpus is not None and length < MATCH_LOOKBACK:
                 shared = self.corpus.match(r.salt, r.tokens, r.max_tokens)
-                if shared is not None and shared.length > length:
-                    proposal, length, places, agree = (
-                        shared.tokens,
-                        shared.length,
-                        shared.places,
-                        shared.agree,
-                    )
+            if shared is not None and shared.length > length:
+                proposal, length, places, agree = shared.tokens, shared.length, shared.places, shared.agree
+            elif own:
+                proposal, places = _copy(r.tokens, at, r.max_tokens), len(own)
+                agree = agreement(proposal, [_copy(r.tokens, p, r.max_tokens) for p in own])
+            else:
+                proposal, places, agree = (), 1, ()
             drafts.append(Draft(proposal, tuple(evidence_class(places, a, length) for a in agree)))
         return drafts
 

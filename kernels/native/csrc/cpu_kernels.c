@@ -978,6 +978,21 @@ int dg_linear(int layout, const void *w, int64_t n, int64_t k, const float *x, i
 #define DG_EXP_P4 1.6666665459e-1f
 #define DG_EXP_P5 5.0000001201e-1f
 
+/* What dg_exp8 and dg_exp16 share, in P's vectors of type T (P: _mm256 or _mm512): r = x - n ln2
+ * (ln 2 in two parts), then p = exp(r) by the polynomial. One text, so both widths give the same bits. */
+#define DG_EXP_POLY(P, T, n, x, p)                                                         \
+    do {                                                                                   \
+        T r_ = P##_fnmadd_ps(n, P##_set1_ps(DG_EXP_LN2_HI), x);                            \
+        r_ = P##_fnmadd_ps(n, P##_set1_ps(DG_EXP_LN2_LO), r_);                             \
+        p = P##_set1_ps(DG_EXP_P0);                                                        \
+        p = P##_fmadd_ps(p, r_, P##_set1_ps(DG_EXP_P1));                                   \
+        p = P##_fmadd_ps(p, r_, P##_set1_ps(DG_EXP_P2));                                   \
+        p = P##_fmadd_ps(p, r_, P##_set1_ps(DG_EXP_P3));                                   \
+        p = P##_fmadd_ps(p, r_, P##_set1_ps(DG_EXP_P4));                                   \
+        p = P##_fmadd_ps(p, r_, P##_set1_ps(DG_EXP_P5));                                   \
+        p = P##_fmadd_ps(p, P##_mul_ps(r_, r_), P##_add_ps(r_, P##_set1_ps(1.0f)));        \
+    } while (0)
+
 /* exp(x) for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
  * (relative error ~2e-7 over the float range; inputs below -87.3 give 0, as expf nearly does). */
 static inline __m256 dg_exp8(__m256 x) {
@@ -986,15 +1001,8 @@ static inline __m256 dg_exp8(__m256 x) {
     x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(DG_EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(DG_EXP_LN2_HI), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(DG_EXP_LN2_LO), r);
-    __m256 p = _mm256_set1_ps(DG_EXP_P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(DG_EXP_P5));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256 p;
+    DG_EXP_POLY(_mm256, __m256, n, x, p);
     /* 2^n through the exponent bits; n in [-126, 127] after the clamp, so this never wraps */
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
@@ -1009,15 +1017,8 @@ static inline __m512 dg_exp16(__m512 x) {
     x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(DG_EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(DG_EXP_LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(DG_EXP_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(DG_EXP_P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(DG_EXP_P5));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 p;
+    DG_EXP_POLY(_mm512, __m512, n, x, p);
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
