@@ -249,7 +249,7 @@ class Ready:
     hidden_size: int  # the model's embedding width (the front end checks prompt embeddings' rows)
     device: str  # where the model runs (engine/device.py describe_device)
     page_size: int  # the KV cache's page size in tokens (a job's fit is counted in pages)
-    # Seconds each part of the start took in the engine process (imports, model, warmup, tokenizer).
+    # Seconds each part of the start took in the engine process (imports, model, warmup, tokenizer, collect).
     start_seconds: dict[str, float] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:

@@ -89,6 +89,8 @@ def test_model_info_and_the_start_log_name_the_device(tmp_path: Path) -> None:
         assert server.stop() == 0
     assert device == "cpu" if NO_CUDA else device.startswith("cuda:")
     assert ready["device"] == device
+    parts = ready["start_parts"]
+    assert isinstance(parts, dict) and "collect" in parts  # the startup objects' freeze, a part of the start
 
 
 @pytest.mark.slow

@@ -100,8 +100,9 @@ class EngineLoop:
         write_model_files(
             tokenizer_dir, loaded.model.config, self.generator.eos_token_ids, self.generator.max_seq_len
         )
-        start["tokenizer"] = time.monotonic() - t
+        start["tokenizer"], t = time.monotonic() - t, time.monotonic()
         freeze_startup_objects()
+        start["collect"] = time.monotonic() - t
         self._last_stats = 0.0
         self._kv_next = 0  # the first KV event not yet sent
         ready = Ready(

@@ -443,7 +443,7 @@ class EngineClient:
             model=self.model_name,
             pid=self.pid,
             start_seconds=round(proc.ready_at - proc.started_at, 3),  # from spawn to READY handled
-            start_parts=ready.start_seconds,  # in the engine: imports, model, warmup, tokenizer
+            start_parts=ready.start_seconds,  # in the engine: imports, model, warmup, tokenizer, collect
             device=ready.device,
             linears=ready.linears,
             kv_cache=ready.kv_cache,
