@@ -129,6 +129,23 @@ def test_pages_stay_consistent_through_rejections_and_cancel(tiny: LoadedModel) 
     assert isinstance(gen.drafter, NgramDrafter) and gen.drafter.tracked_jobs() == 0
 
 
+def test_the_warmups_outputs_are_no_text_for_drafts_to_copy(tiny: LoadedModel) -> None:
+    """Warm-up runs ~70 throwaway jobs of BOS tokens; none of them reaches the n-gram corpus, and
+    a real job's output afterwards does."""
+    config = GeneratorConfig(
+        page_size=16, num_pages=256, speculation=SpeculationConfig(DrafterKind.NGRAM, num_draft_tokens=4)
+    )
+    gen = DynamicGenerator(tiny.model, tiny.tokenizer, config)
+    gen.warmup()
+    assert gen.speculation.policy is not None  # warm-up did run its timed jobs
+    drafter = gen.drafter
+    assert isinstance(drafter, NgramDrafter) and drafter.corpus is not None
+    assert drafter.corpus.tokens + drafter.corpus.queued_tokens == 0
+    gen.generate([JobSpec((5, 6, 7, 8), max_new_tokens=6, ignore_eos=True)])
+    assert drafter.corpus.queued_tokens > 0
+    gen.close()
+
+
 def test_adaptive_drafts_wait_while_a_prompt_is_queued_or_prefilling(tiny: LoadedModel) -> None:
     config = GeneratorConfig(
         page_size=16,
