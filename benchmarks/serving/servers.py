@@ -22,10 +22,12 @@ from benchmarks.served.service_load import wait_serving
 from benchmarks.serving import grpc_stream, openai_stream
 from benchmarks.serving.timing import RequestTiming
 from dyngen_client import Client
+from engine import defaults
 from service.cluster import free_port
 
 Send = Callable[[Sequence[int], int], RequestTiming]
-MAX_RUNNING = 64  # every engine's batch: dyngen's default, vLLM's max_num_seqs, llama.cpp's slots
+# Every engine's batch: dyngen's default, vLLM's max_num_seqs, llama.cpp's slots.
+MAX_RUNNING = defaults.MAX_BATCH_SIZE
 SLOT_TOKENS = 2048  # llama.cpp's context per slot, and vLLM's max_model_len: the longest prompt + output
 REPO = Path(__file__).resolve().parents[2]
 SERVED_NAME = "smollm2"
