@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 from engine.ids import PageId
 from engine.jobs import JobId
 from engine.speculation.speculative import DraftRequest, NgramDrafter
-from engine.speculation.suffix_corpus import PROMPT_CONTEXT, SuffixCorpus, agreement, common_prefix
+from engine.speculation.suffix_corpus import (
+    PROMPT_CONTEXT,
+    SuffixCorpus,
+    agreement,
+    common_prefix,
+    match_length,
+)
 
 
 def corpus(capacity: int = 1000) -> SuffixCorpus:
@@ -47,6 +53,25 @@ def test_agreement_counts_continuations_sharing_each_prefix(
     for o in others:
         n = common_prefix(tuple(proposal), tuple(o))
         assert proposal[:n] == o[:n] and (n == min(len(proposal), len(o)) or proposal[n] != o[n])
+
+
+@given(
+    st.lists(st.integers(0, 2), max_size=40),
+    st.lists(st.integers(0, 2), min_size=1, max_size=40),
+    st.data(),
+)
+def test_match_length_counts_the_tokens_before_a_place_that_end_the_sequence(
+    source: list[int], tokens: list[int], data: st.DataObject
+) -> None:
+    at = data.draw(st.integers(0, len(source)))
+    lookback = data.draw(st.integers(0, 50))
+    # The longest n with source[at - n : at] == tokens[-n:], by definition, up to the lookback.
+    most = max(n for n in range(min(at, len(tokens)) + 1) if n == 0 or source[at - n : at] == tokens[-n:])
+    known = data.draw(st.integers(0, most))
+    want = max(known, min(most, lookback))
+    # A tuple source (the corpus's outputs) against a list sequence (a job's tokens) as well.
+    assert match_length(source, at, tokens, known, lookback) == want
+    assert match_length(tuple(source), at, tokens, known, lookback) == want
 
 
 def test_the_place_matching_furthest_back_wins() -> None:
