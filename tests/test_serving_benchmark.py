@@ -12,7 +12,7 @@ import pytest
 import benchmarks.serving.sweep as sweep_module
 from benchmarks.serving import trace
 from benchmarks.serving.servers import Send
-from benchmarks.serving.sweep import RateResult, Slo, goodput, percentile, requests_needed, sweep
+from benchmarks.serving.sweep import RateResult, Slo, goodput, knee, percentile, requests_needed, sweep
 from benchmarks.serving.timing import RequestTiming
 from engine.model.loader import default_model_path
 from engine.model.tokenizer import HFTokenizer
@@ -66,6 +66,19 @@ def test_the_slo_verdict_reads_p99s_and_errors() -> None:
     assert percentile([], 50) != percentile([], 50)  # NaN
 
 
+def test_goodput_is_the_served_rate_while_the_slo_held_not_the_offered_one() -> None:
+    """An engine offered 8/s that met the SLO only because its backlog had not reached the latencies
+    yet served 3/s: its goodput is what it served, its knee what it was offered."""
+    fast = tuple(_timing(0.1, 0.05) for _ in range(30))
+    sustained = RateResult(4.0, 10.0, fast)  # 30 requests in 10 s: 3.0/s served
+    absorbed = RateResult(8.0, 12.0, fast)  # 30 in 12 s: 2.5/s served, the SLO still met
+    missed = RateResult(16.0, 20.0, tuple(_timing(5.0, 0.05) for _ in range(30)))
+    results = [sustained, absorbed, missed]
+    assert knee(results, SLO) == 8.0
+    assert goodput(results, SLO) == pytest.approx(3.0)
+    assert goodput([missed], SLO) == knee([missed], SLO) == 0.0
+
+
 def test_the_sweep_doubles_until_a_miss_then_tries_the_knee(
     tokenizer: HFTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -81,7 +94,10 @@ def test_the_sweep_doubles_until_a_miss_then_tries_the_knee(
     monkeypatch.setattr(sweep_module, "run_rate", run_rate)
     results = sweep(_never, t, 1.0, 16.0, 1.0, SLO, 0, lambda line: None)
     assert [round(r.rate, 2) for r in results] == [1.0, 2.0, 4.0, 2.83, 3.36]
-    assert goodput(results, SLO) == pytest.approx(2.83, abs=0.01)
+    assert knee(results, SLO) == pytest.approx(2.83, abs=0.01)
+    # Goodput is what was served while the SLO held: each stand-in rate took 1 s for its requests.
+    best = max((r for r in results if r.meets(SLO)), key=lambda r: r.served_rate)
+    assert goodput(results, SLO) == pytest.approx(best.served_rate) and best.rate < 3.0
     one_step = sweep(_never, t, 1.0, 16.0, 1.0, SLO, 0, lambda line: None, knee_steps=1)
     assert [round(r.rate, 2) for r in one_step] == [1.0, 2.0, 4.0, 2.83]
     first_misses = sweep(_never, t, 4.0, 16.0, 1.0, SLO, 0, lambda line: None)

@@ -22,7 +22,16 @@ from benchmarks.peers import vllm as peer_vllm
 from benchmarks.peers.process import PeerError, progress
 from benchmarks.peers.run import default_cache_dir
 from benchmarks.serving import servers
-from benchmarks.serving.sweep import KNEE_STEPS, RateResult, Slo, goodput, requests_needed, sweep, warm_up
+from benchmarks.serving.sweep import (
+    KNEE_STEPS,
+    RateResult,
+    Slo,
+    goodput,
+    knee,
+    requests_needed,
+    sweep,
+    warm_up,
+)
 from benchmarks.serving.trace import TRACES, Trace, build
 
 DYNGEN, VLLM, LLAMACPP = "dyngen", "vLLM-CPU", "llama.cpp"
@@ -149,20 +158,31 @@ def _table(board: Board, trace: str, slo: Slo) -> list[str]:
     return lines
 
 
-def goodput_line(board: Board, trace: str, slo: Slo) -> str:
-    ours = next((goodput(r, slo) for (e, n), r in board.results.items() if e == DYNGEN and n == trace), 0.0)
-    peers = [(goodput(r, slo), e) for (e, n), r in board.results.items() if e != DYNGEN and n == trace]
+def _ratio_line(
+    board: Board, trace: str, slo: Slo, what: str, measure: Callable[[Sequence[RateResult], Slo], float]
+) -> str:
+    ours = next((measure(r, slo) for (e, n), r in board.results.items() if e == DYNGEN and n == trace), 0.0)
+    peers = [(measure(r, slo), e) for (e, n), r in board.results.items() if e != DYNGEN and n == trace]
     if not peers:
-        return f"goodput {trace}: dyngen {ours:.2f} req/s, best peer (none ran) 0.00 req/s, n/a"
+        return f"{what} {trace}: dyngen {ours:.2f} req/s, best peer (none ran) 0.00 req/s, n/a"
     best, name = max(peers)
     ratio = f"{ours / best if best > 0 else math.inf:.2f}x"  # "infx": the peer met the SLO at no rate
-    return f"goodput {trace}: dyngen {ours:.2f} req/s, best peer ({name}) {best:.2f} req/s, {ratio}"
+    return f"{what} {trace}: dyngen {ours:.2f} req/s, best peer ({name}) {best:.2f} req/s, {ratio}"
+
+
+def goodput_line(board: Board, trace: str, slo: Slo) -> str:
+    """Served requests per second while the SLO held (sweep.goodput), dyngen against the best peer."""
+    return _ratio_line(board, trace, slo, "goodput", goodput)
+
+
+def knee_line(board: Board, trace: str, slo: Slo) -> str:
+    """The highest offered rates that met the SLO (sweep.knee), dyngen against the best peer."""
+    return _ratio_line(board, trace, slo, "offered knee", knee)
 
 
 def served_line(board: Board, trace: str, slo: Slo) -> str:
-    """Each engine's served rate at its goodput rate: over a short window an offered rate past what
-    an engine sustains can still meet the SLO (its backlog has not grown into the latencies yet),
-    so this shows how far below the offered rate each engine actually completed requests."""
+    """Each engine's served rate at its highest SLO-meeting offered rate: how far below the offered
+    rate each engine actually completed requests."""
     cells = []
     for (engine, name), results in board.results.items():
         if name != trace:
@@ -173,7 +193,7 @@ def served_line(board: Board, trace: str, slo: Slo) -> str:
             cells.append(f"{engine} {top.served_rate:.2f} req/s at {top.rate:.2f} offered")
         else:
             cells.append(f"{engine} none")
-    return f"served at goodput {trace}: " + "; ".join(cells)
+    return f"served at the knee {trace}: " + "; ".join(cells)
 
 
 def plot(board: Board, traces: Sequence[str], slo: Slo, path: Path) -> str:
@@ -233,6 +253,7 @@ def report(board: Board, traces: dict[str, Trace], options: Options) -> str:
     lines += ["", plot(board, list(traces), options.slo, options.plot)]
     lines += [f"FAILED {f}" for f in board.failures]
     lines += ["", *(served_line(board, name, options.slo) for name in traces)]
+    lines += ["", *(knee_line(board, name, options.slo) for name in traces)]
     lines += ["", *(goodput_line(board, name, options.slo) for name in traces)]
     return "\n".join(lines)
 
