@@ -1511,6 +1511,17 @@ static inline __attribute__((always_inline)) void dg_pv_bf16_heads(const int HG,
 }
 #endif
 
+/* The next task of a thread's share (share[at], ending at share[64 + at]), or of the next share
+ * with any left once its own is done; -1 when all are. */
+static inline int64_t dg_claim(int64_t *share, int threads, int *at) {
+    for (int tries = 0; tries < threads; tries++) {
+        const int64_t c = __atomic_fetch_add(&share[*at], 1, __ATOMIC_RELAXED);
+        if (c < share[64 + *at]) return c;
+        *at = (*at + 1) % threads;
+    }
+    return -1;
+}
+
 /* One query row per task group: q [B, H, D] (row b at q + b * q_stride); the caches are
  * [pages, KVH, page_size, D], float32, float16 or bfloat16 (kv_kind: DG_KV_*) or, with scales, int8
  * with one scale per
@@ -1540,25 +1551,60 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
      * V rows summed two at a time with bfloat16 weights (dg_pv_bf16_heads, head_dim <= 64). */
     const int dot_bf16 = bf16 && D % 32 == 0;
 #endif
-    /* Tasks are claimed one ahead from a shared counter, so each thread knows its next task and
-     * can prefetch its rows while the load stays balanced. */
-    int64_t claimed = 0;
-#pragma omp parallel if (B * KVH > 1)
+    /* A task is one (row, K/V head). A chunk's rows (consecutive rows of one sequence) go head by
+     * head, and each thread takes a contiguous share of that order, balanced by keys read: a thread
+     * reads a (sequence, head)'s keys from memory once and its further rows find them in its own
+     * cache. A thread done with its share claims from the front of the next, so a thread held up
+     * delays no one. Tasks are claimed one ahead, so each thread knows its next task and
+     * prefetches its rows. (Claimed one at a time in (row, head) order, a chunk's rows of one head
+     * went to both threads in turn: whole 16-row verify steps at 800 keys took 10.7 ms against
+     * 9.9 now, 2-row ones 3.85 against 3.63; 64 decode rows and a 512-token prefill the same.) */
+    const int64_t ntask = B * KVH;
+    int64_t *order = (int64_t *)malloc(((size_t)ntask * 2 + 128) * sizeof(int64_t));
+    if (!order) abort();
+    int64_t *cost = order + ntask; /* keys read before task i */
+    int64_t *share = cost + ntask; /* up to 64 threads' next claims, then their ends */
     {
-    int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-    while (next < B * KVH) {
-        const int64_t task = next;
-        next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        int64_t n = 0;
+        for (int64_t s = 0; s < B;) {
+            int64_t e = s + 1;
+            while (row_seq && e < B && row_seq[e] == row_seq[s]) e++;
+            for (int64_t kh = 0; kh < KVH; kh++)
+                for (int64_t b = s; b < e; b++) order[n++] = b * KVH + kh;
+            s = e;
+        }
+    }
+    int64_t total = 0;
+    for (int64_t i = 0; i < ntask; i++) cost[i] = total, total += 16 + seq_lens[order[i] / KVH];
+    int threads = omp_get_max_threads();
+    threads = threads > 64 ? 64 : threads;
+    threads = (int64_t)threads > ntask ? (int)(ntask > 0 ? ntask : 1) : threads;
+    for (int t = 0, i = 0; t < threads; t++) {
+        const int64_t start = total * t / threads; /* the first task whose keys reach it */
+        while (i < ntask && cost[i] < start) i++;
+        share[t] = i;
+    }
+    for (int t = 0; t < threads; t++) share[64 + t] = t + 1 < threads ? share[t + 1] : ntask;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+    int at = omp_get_thread_num() % threads; /* the share being claimed from */
+    int64_t next = dg_claim(share, threads, &at);
+    while (next >= 0) {
+        const int64_t task = order[next];
+        const int64_t after = dg_claim(share, threads, &at);
+        next = after;
         const int64_t b = task / KVH, kh = task % KVH;
         const int64_t len = seq_lens[b];
-        const int64_t *table = page_tables + (row_seq ? row_seq[b] : b) * max_pages;
+        const int64_t seq = row_seq ? row_seq[b] : b;
+        const int64_t *table = page_tables + seq * max_pages;
         dg_prefetch pf;
-        const int64_t nb = next / KVH;
-        /* A chunk's later rows read the keys its first row read (in cache by now): only a
-         * sequence's first row is worth prefetching for. */
-        if (next < B * KVH && (!row_seq || nb == 0 || row_seq[nb - 1] != row_seq[nb]))
-            dg_prefetch_start(&pf, k_cache, v_cache, page_tables + (row_seq ? row_seq[nb] : nb) * max_pages,
-                              next % KVH, KVH, page_size, row_bytes, seq_lens[nb]);
+        /* A (sequence, head)'s further rows read the keys its first row read, in this thread's
+         * cache by now: only a new (sequence, head) is worth prefetching for. */
+        const int64_t nb = after >= 0 ? order[after] / KVH : 0, nkh = after >= 0 ? order[after] % KVH : 0;
+        const int64_t nseq = row_seq ? row_seq[nb] : nb;
+        if (after >= 0 && (nseq != seq || nkh != kh))
+            dg_prefetch_start(&pf, k_cache, v_cache, page_tables + nseq * max_pages, nkh, KVH, page_size,
+                              row_bytes, seq_lens[nb]);
         else
             dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, row_bytes, 0);
         /* Spread over the current task's blocks of 16 K rows and 16 V rows. */
@@ -1826,6 +1872,7 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         }
     }
     }
+    free(order);
 }
 
 /* ---- LoRA deltas, one row at a time ------------------------------------------------------------
