@@ -29,6 +29,7 @@ ALICE, BOB = "alice-token-0123456789", "bob-token-9876543210xx"
 # while B's request, its first token and the second GetModelInfo travel (each a few ms; an
 # iteration of 64 tiny jobs takes about as long).
 SLACK = 6
+BATCH = 64  # the batch these counts are written for (the flood fills it, its rows hold some of A's jobs)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "220",
         "--stream-grace-seconds",
         "120",
+        "--max-batch-size",
+        str(BATCH),
     )
     yield s
     assert s.stop() == 0
@@ -113,7 +116,7 @@ def test_a_tenant_past_its_part_of_the_queue_is_told_when_to_retry(server: Serve
         assert details.retry_delay_seconds is not None and 0 < details.retry_delay_seconds <= 30
         pushback = next((m.value for m in exc.value.trailing_metadata() or () if m.key == PUSHBACK_KEY), None)
         assert str(pushback) == str(round(details.retry_delay_seconds * 1000))
-        assert 220 <= len(held) <= 220 + 64  # its part of the queue, and the batch's rows
+        assert 220 <= len(held) <= 220 + BATCH  # its part of the queue, and the batch's rows
         job = b.enqueue(Request([70, 71, 72], max_new_tokens=2, ignore_eos=True))  # B's part is its own
         _cancel(b, [job])
 
