@@ -1511,12 +1511,14 @@ static inline __attribute__((always_inline)) void dg_pv_bf16_heads(const int HG,
 }
 #endif
 
-/* The next task of a thread's share (share[at], ending at share[64 + at]), or of the next share
- * with any left once its own is done; -1 when all are. */
+#define DG_MAX_SHARES 64 /* threads the attention's tasks are shared out to, at most */
+
+/* The next task of a thread's share (share[at], ending at share[DG_MAX_SHARES + at]), or of the next
+ * share with any left once its own is done; -1 when all are. */
 static inline int64_t dg_claim(int64_t *share, int threads, int *at) {
     for (int tries = 0; tries < threads; tries++) {
         const int64_t c = __atomic_fetch_add(&share[*at], 1, __ATOMIC_RELAXED);
-        if (c < share[64 + *at]) return c;
+        if (c < share[DG_MAX_SHARES + *at]) return c;
         *at = (*at + 1) % threads;
     }
     return -1;
@@ -1560,39 +1562,35 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
      * went to both threads in turn: whole 16-row verify steps at 800 keys took 10.7 ms against
      * 9.9 now, 2-row ones 3.85 against 3.63; 64 decode rows and a 512-token prefill the same.) */
     const int64_t ntask = B * KVH;
-    int64_t *order = (int64_t *)malloc(((size_t)ntask * 2 + 128) * sizeof(int64_t));
+    int64_t *order = (int64_t *)malloc(((size_t)ntask + 2 * DG_MAX_SHARES) * sizeof(int64_t));
     if (!order) abort();
-    int64_t *cost = order + ntask; /* keys read before task i */
-    int64_t *share = cost + ntask; /* up to 64 threads' next claims, then their ends */
+    int64_t *share = order + ntask; /* each thread's next claim, then (+ DG_MAX_SHARES) its end */
+    int64_t total = 0;              /* keys read over all tasks */
     {
         int64_t n = 0;
         for (int64_t s = 0; s < B;) {
             int64_t e = s + 1;
             while (row_seq && e < B && row_seq[e] == row_seq[s]) e++;
             for (int64_t kh = 0; kh < KVH; kh++)
-                for (int64_t b = s; b < e; b++) order[n++] = b * KVH + kh;
+                for (int64_t b = s; b < e; b++) order[n++] = b * KVH + kh, total += 16 + seq_lens[b];
             s = e;
         }
     }
-    int64_t total = 0;
-    for (int64_t i = 0; i < ntask; i++) cost[i] = total, total += 16 + seq_lens[order[i] / KVH];
     int threads = omp_get_max_threads();
-    threads = threads > 64 ? 64 : threads;
-    threads = (int64_t)threads > ntask ? (int)(ntask > 0 ? ntask : 1) : threads;
-    for (int t = 0, i = 0; t < threads; t++) {
-        const int64_t start = total * t / threads; /* the first task whose keys reach it */
-        while (i < ntask && cost[i] < start) i++;
+    if (threads > DG_MAX_SHARES) threads = DG_MAX_SHARES;
+    if (threads > ntask) threads = ntask > 1 ? (int)ntask : 1;
+    /* Thread t's share starts at the first task whose keys before it reach t / threads of the total. */
+    for (int64_t t = 0, i = 0, before = 0; t < threads; t++) {
+        for (; i < ntask && before < total * t / threads; i++) before += 16 + seq_lens[order[i] / KVH];
         share[t] = i;
     }
-    for (int t = 0; t < threads; t++) share[64 + t] = t + 1 < threads ? share[t + 1] : ntask;
+    for (int t = 0; t < threads; t++) share[DG_MAX_SHARES + t] = t + 1 < threads ? share[t + 1] : ntask;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
     int at = omp_get_thread_num() % threads; /* the share being claimed from */
-    int64_t next = dg_claim(share, threads, &at);
-    while (next >= 0) {
+    for (int64_t next = dg_claim(share, threads, &at), after; next >= 0; next = after) {
         const int64_t task = order[next];
-        const int64_t after = dg_claim(share, threads, &at);
-        next = after;
+        after = dg_claim(share, threads, &at);
         const int64_t b = task / KVH, kh = task % KVH;
         const int64_t len = seq_lens[b];
         const int64_t seq = row_seq ? row_seq[b] : b;
