@@ -520,8 +520,8 @@ def test_native_attention_and_fused_ops_match_the_torch_model(tmp_path: Path, ki
 def test_one_call_decoder_layers_match_the_per_op_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: KVCacheKind
 ) -> None:
-    """Steps of a block-quantized model run each layer as one native call (decode rows, and prefill
-    chunks a token per row, as a verification's drafts); same logits as per op."""
+    """Steps of a block-quantized model run all their layers in one native call (decode rows, and
+    prefill chunks a token per row, as a verification's drafts); same logits as per op."""
     lib = native_library()
     if lib is None:
         pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
@@ -531,7 +531,7 @@ def test_one_call_decoder_layers_match_the_per_op_path(
     )
     model = load_model(tmp_path, progress=False, attention=AttentionKind.NATIVE, quant=QuantMode.INT4).model
     calls = chunk_calls = 0
-    real = NativeLibrary.decode_layer
+    real = NativeLibrary.decode_layers
 
     def counting(self: NativeLibrary, step: DecodeStep, *args: Any) -> None:
         nonlocal calls, chunk_calls
@@ -539,7 +539,7 @@ def test_one_call_decoder_layers_match_the_per_op_path(
         chunk_calls += step.row_seq is not None
         real(self, step, *args)
 
-    monkeypatch.setattr(NativeLibrary, "decode_layer", counting)
+    monkeypatch.setattr(NativeLibrary, "decode_layers", counting)
     prompts = [[(5 * i + 11 * j) % 300 + 3 for j in range(2 + 9 * i)] for i in range(3)]
     settings = GenerationSettings(max_new_tokens=10, ignore_eos=True, max_chunk_tokens=16)
     fused = generate_batch(

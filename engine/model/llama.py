@@ -38,12 +38,13 @@ from kernels.native.native_library import (
     CACHE_DTYPES,
     DecodeLayer,
     DecodeStep,
+    LayerStack,
     LinearDesc,
     NativeLibrary,
     native_library,
 )
 
-# Steps of at most this many new tokens may run each layer as one native call: decode steps,
+# Steps of at most this many new tokens may run all their layers in one native call: decode steps,
 # verifications and the small prefill slices beside decoding. Larger prefills are compute-bound,
 # gain nothing from fewer calls, and would keep a large per-thread scratch alive.
 NATIVE_STEP_ROWS = 256
@@ -106,7 +107,7 @@ class LlamaModel:
             self.native = native_library()
         # Per rows bucket, the layers as one native call each takes them (None: not possible);
         # for one cache at a time (its tensors are in the descriptions).
-        self._decode_layers: dict[int, list[DecodeLayer] | None] = {}
+        self._decode_layers: dict[int, LayerStack | None] = {}
         self._decode_cache: PagedKVCache | None = None
 
     @staticmethod
@@ -188,8 +189,8 @@ class LlamaModel:
         x = x + delta
         return x, rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _native_layers(self, rows: int, cache: PagedKVCache) -> list[DecodeLayer] | None:
-        """The layers for `NativeLibrary.decode_layer` at `rows` rows, if every projection runs a
+    def _native_layers(self, rows: int, cache: PagedKVCache) -> LayerStack | None:
+        """The layers for `NativeLibrary.decode_layers` at `rows` rows, if every projection runs a
         bias-free block linear there, attention is the native one and the cache is float32."""
         if self._decode_cache is not cache:
             self._decode_layers, self._decode_cache = {}, cache
@@ -216,7 +217,7 @@ class LlamaModel:
             nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
             kv = cache.layer(i)
             layers.append(DecodeLayer(qkv, o, gate_up, down, layer.ffn_norm, nxt, kv.k, kv.v))
-        self._decode_layers[key] = layers if usable and layers else None
+        self._decode_layers[key] = LayerStack(layers) if usable and layers else None
         return self._decode_layers[key]
 
     def row_invariant(self, kv_cache: KVCacheKind, page_size: int) -> bool:
@@ -230,7 +231,7 @@ class LlamaModel:
         return isinstance(head, BlockLinear)
 
     def _native_decode(self, batch: ForwardBatch, cache: PagedKVCache, native: NativeLibrary) -> torch.Tensor:
-        """A step with one native call per layer (see _native_layers for when): decode rows, and
+        """A step with one native call for all layers (see _native_layers for when): decode rows, and
         chunks (a verification's drafts, short prefills) a token per row."""
         c = self.config
         layers = self._native_layers(batch.num_tokens, cache)
@@ -254,8 +255,7 @@ class LlamaModel:
         )
         x = self._embed(batch)
         h = self._norm(x, self.layers[0].attn_norm)
-        for layer in layers:
-            native.decode_layer(step, x, h, layer)
+        native.decode_layers(step, x, h, layers)
         last = self._norm(x[batch.logits_indices], self.final_norm)
         return self.lm_head(last).to(torch.float32).contiguous()
 

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,7 +165,7 @@ class DecodeStep:
 
 @dataclass(frozen=True)
 class DecodeLayer:
-    """One decoder layer's weights and float cache for `NativeLibrary.decode_layer`."""
+    """One decoder layer's weights and float cache, for a LayerStack."""
 
     qkv: LinearDesc
     o: LinearDesc
@@ -174,6 +175,49 @@ class DecodeLayer:
     next_norm: torch.Tensor | None  # the next layer's attention norm (None: the last layer)
     k_cache: torch.Tensor  # [pages, kv_heads, page_size, head_dim] float32, float16 or bfloat16
     v_cache: torch.Tensor
+
+
+class LayerRef(ctypes.Structure):
+    """One layer's own pointers for `NativeLibrary.decode_layers` (dg_layer_ref)."""
+
+    _fields_ = [
+        ("qkv", ctypes.POINTER(LinearDesc)),
+        ("o", ctypes.POINTER(LinearDesc)),
+        ("gate_up", ctypes.POINTER(LinearDesc)),
+        ("down", ctypes.POINTER(LinearDesc)),
+        ("ffn_norm", ctypes.c_void_p),
+        ("next_norm", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class LayerStack:
+    """A model's decode layers as one array for `NativeLibrary.decode_layers`. It holds the layers,
+    so that what the array points at (their descriptors, norms and caches) lives as long as it."""
+
+    def __init__(self, layers: Sequence[DecodeLayer]) -> None:
+        if not layers:
+            raise ValueError("a layer stack needs at least one layer")
+        kinds = {cache_kind(layer.k_cache.dtype) for layer in layers}
+        if len(kinds) != 1:
+            raise ValueError("a layer stack's caches must share one element type")
+        self.layers = tuple(layers)
+        self.kv_kind = kinds.pop()
+        refs = (LayerRef * len(self.layers))()
+        for ref, layer in zip(refs, self.layers, strict=True):
+            for name in ("ffn_norm", "k_cache", "v_cache"):
+                tensor = getattr(layer, name)
+                if not tensor.is_contiguous():
+                    raise ValueError(f"a decode layer's {name} must be contiguous")
+                setattr(ref, name, tensor.data_ptr())
+            ref.next_norm = layer.next_norm.data_ptr() if layer.next_norm is not None else None
+            ref.qkv, ref.o = ctypes.pointer(layer.qkv), ctypes.pointer(layer.o)
+            ref.gate_up, ref.down = ctypes.pointer(layer.gate_up), ctypes.pointer(layer.down)
+        self.refs = refs
+
+    def __len__(self) -> int:
+        return len(self.layers)
 
 
 @dataclass(frozen=True)
@@ -209,12 +253,11 @@ class NativeLibrary:
         lib.dg_linear.restype = ctypes.c_int
         lib.dg_linear_silu.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
         lib.dg_linear_silu.restype = ctypes.c_int
-        desc = ctypes.POINTER(LinearDesc)
-        # x, h, the four linears, ffn_norm, next_norm, eps, cos, sin, positions, k, v, kv_half,
-        # slots, page_tables, max_pages, row_seq, seq_lens, B, H, KVH, D, page_size, attn_scale
-        lib.dg_decode_layer.argtypes = [_P, _P, desc, desc, desc, desc, _P, _P, _F, _P, _P, _P, _P, _P]
-        lib.dg_decode_layer.argtypes += [ctypes.c_int, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F]
-        lib.dg_decode_layer.restype = ctypes.c_int
+        # x, h, layers, n_layers, eps, cos, sin, positions, kv_kind, slots, page_tables, max_pages,
+        # row_seq, seq_lens, B, H, KVH, D, page_size, attn_scale
+        lib.dg_decode_layers.argtypes = [_P, _P, _P, _I, _F, _P, _P, _P, ctypes.c_int, _P, _P, _I, _P, _P]
+        lib.dg_decode_layers.argtypes += [_I, _I, _I, _I, _I, _F]
+        lib.dg_decode_layers.restype = ctypes.c_int
         lib.dg_add_rms_norm.argtypes = [_P, _P, _P, _P, _I, _I, _F]
         lib.dg_add_rms_norm.restype = None
         lib.dg_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P]
@@ -299,25 +342,20 @@ class NativeLibrary:
             raise MemoryError(f"no memory for {rows} x {k} quantized activations")
         return y
 
-    def decode_layer(self, step: DecodeStep, x: torch.Tensor, h: torch.Tensor, layer: DecodeLayer) -> None:
-        """One decoder layer of a decode step in one call (see dg_decode_layer): x += attention and
-        MLP outputs in place; h: this layer's normed input in, the next layer's out."""
-        rc = self._lib.dg_decode_layer(
-            x.data_ptr(),
-            h.data_ptr(),
-            ctypes.byref(layer.qkv),
-            ctypes.byref(layer.o),
-            ctypes.byref(layer.gate_up),
-            ctypes.byref(layer.down),
-            layer.ffn_norm.data_ptr(),
-            layer.next_norm.data_ptr() if layer.next_norm is not None else None,
+    def decode_layers(self, step: DecodeStep, x: torch.Tensor, h: torch.Tensor, stack: LayerStack) -> None:
+        """Every layer of a decode step in one call (dg_decode_layers: dg_decode_layer for each in
+        turn): x += every layer's attention and MLP outputs in place; h holds the first layer's
+        normed input in, and is scratch after."""
+        rc = self._lib.dg_decode_layers(
+            _f32(x),
+            _f32(h),
+            ctypes.addressof(stack.refs),
+            len(stack),
             step.eps,
             step.cos.data_ptr(),
             step.sin_signed.data_ptr(),
             step.positions.data_ptr(),
-            layer.k_cache.data_ptr(),
-            layer.v_cache.data_ptr(),
-            cache_kind(layer.k_cache.dtype),
+            stack.kv_kind,
             step.slots.data_ptr(),
             step.page_tables.data_ptr(),
             step.page_tables.shape[1],

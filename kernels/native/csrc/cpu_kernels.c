@@ -1996,3 +1996,29 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
     }
     return 0;
 }
+
+/* One layer's own pointers for dg_decode_layers. */
+typedef struct {
+    const dg_linear_desc *qkv, *o, *gate_up, *down;
+    const float *ffn_norm, *next_norm; /* next_norm NULL: the last layer */
+    void *k_cache, *v_cache;
+} dg_layer_ref;
+
+/* A decode step's layers, n_layers of them, in one call: each as dg_decode_layer, the step's
+ * arguments shared. One foreign call per step instead of one per layer: from Python each call
+ * converts its 26 arguments (SmolLM2-135M: 30 layers a step). Returns the first failure's code. */
+int dg_decode_layers(float *x, float *h, const dg_layer_ref *layers, int64_t n_layers, float eps,
+                     const float *cos_table, const float *sin_signed, const int64_t *positions, int kv_kind,
+                     const int64_t *slots, const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
+                     const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
+                     float attn_scale) {
+    for (int64_t i = 0; i < n_layers; i++) {
+        const dg_layer_ref *l = layers + i;
+        const int rc = dg_decode_layer(x, h, l->qkv, l->o, l->gate_up, l->down, l->ffn_norm, l->next_norm, eps,
+                                       cos_table, sin_signed, positions, l->k_cache, l->v_cache, kv_kind, slots,
+                                       page_tables, max_pages, row_seq, seq_lens, B, H, KVH, D, page_size,
+                                       attn_scale);
+        if (rc) return rc;
+    }
+    return 0;
+}
