@@ -105,7 +105,7 @@ class LlamaModel:
         self.native: NativeLibrary | None = None
         if not self.fused and self.device.type == "cpu" and dtype == torch.float32:
             self.native = native_library()
-        # Per rows bucket, the layers as one native call each takes them (None: not possible);
+        # Per rows bucket, the layers as the step's one native call takes them (None: not possible);
         # for one cache at a time (its tensors are in the descriptions).
         self._decode_layers: dict[int, LayerStack | None] = {}
         self._decode_cache: PagedKVCache | None = None
