@@ -4,36 +4,20 @@ Kernel choices depend on it: bfloat16 matmuls are only fast with AVX512_BF16 or 
 (on AVX2-only parts torch emulates them), and fbgemm's int8 kernels saturate their
 16-bit intermediate sums without VNNI unless activations use 7 bits (reduce_range).
 
-`DYNGEN_CPU_ISA=avx2` caps what dyngen treats as this CPU's instruction set to an AVX2-only
-part's (x86-64-v3: no AVX-512, AVX-VNNI or AMX), so the AVX2 paths can be measured on a newer
-part: the flags lose what such a part lacks, and the native kernels build for x86-64-v3. torch
-and oneDNN choose their kernels when they load, so a process capped this way also needs
-`isa_environment`'s variables set before it starts (the peers benchmark's `--isa avx2` does both).
+Under `DYNGEN_CPU_ISA=avx2` (kernels/isa.py) the features are an AVX2-only part's.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kernels.isa import BEYOND, ISA_ENV, MARCH, Isa, isa_cap
+
 CPUINFO = Path("/proc/cpuinfo")
-ISA_ENV = "DYNGEN_CPU_ISA"
-
-
-class Isa(enum.Enum):
-    NATIVE = "native"  # what the CPU has
-    AVX2 = "avx2"  # an AVX2-only part's set, whatever the CPU has beyond it
-
-
-# Flag prefixes of extensions an AVX2-only x86 part (Zen 3, Haswell to Comet Lake) lacks.
-_BEYOND_AVX2 = ("avx512", "avx10", "avx_", "amx")
-# The compiler target of each ISA, for the native kernels.
-_MARCH = {Isa.NATIVE: "native", Isa.AVX2: "x86-64-v3"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +31,7 @@ class CpuFeatures:
     @property
     def march(self) -> str:
         """The native kernels' compiler target (`-march=`)."""
-        return _MARCH[self.isa]
+        return MARCH[self.isa]
 
     @property
     def avx2(self) -> bool:
@@ -88,7 +72,7 @@ class CpuFeatures:
         """These features as a part with only `isa`'s extensions would have them."""
         if isa is Isa.NATIVE:
             return self
-        flags = frozenset(f for f in self.flags if not f.startswith(_BEYOND_AVX2))
+        flags = frozenset(f for f in self.flags if not f.startswith(BEYOND[isa]))
         return CpuFeatures(self.model_name, flags, self.torch_capability, self.threads, isa)
 
     @staticmethod
@@ -117,26 +101,3 @@ def cpu_features() -> CpuFeatures:
         text = ""
     features = CpuFeatures.parse(text, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     return features.capped(isa_cap())
-
-
-def isa_cap() -> Isa:
-    """The instruction set `DYNGEN_CPU_ISA` caps this process to (native when unset)."""
-    value = os.environ.get(ISA_ENV, Isa.NATIVE.value).strip().lower()
-    try:
-        return Isa(value)
-    except ValueError:
-        known = ", ".join(i.value for i in Isa)
-        raise ValueError(f"{ISA_ENV}={value!r} is not one of {known}") from None
-
-
-def isa_environment(isa: Isa) -> dict[str, str]:
-    """Variables a child process needs, set before it starts, to run capped at `isa`: dyngen's own
-    cap, torch's kernel dispatch, oneDNN's and MKL's instruction sets."""
-    if isa is Isa.NATIVE:
-        return {}
-    return {
-        ISA_ENV: isa.value,
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-    }

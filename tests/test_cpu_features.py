@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_features import ISA_ENV, CpuFeatures, Isa, cpu_features, isa_cap, isa_environment
+from kernels.cpu_features import CpuFeatures, cpu_features
+from kernels.isa import ISA_ENV, Isa, isa_cap, isa_environment
 
 REPO = Path(__file__).resolve().parents[1]
 

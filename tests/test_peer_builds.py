@@ -4,10 +4,12 @@ builds never overwrite each other (benchmarks/peers/llamacpp.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from benchmarks.peers.llamacpp import CMAKE_FLAGS, ISA_FLAGS, LlamaCppPeer
-from kernels.cpu_features import Isa
+from kernels.isa import Isa
 
 
 def test_each_instruction_set_has_its_own_build_folder_and_flags() -> None:
@@ -20,3 +22,12 @@ def test_each_instruction_set_has_its_own_build_folder_and_flags() -> None:
     # GGML_NATIVE off: ggml's defaults then are SSE4.2, AVX, AVX2, FMA, F16C, BMI2, no AVX-512.
     assert ISA_FLAGS[Isa.AVX2] == ("-DGGML_NATIVE=OFF",)
     assert set(ISA_FLAGS) == set(Isa)
+
+
+def test_the_peers_parent_names_a_cap_without_loading_torch() -> None:
+    """The peers and serving benchmarks' parent imports torch only where it measures (kernels/isa.py)."""
+    script = "import sys, benchmarks.peers.run, benchmarks.peers.llamacpp; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "False"

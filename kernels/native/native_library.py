@@ -5,7 +5,7 @@ kernel computes in bfloat16, which AVX2-only CPUs emulate), and eager torch spen
 time dispatching a layer's small ops than computing them at one token per step. These
 kernels are plain C with AVX2 intrinsics (VNNI dot products where the CPU has them, a
 scalar path elsewhere), compiled with `-march=native` for the CPU at hand (or for the instruction
-set DYNGEN_CPU_ISA caps it to, kernels/cpu_features.py) and cached by
+set DYNGEN_CPU_ISA caps it to, kernels/isa.py) and cached by
 source, compiler and CPU flags, so a second start loads the shared object directly.
 
 No compiler, or a failed build, leaves the library unavailable (`native_library()` is
