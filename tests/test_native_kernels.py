@@ -15,6 +15,7 @@ by at most half its block's step s).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +322,84 @@ def test_argmax_rows_answers_as_torch(lib: NativeLibrary, n: int) -> None:
     x[7, n - 1] = 1e9  # the maximum last
     x[8, 0] = float("inf")
     assert torch.equal(lib.argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("n", [1, 5, 128, 129, 1000, 49152, 300_000])
+def test_inverse_cdf_draws_the_column_torch_draws(lib: NativeLibrary, n: int) -> None:
+    """searchsorted(cumsum(p, float64), u * total, right=True), clamped: the same column for any u,
+    uniforms landing exactly on a running sum included, and rows with zeros and a zero total."""
+    g = torch.Generator().manual_seed(n)
+    p = torch.softmax(torch.randn(12, n, generator=g) * 4, dim=-1)
+    p[1, : n // 2] = 0.0
+    p[2, 1::2] = 0.0
+    p[3] = 0.0  # no mass: the last column
+    cdf = p.cumsum(dim=-1, dtype=torch.float64)
+    at = torch.randint(0, n, (12,), generator=g)
+    on_sum = (cdf.gather(-1, at[:, None]).squeeze(-1) / cdf[:, -1].clamp(min=1e-300)).float()
+    for u in (torch.rand(12, generator=g), on_sum, torch.zeros(12), torch.full((12,), 1 - 2**-24)):
+        ref = torch.searchsorted(cdf, u.double()[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+        assert torch.equal(lib.inverse_cdf(p, u), ref.clamp(max=n - 1))
+
+
+@pytest.mark.parametrize("n", [1, 3, 256, 1000, 49152])
+def test_top_p_rows_cut_where_the_stable_sort_cuts(lib: NativeLibrary, n: int) -> None:
+    """The same -inf as torch's stable descending sort, float64 cumsum of p above each rank and
+    top_p's cut: ties (kept in id order), -inf entries, rows left alone (+inf), tiny and near-1 top_p."""
+    g = torch.Generator().manual_seed(n)
+    s = torch.randn(10, n, generator=g) * torch.tensor([0.3, 1, 3, 8, 1, 1, 1, 1, 2, 2])[:, None]
+    s[4] = s[4].round()  # ties everywhere
+    s[5, 1::3] = float("-inf")  # banned tokens
+    s[6] = 0.0  # all equal: kept lowest ids first
+    s = s - s.amax(dim=-1, keepdim=True)
+    p = torch.softmax(s, dim=-1)
+    top_p = torch.tensor(
+        [0.9, 0.5, 0.95, 0.99, 0.7, 0.8, 0.5, math.inf, 1e-6, 1 - 1e-12], dtype=torch.float64
+    )
+    order = s.sort(dim=-1, descending=True, stable=True).indices
+    above = F.pad(p.gather(-1, order).cumsum(dim=-1, dtype=torch.float64)[:, :-1], (1, 0))
+    ref = s.masked_fill(
+        torch.zeros_like(order, dtype=torch.bool).scatter(-1, order, above >= top_p[:, None]), float("-inf")
+    )
+    got = s.clone()
+    lib.top_p_rows_(got, p, top_p)
+    assert torch.equal(got, ref)
+    assert torch.equal(got[7], s[7])
+
+
+@pytest.mark.parametrize("cap", [1, 64, 1024])
+def test_top_mass_is_a_top_set_holding_top_p(lib: NativeLibrary, cap: int) -> None:
+    """Each row's set: every probability at or above its smallest member, at least top_p of the
+    mass, no more than cap ids, increasing; the padding distinct and outside; -1 past the cap."""
+    n = 49152
+    g = torch.Generator().manual_seed(cap)
+    scales = torch.tensor([0.5, 2.0, 4.0, 8.0, 16.0, 3.0, 3.0, 3.0])
+    p = torch.softmax(torch.randn(8, n, generator=g) * scales[:, None], dim=-1)
+    p[5] = torch.softmax((torch.randn(n, generator=g) * 3).round(), dim=-1)  # many ties at every edge
+    p[6] = 0.0
+    p[6, 7] = 1.0  # one token
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.99, 0.3, 0.9, 0.9, 1e-3], dtype=torch.float64)
+    ids, count = lib.top_mass(p, top_p, cap)
+    assert ids.shape == (8, cap)
+    for r in range(8):
+        c = int(count[r])
+        if c < 0:
+            # Only where the nucleus and the values within its edge's bucket (2**-8 of the edge,
+            # the kernel's finest) pass cap tokens.
+            ranked = p[r].double().sort(descending=True).values
+            k = min(int((ranked.cumsum(0) < top_p[r]).sum()) + 1, n)
+            assert int((p[r].double() >= ranked[k - 1] * (1 - 2**-8)).sum()) > cap
+            continue
+        members = ids[r, :c]
+        assert 1 <= c <= cap and bool((members[1:] > members[:-1]).all())
+        inside = torch.zeros(n, dtype=torch.bool)
+        inside[members] = True
+        assert float(p[r][inside].double().sum()) >= float(top_p[r])
+        assert float(p[r][inside].min()) >= float(p[r][~inside].max())
+        pad = ids[r, c:]
+        assert not bool(inside[pad].any()) and len(set(pad.tolist())) == len(pad)
+    assert int(count[6]) == 1 and int(ids[6, 0]) == 7
+    if cap >= 64:
+        assert int(count[3]) > 0 and int(count[4]) > 0  # peaky rows fit
 
 
 def test_float16_conversion_rounds_as_torch(lib: NativeLibrary) -> None:

@@ -129,6 +129,43 @@ def test_top_p_candidate_shortcut_is_exercised() -> None:
     assert float(probs[:TOP_P_CANDIDATES].sum()) > 0.99  # the peaky case above stays within the candidates
 
 
+def test_top_p_candidates_draw_as_the_topk_path_and_the_whole_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nucleus's candidates (the native top set) draw the tokens that the topk candidates (the
+    path without the native kernel) draw, and give the whole-row sort's distribution, ties at the
+    edge included, on rows of the shipped model's vocabulary."""
+    import engine.sampling.sampler as sampler_module
+
+    vocab, n = 49152, 15
+    logits = rand_logits(n, vocab, seed=8, scale=4.0)
+    logits[3] = logits[3].round()  # many ties at every edge
+    logits[1] = -10.0
+    logits[1, 100:140] = 5.0  # 40 equal tokens, top_p 0.5: the nucleus's edge cuts the tie
+    settings = [
+        SamplingSettings(temperature=t, top_p=p, seed=i)
+        for i, (t, p) in enumerate(itertools.product((0.3, 0.8, 1.3), (0.05, 0.5, 0.9, 0.95, 0.99)))
+    ]
+    positions = [(j, p) for j in range(n) for p in (0, 1)]
+
+    def draw(sampler: Sampler) -> list[int]:
+        reqs = [SampleRequest(state(settings[j], vocab=vocab), position=pos) for j, pos in positions]
+        rows = logits[[j for j, _ in positions]]
+        return [r.token_id for r in sampler.sample(rows, reqs)]
+
+    def probs(sampler: Sampler) -> torch.Tensor:
+        return sampler.processed_probs(logits, [SampleRequest(state(st, vocab=vocab)) for st in settings])
+
+    with Sampler(vocab) as native:
+        native_tokens, native_probs = draw(native), probs(native)
+        monkeypatch.setattr(sampler_module, "top_mass", lambda *_: None)
+        topk_tokens, topk_probs = draw(native), probs(native)
+        monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", vocab)  # every row sorts the vocabulary
+        whole_probs = probs(native)
+    assert native_tokens == topk_tokens
+    torch.testing.assert_close(native_probs, topk_probs, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(native_probs, whole_probs, rtol=1e-6, atol=1e-9)
+    assert (native_probs[1] > 0).nonzero().flatten().tolist() == list(range(100, 120))  # lowest ids first
+
+
 @pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 0.99])
 def test_min_p(sampler: Sampler, min_p: float, hf: ModuleType) -> None:
     logits = rand_logits(1, seed=4)

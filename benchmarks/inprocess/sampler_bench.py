@@ -111,7 +111,7 @@ def run(rounds: int = 15) -> str:
         "",
         "Sampled jobs: temperature 0.8, top_k 50, top_p 0.9, repetition penalty 1.1, 256-token prompt. "
         "top_p only: the same without top_k; random logits are flat, so the nucleus is not among the "
-        "best 1024 tokens and every row sorts the whole vocabulary (the worst case).",
+        "best 1024 tokens and every row ranks the whole vocabulary (the worst case).",
         f"The engine's default (--sampler-mode): {DEFAULT_SAMPLER_MODE.value}.",
     ]
     return "\n".join(lines)

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from engine.sampling.sample_request import SampleRequest
 from engine.sampling.sampler_state import NEG_INF
+from kernels.native.draw import inverse_cdf, top_p_
 
 _F32_MAX = torch.finfo(torch.float32).max
 _F32_TINY = torch.finfo(torch.float32).tiny
@@ -46,14 +46,7 @@ def filter_and_draw(
 
     if any(st.top_p < 1.0 for st in settings):
         p = nucleus_probs if nucleus_probs is not None else torch.softmax(s, dim=-1)
-        order = s.sort(dim=-1, descending=True, stable=True).indices
-        p_sorted = p.gather(-1, order)
-        cum = p_sorted.cumsum(dim=-1, dtype=torch.float64)
-        above = F.pad(cum[:, :-1], (1, 0))  # mass of the tokens ranked strictly above
-        top_p = torch.tensor([[st.top_p] for st in settings], dtype=torch.float64)
-        active = torch.tensor([[st.top_p < 1.0] for st in settings])
-        drop_sorted = (above >= top_p) & active
-        s = s.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), NEG_INF)
+        top_p_(s, p, [st.top_p for st in settings])  # s is this function's own tensor
 
     if any(st.typical < 1.0 for st in settings):
         # HF TypicalLogitsWarper; the entropy is a cumsum's last entry (sum() is not row-invariant).
@@ -110,11 +103,3 @@ def temperatures(rows: Sequence[int], reqs: Sequence[SampleRequest]) -> torch.Te
     normal range: a temperature that rounds to 0 or inf would turn s = (x - max) / T into NaN."""
     temps = [min(max(reqs[i].state.settings.temperature or 1.0, _F32_TINY), _F32_MAX) for i in rows]
     return torch.tensor(temps, dtype=torch.float32).unsqueeze(-1)
-
-
-def inverse_cdf(probs: torch.Tensor, uniforms: Sequence[float]) -> torch.Tensor:
-    """Per row: the first column whose float64 CDF exceeds u * total, u that row's uniform."""
-    u = torch.tensor(uniforms, dtype=torch.float32)
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    target = u.to(torch.float64).unsqueeze(-1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[1] - 1)

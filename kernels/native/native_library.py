@@ -266,6 +266,12 @@ class NativeLibrary:
         lib.dg_lora_rows.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I]
         lib.dg_lora_rows.restype = None
         lib.dg_argmax_rows.argtypes = [_P, _I, _I, _P]
+        lib.dg_inverse_cdf.argtypes = [_P, _I, _I, _P, _P]
+        lib.dg_inverse_cdf.restype = None
+        lib.dg_top_mass.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P]
+        lib.dg_top_mass.restype = None
+        lib.dg_top_p_rows.argtypes = [_P, _P, _I, _I, _P]
+        lib.dg_top_p_rows.restype = ctypes.c_int
         lib.dg_peak.argtypes = [ctypes.c_int, _I]
         lib.dg_peak.restype = ctypes.c_double
         lib.dg_argmax_rows.restype = None
@@ -479,6 +485,47 @@ class NativeLibrary:
         out = torch.empty(rows, dtype=torch.int64)
         self._lib.dg_argmax_rows(_f32(x), rows, n, int(out.data_ptr()))
         return out
+
+    def inverse_cdf(self, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: per row of probs (float32 [rows, w], >= 0), the first column whose float64
+        running sum exceeds uniforms[row] (float32 [rows]) times the row's total; w - 1 if none."""
+        rows, w = probs.shape
+        if w == 0 or uniforms.shape != (rows,):
+            raise ValueError(
+                f"inverse_cdf needs [rows, w > 0] probabilities and [rows] uniforms, got {list(probs.shape)}"
+            )
+        out = torch.empty(rows, dtype=torch.int64)
+        self._lib.dg_inverse_cdf(_f32(probs), rows, w, _f32(uniforms), int(out.data_ptr()))
+        return out
+
+    def top_mass(
+        self, probs: torch.Tensor, top_p: torch.Tensor, cap: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of probs (float32 [rows, n], >= 0): ids (int64 [rows, cap]) whose first count[row]
+        entries, in increasing order, are every token at or above a value edge and hold at least
+        top_p[row] (float64 [rows]) of the row's mass, the rest distinct ids outside that set;
+        count (int64 [rows]) is -1 where such a set would pass cap tokens."""
+        rows, n = probs.shape
+        if not 0 < cap <= n or top_p.dtype != torch.float64 or top_p.shape != (rows,):
+            raise ValueError(f"top_mass needs 0 < cap <= {n} and float64 [rows] top_p")
+        ids = torch.empty((rows, cap), dtype=torch.int64)
+        count = torch.empty(rows, dtype=torch.int64)
+        top_p = top_p.contiguous()
+        self._lib.dg_top_mass(
+            _f32(probs), rows, n, int(top_p.data_ptr()), cap, cap, int(ids.data_ptr()), int(count.data_ptr())
+        )
+        return ids, count
+
+    def top_p_rows_(self, s: torch.Tensor, p: torch.Tensor, top_p: torch.Tensor) -> None:
+        """In place on s (float32 [rows, n]): per row, ranked by s descending (ties: lower column
+        first), -inf from the first rank whose float64 mass of p above it reaches top_p[row]
+        (float64 [rows]; +inf leaves the row alone)."""
+        rows, n = s.shape
+        if p.shape != s.shape or top_p.dtype != torch.float64 or top_p.shape != (rows,):
+            raise ValueError("top_p_rows_ needs s and p of one shape and float64 [rows] top_p")
+        top_p = top_p.contiguous()
+        if not self._lib.dg_top_p_rows(_f32(s), _f32(p), rows, n, int(top_p.data_ptr())):
+            raise MemoryError(f"no memory to rank {n} values")
 
     def to_half(self, x: torch.Tensor) -> torch.Tensor:
         """float32 -> float16 as the decoder layer writes a float16 KV cache (nearest, ties to even)."""
