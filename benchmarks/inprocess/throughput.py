@@ -11,7 +11,7 @@ import gc
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from benchmarks.workloads import load_workloads
 from engine import defaults
 from engine.cache.kv_cache import KVCacheKind, choose_kv_cache
 from engine.generator import DynamicGenerator, GeneratorConfig
-from engine.jobs import JobSpec
+from engine.jobs import JobSpec, SamplingSettings
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.tokenizer import ChatMessage
 from engine.prompt.guidance import Guidance
@@ -76,10 +76,12 @@ def run_dyngen(
     adapters: Sequence[tuple[str, Path]] = (),
     guidance: Guidance | None = None,
     guided_every: int = 0,
+    sampling: SamplingSettings | None = None,
     **config: Any,
 ) -> RunResult:
     """One generate() of every prompt; with `adapters` (name, PEFT folder), job i runs the
-    (i mod len(adapters))-th; with `guidance`, every `guided_every`-th job is guided."""
+    (i mod len(adapters))-th; with `guidance`, every `guided_every`-th job is guided; with
+    `sampling`, job i samples with it and seed i (greedy without)."""
     page_size = int(config.pop("page_size", GeneratorConfig().page_size))
     prefix_cache = bool(config.pop("prefix_cache", True))
     max_batch_size = int(config.pop("max_batch_size", 64))
@@ -113,6 +115,7 @@ def run_dyngen(
             ignore_eos=ignore_eos,
             adapter=names[i % len(names)] if names else None,
             guidance=guidance if guided[i] else None,
+            sampling=replace(sampling, seed=i) if sampling is not None else SamplingSettings(),
         )
         for i, p in enumerate(prompts)
     ]

@@ -16,6 +16,7 @@ from benchmarks.inprocess.single_stream import decode_rate
 from benchmarks.inprocess.throughput import OneJob, run_dyngen
 from benchmarks.peers.process import answer_parts
 from benchmarks.peers.prompts import PeerPrompts, Workload
+from engine.jobs import SamplingSettings
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.quantization import QuantMode
 from kernels.cpu_features import cpu_features
@@ -23,7 +24,8 @@ from kernels.cpu_features import cpu_features
 
 def all_at_once(loaded: LoadedModel, w: Workload) -> Mapping[str, object]:
     # A new generator per run: its prefix cache starts cold, as W2 asks.
-    run = run_dyngen(loaded, w.prompts, w.max_new_tokens, w.ignore_eos, prefix_cache=True)
+    sampling = SamplingSettings(temperature=w.temperature, top_p=w.top_p) if w.sampled else None
+    run = run_dyngen(loaded, w.prompts, w.max_new_tokens, w.ignore_eos, prefix_cache=True, sampling=sampling)
     return {"seconds": run.seconds, "tokens": run.new_tokens, "tok_s": run.tokens_per_second}
 
 
@@ -50,6 +52,7 @@ def main() -> None:
         },
         {
             "w1": lambda: all_at_once(loaded, prompts.w1),
+            "w1s": lambda: all_at_once(loaded, prompts.w1s),
             "single": lambda: single(loaded, prompts.single),
             "w2": lambda: all_at_once(loaded, prompts.w2),
         },

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peers.process import PeerError, progress, run_logged, tail
+from benchmarks.peers.prompts import Workload
 from kernels.isa import Isa
 from service.cluster import free_port
 
@@ -149,30 +150,50 @@ class LlamaServer:
             answer: dict[str, object] = json.load(reply)
         return answer
 
-    def complete(self, prompt: Sequence[int], new_tokens: int, ignore_eos: bool) -> Completion:
+    def complete(
+        self,
+        prompt: Sequence[int],
+        new_tokens: int,
+        ignore_eos: bool,
+        sampling: Workload | None = None,
+        seed: int = 0,
+    ) -> Completion:
+        """Greedy, or with `sampling`'s temperature and top_p and `seed`, llama.cpp's other filters
+        off (its defaults: top_k 40, min_p 0.05)."""
         # A list of ints is taken as token ids as they are; cache_prompt off keeps every run cold.
-        answer = self._post(
-            "/completion",
-            {
-                "prompt": list(prompt),
-                "n_predict": new_tokens,
-                "ignore_eos": ignore_eos,
-                "temperature": 0.0,
-                "cache_prompt": False,
-                "stream": False,
-            },
-        )
+        body: dict[str, object] = {
+            "prompt": list(prompt),
+            "n_predict": new_tokens,
+            "ignore_eos": ignore_eos,
+            "temperature": 0.0,
+            "cache_prompt": False,
+            "stream": False,
+        }
+        if sampling is not None and sampling.sampled:
+            body.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+            body.update(top_k=0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
+        answer = self._post("/completion", body)
         timings = answer["timings"]
         assert isinstance(timings, dict)
         return Completion(int(timings["predicted_n"]), float(timings["predicted_per_second"]))
 
     def all_at_once(
-        self, prompts: Sequence[Sequence[int]], new_tokens: int, ignore_eos: bool
+        self,
+        prompts: Sequence[Sequence[int]],
+        new_tokens: int,
+        ignore_eos: bool,
+        sampling: Workload | None = None,
     ) -> tuple[float, int]:
-        """Wall seconds and generated tokens for all prompts sent at once, one thread each."""
+        """Wall seconds and generated tokens for all prompts sent at once, one thread each (request
+        i seeded with i where `sampling` samples)."""
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
             t0 = time.perf_counter()
-            done = list(pool.map(lambda p: self.complete(p, new_tokens, ignore_eos), prompts))
+            done = list(
+                pool.map(
+                    lambda ip: self.complete(ip[1], new_tokens, ignore_eos, sampling, ip[0]),
+                    enumerate(prompts),
+                )
+            )
             seconds = time.perf_counter() - t0
         return seconds, sum(c.tokens for c in done)
 

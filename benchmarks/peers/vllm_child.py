@@ -52,9 +52,26 @@ class Engine:
             max_num_batched_tokens=4096,
         )
 
-    def generate(self, ids: list[list[int]], new_tokens: int, ignore_eos: bool) -> tuple[float, int]:
-        """Wall seconds and generated tokens for all of `ids` submitted at once, from a cold cache."""
-        params = self.vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=ignore_eos)
+    def generate(
+        self,
+        ids: list[list[int]],
+        new_tokens: int,
+        ignore_eos: bool,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+    ) -> tuple[float, int]:
+        """Wall seconds and generated tokens for all of `ids` submitted at once, from a cold cache;
+        greedy, or (temperature > 0) request i sampling with seed i."""
+        params = [
+            self.vllm.SamplingParams(
+                temperature=temperature,
+                top_p=top_p,
+                seed=i if temperature > 0 else None,
+                max_tokens=new_tokens,
+                ignore_eos=ignore_eos,
+            )
+            for i in range(len(ids))
+        ]
         requests = [{"prompt_token_ids": p} for p in ids]
         self.llm.reset_prefix_cache()
         t0 = time.perf_counter()
@@ -67,6 +84,10 @@ class Engine:
         ids = w["prompts"]
         assert isinstance(ids, list)
         return ids, int(str(w["max_new_tokens"])), bool(w["ignore_eos"])
+
+    def sampling(self, name: str) -> tuple[float, float]:
+        w = self.prompts[name]
+        return float(str(w.get("temperature", 0.0))), float(str(w.get("top_p", 1.0)))
 
     def warm_up(self) -> None:
         """Untimed: the shapes each part will use (W2 by two prompts only: its prefill is long)."""
@@ -84,7 +105,7 @@ class Engine:
             first, _ = self.generate(ids, 1, True)
             total, tokens = self.generate(ids, new_tokens + 1, True)
             return {"tok_s": (tokens - 1) / (total - first)}
-        seconds, tokens = self.generate(ids, new_tokens, ignore_eos)
+        seconds, tokens = self.generate(ids, new_tokens, ignore_eos, *self.sampling(name))
         return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
 
 
