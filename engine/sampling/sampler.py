@@ -332,8 +332,9 @@ class Sampler:
             # here has its whole nucleus among them.
             ranked = cand_probs.sort(dim=-1, descending=True).values
             mass = ranked.cumsum(dim=-1, dtype=torch.float64)[:, -1].tolist()
-            keep = [j for j in range(len(nucleus)) if fits[j] and mass[j] >= top_p[j]]
-            dense.extend(nucleus[j] for j in range(len(nucleus)) if not (fits[j] and mass[j] >= top_p[j]))
+            held = [fits[j] and mass[j] >= top_p[j] for j in range(len(nucleus))]
+            keep = [j for j, h in enumerate(held) if h]
+            dense.extend(i for i, h in zip(nucleus, held, strict=True) if not h)
             if keep:
                 sel = torch.tensor(keep)
                 filter_and_draw(

@@ -1,9 +1,10 @@
 """The sampler's passes over whole rows: the inverse-CDF draw, top_p's cut and the nucleus's candidates.
 
 The native kernels where they are built, torch elsewhere. The draw and the cut give the same
-answer either way (both rank stably and add a row's values in order in float64). The candidate set is the sampler's to check:
-torch has no single op for "the largest values holding top_p of the mass", so without the native
-kernel the sampler takes its fixed number of best tokens (topk) instead.
+answer either way (both rank stably and add a row's values in order in float64). The candidate
+set is the sampler's to check: torch has no single op for "the largest values holding top_p of
+the mass", so without the native kernel the sampler takes its fixed number of best tokens (topk)
+instead.
 """
 
 from __future__ import annotations
