@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.peers.process import PeerError, progress, run_logged, tail
-from benchmarks.peers.prompts import Workload
 from kernels.isa import Isa
 from service.cluster import free_port
 
@@ -155,23 +154,23 @@ class LlamaServer:
         prompt: Sequence[int],
         new_tokens: int,
         ignore_eos: bool,
-        sampling: Workload | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
         seed: int = 0,
     ) -> Completion:
-        """Greedy, or with `sampling`'s temperature and top_p and `seed`, llama.cpp's other filters
-        off (its defaults: top_k 40, min_p 0.05)."""
+        """Greedy (temperature 0), or sampled with temperature, top_p and seed and llama.cpp's other
+        filters off (its defaults: top_k 40, min_p 0.05)."""
         # A list of ints is taken as token ids as they are; cache_prompt off keeps every run cold.
         body: dict[str, object] = {
             "prompt": list(prompt),
             "n_predict": new_tokens,
             "ignore_eos": ignore_eos,
-            "temperature": 0.0,
+            "temperature": temperature,
             "cache_prompt": False,
             "stream": False,
         }
-        if sampling is not None and sampling.sampled:
-            body.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
-            body.update(top_k=0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
+        if temperature > 0:
+            body.update(top_p=top_p, seed=seed, top_k=0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0)
         answer = self._post("/completion", body)
         timings = answer["timings"]
         assert isinstance(timings, dict)
@@ -182,15 +181,16 @@ class LlamaServer:
         prompts: Sequence[Sequence[int]],
         new_tokens: int,
         ignore_eos: bool,
-        sampling: Workload | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> tuple[float, int]:
         """Wall seconds and generated tokens for all prompts sent at once, one thread each (request
-        i seeded with i where `sampling` samples)."""
+        i seeded with i where they sample)."""
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
             t0 = time.perf_counter()
             done = list(
                 pool.map(
-                    lambda ip: self.complete(ip[1], new_tokens, ignore_eos, sampling, ip[0]),
+                    lambda ip: self.complete(ip[1], new_tokens, ignore_eos, temperature, top_p, ip[0]),
                     enumerate(prompts),
                 )
             )

@@ -146,7 +146,9 @@ def run_llamacpp(
             else:
                 server.all_at_once(w.prompts[: 2 if part == "w2" else None], 4, True)  # warm-up
                 idle = idle_first(options, board, f"{LLAMACPP} {part}")
-                seconds, tokens = server.all_at_once(w.prompts, w.max_new_tokens, w.ignore_eos, w)
+                seconds, tokens = server.all_at_once(
+                    w.prompts, w.max_new_tokens, w.ignore_eos, w.temperature, w.top_p
+                )
                 value = seconds if part == "w2" else tokens / seconds
         progress(f"{LLAMACPP} {part}: {value:.2f} {'s' if part == 'w2' else 'tok/s'}")
         board.record(LLAMACPP, part, Figure(value, "Q4_1", idle))

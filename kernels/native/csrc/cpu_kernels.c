@@ -124,6 +124,23 @@ typedef struct {
     int8_t qs[QK];
 } block_q8;
 
+/* A thread's scratch buffer, kept between calls: grown to `bytes` when that is more than it has
+ * (the old contents are not kept), never shrunk. NULL if out of memory (the old buffer stays). */
+typedef struct {
+    void *buf;
+    size_t cap;
+} dg_tls_buf;
+
+static void *dg_grow(dg_tls_buf *t, size_t bytes) {
+    if (bytes > t->cap) {
+        void *buf = malloc(bytes);
+        if (!buf) return NULL;
+        free(t->buf);
+        t->buf = buf, t->cap = bytes;
+    }
+    return t->buf;
+}
+
 int dg_block_q4_size(void) { return (int)sizeof(block_q4); }
 int dg_block_q8_size(void) { return (int)sizeof(block_q8); }
 
@@ -785,22 +802,14 @@ static void dg_matmul_q4x16(const block_q4x8 *w, int64_t n, int64_t k, const int
     }
 }
 
-static _Thread_local struct {
-    uint8_t *buf;
-    size_t cap;
-} dg_u8_tls;
+static _Thread_local dg_tls_buf dg_u8_tls;
 
 /* Returns 0 if the activations' u8 copy could not be allocated (the caller takes the 256-bit path). */
 static int dg_matmul_q8x16(const block_q8x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
                            int64_t m, float *y) {
     const size_t need = (size_t)m * (size_t)k;
-    if (need > dg_u8_tls.cap) {
-        uint8_t *buf = (uint8_t *)malloc(need);
-        if (!buf) return 0;
-        free(dg_u8_tls.buf);
-        dg_u8_tls.buf = buf, dg_u8_tls.cap = need;
-    }
-    uint8_t *ux = dg_u8_tls.buf;
+    uint8_t *ux = (uint8_t *)dg_grow(&dg_u8_tls, need);
+    if (!ux) return 0;
     for (size_t i = 0; i < need; i++) ux[i] = (uint8_t)qx[i] ^ 0x80; /* q + 128 */
     const int64_t nb = k / QK, groups = n / 8, pairs = (groups + 1) / 2;
     const int64_t rows_per_band = dg_band_rows(m), bands = (m + rows_per_band - 1) / rows_per_band;
@@ -1116,10 +1125,7 @@ void dg_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
  * of a prefill (12 MB a layer at 2k tokens, memory-bound) are never written out and read back.
  * The same row functions as dg_silu_mul and dg_quantize_q8, so y equals dg_linear(silu_mul(gu))
  * bit for bit. */
-static _Thread_local struct {
-    float *buf;
-    size_t cap;
-} dg_silu_tls;
+static _Thread_local dg_tls_buf dg_silu_tls;
 
 int dg_linear_silu(int layout, const void *w, int64_t n, int64_t k, const float *gu, int64_t m, float *y) {
     if (!dg_reserve(m, k)) return -1;
@@ -1130,14 +1136,7 @@ int dg_linear_silu(int layout, const void *w, int64_t n, int64_t k, const float 
 #pragma omp parallel if (m * k >= 32768)
     {
         /* Each thread's row buffer is kept between calls (the decode layer calls this per layer). */
-        if ((size_t)k > dg_silu_tls.cap) {
-            float *buf = (float *)malloc((size_t)k * sizeof(float));
-            if (buf) {
-                free(dg_silu_tls.buf);
-                dg_silu_tls.buf = buf, dg_silu_tls.cap = (size_t)k;
-            }
-        }
-        float *act = (size_t)k <= dg_silu_tls.cap ? dg_silu_tls.buf : NULL;
+        float *act = (float *)dg_grow(&dg_silu_tls, (size_t)k * sizeof(float));
         if (!act) {
 #pragma omp atomic write
             failed = 1;
@@ -1320,10 +1319,7 @@ void dg_top_mass(const float *p, int64_t rows, int64_t n, const double *top_p, i
     }
 }
 
-static _Thread_local struct {
-    uint32_t *buf;
-    size_t cap;
-} dg_rank_tls;
+static _Thread_local dg_tls_buf dg_rank_tls;
 
 /* top_p over whole rows, as the sampler's torch path applies it: rank each row by s descending,
  * ties by lower id first (a stable sort), sum p (float64, in that order) over the ranks, and set
@@ -1336,17 +1332,12 @@ int dg_top_p_rows(float *s, const float *p, int64_t rows, int64_t n, const doubl
 #pragma omp parallel for schedule(dynamic, 1) if (rows * n >= 65536) reduction(| : failed)
     for (int64_t r = 0; r < rows; r++) {
         if (!(top_p[r] <= 1.0)) continue;
-        const size_t need = 4 * (size_t)n;
-        if (need > dg_rank_tls.cap) {
-            uint32_t *buf = (uint32_t *)malloc(need * sizeof(uint32_t));
-            if (!buf) {
-                failed = 1;
-                continue;
-            }
-            free(dg_rank_tls.buf);
-            dg_rank_tls.buf = buf, dg_rank_tls.cap = need;
+        uint32_t *key = (uint32_t *)dg_grow(&dg_rank_tls, 4 * (size_t)n * sizeof(uint32_t));
+        if (!key) {
+            failed = 1;
+            continue;
         }
-        uint32_t *key = dg_rank_tls.buf, *id = key + n, *key2 = id + n, *id2 = key2 + n;
+        uint32_t *id = key + n, *key2 = id + n, *id2 = key2 + n;
         float *row = s + r * n;
         const float *prow = p + r * n;
         int64_t count[4][256];
@@ -1418,10 +1409,7 @@ typedef __m256 dg_vf;
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 
-static _Thread_local struct {
-    float *buf;
-    size_t cap;
-} dg_attn_tls;
+static _Thread_local dg_tls_buf dg_attn_tls;
 
 #if defined(DG_AVX512)
 /* The fixed lane-sum tree of the 16-key score blocks (dg_scores16_heads, dg_scores16_bf16_heads).
@@ -1784,13 +1772,8 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         /* scores, int8 V rows, then (bfloat16 dot products) the queries and the weights as
          * bfloat16, 16 floats of slack each for 64-byte vectors */
         const size_t need = (size_t)(len * per_kv + len * D + per_kv * D / 2 + per_kv * (len / 2 + 1) + 32);
-        if (need > dg_attn_tls.cap) {
-            float *buf = (float *)malloc(need * sizeof(float));
-            if (!buf) abort(); /* a few KiB per thread; nothing sensible to return into */
-            free(dg_attn_tls.buf);
-            dg_attn_tls.buf = buf, dg_attn_tls.cap = need;
-        }
-        float *scores = dg_attn_tls.buf; /* [per_kv, len] */
+        float *scores = (float *)dg_grow(&dg_attn_tls, need * sizeof(float)); /* [per_kv, len] */
+        if (!scores) abort(); /* a few KiB per thread; nothing sensible to return into */
         float *vrows = scores + len * per_kv; /* dequantized V rows of an int8 cache [len, D] */
 #if defined(__AVX512BF16__)
         uint16_t *qb = NULL;   /* [per_kv * D]: the group's queries as bfloat16 */
@@ -2109,20 +2092,9 @@ typedef struct {
     int64_t n, k;
 } dg_linear_desc;
 
-static _Thread_local struct {
-    float *buf;
-    size_t cap;
-} dg_layer_tls;
+static _Thread_local dg_tls_buf dg_layer_tls;
 
-static float *dg_layer_scratch(size_t floats) {
-    if (floats > dg_layer_tls.cap) {
-        float *buf = (float *)malloc(floats * sizeof(float));
-        if (!buf) return NULL;
-        free(dg_layer_tls.buf);
-        dg_layer_tls.buf = buf, dg_layer_tls.cap = floats;
-    }
-    return dg_layer_tls.buf;
-}
+static float *dg_layer_scratch(size_t floats) { return (float *)dg_grow(&dg_layer_tls, floats * sizeof(float)); }
 
 int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_linear_desc *o,
                     const dg_linear_desc *gate_up, const dg_linear_desc *down, const float *ffn_norm,
