@@ -44,11 +44,6 @@ from kernels.native.native_library import (
     native_library,
 )
 
-# Steps of at most this many new tokens may run all their layers in one native call: decode steps,
-# verifications and the small prefill slices beside decoding. Larger prefills are compute-bound,
-# gain nothing from fewer calls, and would keep a large per-thread scratch alive.
-NATIVE_STEP_ROWS = 256
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in float32 whatever the activations' dtype, as the reference does.
@@ -274,7 +269,6 @@ class LlamaModel:
         native_ops = self._native_ops
         if (
             native_ops is not None
-            and batch.num_tokens <= NATIVE_STEP_ROWS
             and batch.lora is None  # the fused layer has no adapter deltas
             and self._native_layers(batch.num_tokens, cache) is not None
         ):
