@@ -142,8 +142,10 @@ def test_q8_matmul_equals_the_dequantized_product(lib: NativeLibrary, rows: int,
     assert float((w - weight).abs().max()) <= float(d.max()) / 2 + 1e-6
 
 
-@pytest.mark.parametrize("n", [48, 40])  # an even and an odd number of 8-row groups
-@pytest.mark.parametrize("rows", [1, 6, 8, 67])
+# 8-row groups: a whole number of quads (the 512-bit build's 32-row tiles) and one more pair, one
+# more group, a pair and a group, and too few for a quad
+@pytest.mark.parametrize("n", [32, 48, 40, 56, 24])
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 13, 33, 34, 67])
 def test_every_build_gives_the_same_block_products(n: int, rows: int) -> None:
     """The 512-bit and 256-bit builds agree bit for bit (exact integer block sums, then the same
     float steps in the same order); the scalar build, which sums its floats in another order,

@@ -646,13 +646,19 @@ DG_Q4X8_TILE(4)
  * lane is one of 16 consecutive output rows and a tile's results are stored as they are. Tiles
  * of up to 8 activation rows use each weight register 8 times; products sum exactly in 32-bit
  * lanes (vpdpbusd), then the same float steps as the 256-bit tiles, so both give equal results.
- * Work is split over (band of 64 activation rows, group pair): a long prefill keeps one band's
- * activations in cache while the weights stream. An odd last group reads itself twice and
- * stores its own 8 lanes only. Calls of one or two rows stay on the 256-bit tiles: they are
+ * Most of the work goes to 32-row tiles over two such pairs (dg_q4x32_tile, dg_q8x32_tile), the
+ * rest to 16-row tiles. Work is split over (band of 64 activation rows, unit of groups): a long
+ * prefill keeps one band's activations in cache while the weights stream. An odd last group reads
+ * itself twice and stores its own 8 lanes only. Calls of one or two rows stay on the 256-bit tiles: they are
  * bound by streaming the weights, and one stream per task (one group) reads faster there than
  * two (measured on Zen 5: 30 layers at one row 1.85 ms against 2.14 ms). */
 #define DG_BAND 64
 #define DG_SPLIT 4 /* tiles of up to this many rows sum each block in two chains */
+/* Calls of at least this many rows take the 32-row tiles. Fewer rows are bound by streaming the
+ * weights, where a 16-row tile of 8 rows reads each weight from memory once for all of them: the
+ * 32-row tiles (4 rows a pass) made a whole 8-row step 8-15% slower and a 16-row one ~5%, and
+ * gained from ~32 rows (33-row steps -3%, W1's 64-row steps -6 to -11%; engine steps, Zen 5). */
+#define DG_QUAD_ROWS 32
 
 static inline __m512i dg_pair256(const void *a, const void *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
@@ -752,6 +758,105 @@ DG_Q4X16_TILE(5)
 DG_Q4X16_TILE(6)
 DG_Q4X16_TILE(7)
 DG_Q4X16_TILE(8)
+/* Four groups (32 output rows, two group pairs) x R (<= 4) activation rows: each activation
+ * broadcast feeds two dpbusd, one per pair, where the 16-row tiles spend a load per dpbusd (W1's
+ * gate/up and down at 64 rows, two threads: 570 -> 643 and 534 -> 585 GMAC/s). The same integer
+ * sums (exact in any order) and float steps per lane as the 16-row tiles, so either gives a row's
+ * outputs bit for bit. */
+#define DG_Q4X32_TILE(R)                                                                               \
+    static inline void dg_q4x32_tile_##R(const block_q4x8 *w4, int64_t nb, int64_t k, const char *pf,  \
+                                         int64_t pfb, const int8_t *qx, const float *sx,                \
+                                         const float *ssum, float *y, int64_t n) {                     \
+        const block_q4x8 *wa = w4, *wb = w4 + nb, *wc = w4 + 2 * nb, *wd = w4 + 3 * nb;                \
+        const __m512i low = _mm512_set1_epi8(0x0F);                                                    \
+        __m512 acc0[R], acc1[R];                                                                       \
+        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();                           \
+        for (int64_t b = 0; b < nb; b++) {                                                             \
+            dg_prefetch_block(pf, pfb, b);                                                             \
+            __m512i s0[R], s1[R];                                                                      \
+            for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_si512();                        \
+            for (int c = 0; c < 4; c++) {                                                              \
+                const __m512i r0 = dg_pair256(wa[b].qs + 32 * c, wb[b].qs + 32 * c);                   \
+                const __m512i r1 = dg_pair256(wc[b].qs + 32 * c, wd[b].qs + 32 * c);                   \
+                const __m512i lo0 = _mm512_and_si512(r0, low);                                         \
+                const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(r0, 4), low);                   \
+                const __m512i lo1 = _mm512_and_si512(r1, low);                                         \
+                const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(r1, 4), low);                   \
+                for (int r = 0; r < R; r++) {                                                          \
+                    const int8_t *xb = qx + r * k + b * QK + 4 * c;                                    \
+                    const __m512i xl = dg_bcast4_512(xb), xh = dg_bcast4_512(xb + 16);                 \
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], lo0, xl);                                       \
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], lo1, xl);                                       \
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], hi0, xh);                                       \
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], hi1, xh);                                       \
+                }                                                                                      \
+            }                                                                                          \
+            const __m512 d0 = dg_pair_half(wa[b].d, wb[b].d), m0 = dg_pair_half(wa[b].m, wb[b].m);     \
+            const __m512 d1 = dg_pair_half(wc[b].d, wd[b].d), m1 = dg_pair_half(wc[b].m, wd[b].m);     \
+            for (int r = 0; r < R; r++) {                                                              \
+                const __m512 xs = _mm512_set1_ps(sx[r * nb + b]), xo = _mm512_set1_ps(ssum[r * nb + b]); \
+                acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(d0, xs), acc0[r]);  \
+                acc0[r] = _mm512_fmadd_ps(m0, xo, acc0[r]);                                            \
+                acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(d1, xs), acc1[r]);  \
+                acc1[r] = _mm512_fmadd_ps(m1, xo, acc1[r]);                                            \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) {                                                                  \
+            _mm512_storeu_ps(y + r * n, acc0[r]);                                                      \
+            _mm512_storeu_ps(y + r * n + 16, acc1[r]);                                                 \
+        }                                                                                              \
+    }
+
+DG_Q4X32_TILE(1)
+DG_Q4X32_TILE(2)
+DG_Q4X32_TILE(3)
+DG_Q4X32_TILE(4)
+
+/* dg_q4x32 for s8 weights (dg_q8x16_tile's steps): each u8 activation broadcast feeds both pairs. */
+#define DG_Q8X32_TILE(R)                                                                               \
+    static inline void dg_q8x32_tile_##R(const block_q8x8 *w4, int64_t nb, int64_t k, const char *pf,  \
+                                         int64_t pfb, const uint8_t *ux, const float *sx, float *y,    \
+                                         int64_t n) {                                                  \
+        const block_q8x8 *wa = w4, *wb = w4 + nb, *wc = w4 + 2 * nb, *wd = w4 + 3 * nb;                \
+        const __m512i ones = _mm512_set1_epi8(1);                                                      \
+        __m512 acc0[R], acc1[R];                                                                       \
+        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();                           \
+        for (int64_t b = 0; b < nb; b++) {                                                             \
+            dg_prefetch_block(pf, pfb, b);                                                             \
+            __m512i s0[R], s1[R], ws0 = _mm512_setzero_si512(), ws1 = _mm512_setzero_si512();          \
+            for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_si512();                        \
+            for (int c = 0; c < 8; c++) {                                                              \
+                const __m512i q0 = dg_pair256(wa[b].qs + 32 * c, wb[b].qs + 32 * c);                   \
+                const __m512i q1 = dg_pair256(wc[b].qs + 32 * c, wd[b].qs + 32 * c);                   \
+                ws0 = _mm512_dpbusd_epi32(ws0, ones, q0);                                              \
+                ws1 = _mm512_dpbusd_epi32(ws1, ones, q1);                                              \
+                for (int r = 0; r < R; r++) {                                                          \
+                    const __m512i xs = dg_bcast4_512(ux + r * k + b * QK + 4 * c);                     \
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], xs, q0);                                        \
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], xs, q1);                                        \
+                }                                                                                      \
+            }                                                                                          \
+            const __m512i c0 = _mm512_slli_epi32(ws0, 7), c1 = _mm512_slli_epi32(ws1, 7);             \
+            const __m512 d0 = dg_pair_half(wa[b].d, wb[b].d), d1 = dg_pair_half(wc[b].d, wd[b].d);     \
+            for (int r = 0; r < R; r++) {                                                              \
+                const __m512 xs = _mm512_set1_ps(sx[r * nb + b]);                                      \
+                acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0[r], c0)),             \
+                                          _mm512_mul_ps(d0, xs), acc0[r]);                             \
+                acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1[r], c1)),             \
+                                          _mm512_mul_ps(d1, xs), acc1[r]);                             \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < R; r++) {                                                                  \
+            _mm512_storeu_ps(y + r * n, acc0[r]);                                                      \
+            _mm512_storeu_ps(y + r * n + 16, acc1[r]);                                                 \
+        }                                                                                              \
+    }
+
+DG_Q8X32_TILE(1)
+DG_Q8X32_TILE(2)
+DG_Q8X32_TILE(3)
+DG_Q8X32_TILE(4)
+
 DG_Q8X16_TILE(1)
 DG_Q8X16_TILE(2)
 DG_Q8X16_TILE(3)
@@ -785,36 +890,60 @@ static inline int64_t dg_band_rows(int64_t m) {
         }                                                                                              \
     } while (0)
 
-/* The task's (pair, band): wa/wb the pair's groups, keep its lanes, rows r0..end. Bands are of equal
- * size (dg_band_rows), so no thread's share ends on a short last band. Up to two bands the tasks are
- * pair-major: a thread's static share is whole pairs with all their bands, so it streams half the
- * weights once, each pair staying in L1 across its bands (band-major, 72 rows gave one thread the
- * 64-row band and the other 8 rows, both streaming every weight: W1 at 72 rows ran 46% slower).
- * More bands (prefill chunks) stay band-major: there the activations outweigh the weights, and a
- * band's activations stay in L2 while the thread runs the pairs. */
-#define DG_X16_TASK(type, w)                                                                           \
-    const int pair_major = bands <= 2;                                                                 \
-    const int64_t band = pair_major ? task % bands : task / pairs;                                     \
-    const int64_t g = 2 * (pair_major ? task / bands : task % pairs);                                  \
-    const type *wa = (w) + g * nb, *wb = g + 1 < groups ? wa + nb : wa;                                \
-    const __mmask16 keep = g + 1 < groups ? 0xFFFF : 0x00FF;                                           \
+/* Rows r0..end of one band against one quad of groups (w4), in tiles of 4 rows and one of the rest.
+ * (Tiles of 4, 5 and 6 rows ran the body's int4 shapes within 2% of each other at 8-64 rows; the
+ * int8 head at 64 rows ran 564 GMAC/s in tiles of 4 against 385 in tiles of 6, whose sums did not
+ * fit in registers. Zen 5, two threads.) */
+#define DG_X32_BAND(tile, X)                                                                           \
+    do {                                                                                               \
+        int64_t r = r0;                                                                                \
+        for (; r + 4 <= end; r += 4) tile##_4(w4, nb, k, r == r0 ? pf : NULL, pfb, X(r), n);           \
+        const char *pfr = r == r0 ? pf : NULL;                                                         \
+        switch (end - r) {                                                                             \
+            case 3: tile##_3(w4, nb, k, pfr, pfb, X(r), n); break;                                     \
+            case 2: tile##_2(w4, nb, k, pfr, pfb, X(r), n); break;                                     \
+            case 1: tile##_1(w4, nb, k, pfr, pfb, X(r), n); break;                                     \
+            default: break;                                                                            \
+        }                                                                                              \
+    } while (0)
+
+/* The task's (unit, band), rows r0..end. A unit is four groups (a quad, w4, for the 32-row tiles)
+ * up to the last whole quad, then a pair (wa/wb, keep its lanes) or the odd last group for the
+ * 16-row tiles. Bands are of equal size (dg_band_rows), so no thread's share ends on a short last
+ * band. Up to two bands the tasks are unit-major: a thread's static share is whole units with all
+ * their bands, so it streams half the weights once, each unit staying in L1 across its bands
+ * (band-major, 72 rows gave one thread the 64-row band and the other 8 rows, both streaming every
+ * weight: W1 at 72 rows ran 46% slower). More bands (prefill chunks) stay band-major: there the
+ * activations outweigh the weights, and a band's activations stay in L2 while the thread runs the
+ * units. The next unit's weights (this thread's next under the static schedule) are fetched while
+ * the first tile of the unit's first band runs: without it every unit waited on memory for its
+ * first pass (the 49152-row head at 64 rows: 5.5 ms before, 3.9 ms with it, 3.7 ms from cache). */
+#define DG_X32_TASK(type, w)                                                                           \
+    const int unit_major = bands <= 2;                                                                 \
+    const int64_t band = unit_major ? task % bands : task / units;                                     \
+    const int64_t u = unit_major ? task / bands : task % units;                                        \
+    const int64_t g = u < quads ? 4 * u : 4 * quads + 2 * (u - quads); /* the unit's first group */    \
     const int64_t r0 = band * rows_per_band, end = r0 + rows_per_band < m ? r0 + rows_per_band : m;    \
-    /* The next pair's weights (this thread's next pair under the static schedule), fetched while \
-     * the first tile of the pair's first band runs: without it every pair waited on memory for its \
-     * first pass (the 49152-row head at 64 rows: 5.5 ms before, 3.9 ms with it, 3.7 ms from cache). */ \
-    const int64_t pfb = 2 * (int64_t)sizeof(type);                                                     \
-    const char *pf = (!pair_major || band == 0) && g + 2 < groups ? (const char *)((w) + (g + 2) * nb) : NULL; \
-    float *yg = y + 8 * g
+    const int64_t ng = u + 1 < quads ? g + 4 : u + 1 < units ? 4 * quads + 2 * (u + 1 - quads) : groups; \
+    const int64_t pfb = (u + 1 < quads ? 4 : 2) * (int64_t)sizeof(type);                               \
+    const char *pf = (!unit_major || band == 0) && ng < groups ? (const char *)((w) + ng * nb) : NULL; \
+    float *yg = y + 8 * g;                                                                             \
+    const type *w4 = (w) + g * nb, *wa = w4, *wb = g + 1 < groups ? wa + nb : wa;                      \
+    const __mmask16 keep = g + 1 < groups ? 0xFFFF : 0x00FF
 
 static void dg_matmul_q4x16(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
                             const float *ssum, int64_t m, float *y) {
-    const int64_t nb = k / QK, groups = n / 8, pairs = (groups + 1) / 2;
+    const int64_t nb = k / QK, groups = n / 8, quads = m >= DG_QUAD_ROWS ? groups / 4 : 0;
+    const int64_t units = quads + (groups - 4 * quads + 1) / 2;
     const int64_t rows_per_band = dg_band_rows(m), bands = (m + rows_per_band - 1) / rows_per_band;
 #pragma omp parallel for schedule(static)
-    for (int64_t task = 0; task < bands * pairs; task++) {
-        DG_X16_TASK(block_q4x8, w);
+    for (int64_t task = 0; task < bands * units; task++) {
+        DG_X32_TASK(block_q4x8, w);
 #define DG_Q4_X(r) qx + (r) * k, sx + (r) * nb, ssum + (r) * nb, yg + (r) * n
-        DG_X16_BAND(dg_q4x16_tile, DG_Q4_X, n, keep);
+        if (u < quads)
+            DG_X32_BAND(dg_q4x32_tile, DG_Q4_X);
+        else
+            DG_X16_BAND(dg_q4x16_tile, DG_Q4_X, n, keep);
 #undef DG_Q4_X
     }
 }
@@ -828,13 +957,17 @@ static int dg_matmul_q8x16(const block_q8x8 *w, int64_t n, int64_t k, const int8
     uint8_t *ux = (uint8_t *)dg_grow(&dg_u8_tls, need);
     if (!ux) return 0;
     for (size_t i = 0; i < need; i++) ux[i] = (uint8_t)qx[i] ^ 0x80; /* q + 128 */
-    const int64_t nb = k / QK, groups = n / 8, pairs = (groups + 1) / 2;
+    const int64_t nb = k / QK, groups = n / 8, quads = m >= DG_QUAD_ROWS ? groups / 4 : 0;
+    const int64_t units = quads + (groups - 4 * quads + 1) / 2;
     const int64_t rows_per_band = dg_band_rows(m), bands = (m + rows_per_band - 1) / rows_per_band;
 #pragma omp parallel for schedule(static)
-    for (int64_t task = 0; task < bands * pairs; task++) {
-        DG_X16_TASK(block_q8x8, w);
+    for (int64_t task = 0; task < bands * units; task++) {
+        DG_X32_TASK(block_q8x8, w);
 #define DG_Q8_X(r) ux + (r) * k, sx + (r) * nb, yg + (r) * n
-        DG_X16_BAND(dg_q8x16_tile, DG_Q8_X, n, keep);
+        if (u < quads)
+            DG_X32_BAND(dg_q8x32_tile, DG_Q8_X);
+        else
+            DG_X16_BAND(dg_q8x16_tile, DG_Q8_X, n, keep);
 #undef DG_Q8_X
     }
     return 1;
