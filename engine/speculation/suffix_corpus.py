@@ -28,12 +28,16 @@ ABSORB_TOKENS = 256  # queued output tokens indexed per match asked (at least on
 
 def ngram_places(tokens: Sequence[int], start: int, max_ngram: int) -> list[tuple[tuple[int, ...], int]]:
     """Every n-gram (n <= max_ngram) ending at a position i >= start that has a continuation, with
-    the continuation's position i + 1 (the n-gram drafter's index and the corpus's alike)."""
-    return [
-        (tuple(tokens[i - n + 1 : i + 1]), i + 1)
-        for i in range(start, len(tokens) - 1)
-        for n in range(1, min(max_ngram, i + 1) + 1)
-    ]
+    the continuation's position i + 1 (the n-gram drafter's index and the corpus's alike). By n,
+    then i: each n-gram's places come in order. Slices of one tuple of the tokens it reads, with
+    no per-position bound: a job's index update is on every decode step's path."""
+    lo = max(start - max_ngram + 1, 0)
+    t = tuple(tokens[lo:])
+    out: list[tuple[tuple[int, ...], int]] = []
+    for n in range(1, max_ngram + 1):
+        first = max(start, n - 1) - lo
+        out.extend((t[i - n + 1 : i + 1], lo + i + 1) for i in range(first, len(t) - 1))
+    return out
 
 
 def match_length(source: Sequence[int], at: int, tokens: Sequence[int], known: int, lookback: int) -> int:
