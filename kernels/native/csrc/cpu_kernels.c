@@ -758,6 +758,15 @@ DG_Q4X16_TILE(5)
 DG_Q4X16_TILE(6)
 DG_Q4X16_TILE(7)
 DG_Q4X16_TILE(8)
+/* A 32-row tile's R rows of sums (acc0: its first pair's 16 lanes, acc1: the second's) into y. */
+static inline __attribute__((always_inline)) void dg_store_x32(const int R, const __m512 *acc0, const __m512 *acc1,
+                                                               float *y, int64_t n) {
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(y + r * n, acc0[r]);
+        _mm512_storeu_ps(y + r * n + 16, acc1[r]);
+    }
+}
+
 /* Four groups (32 output rows, two group pairs) x R (<= 4) activation rows: each activation
  * broadcast feeds two dpbusd, one per pair, where the 16-row tiles spend a load per dpbusd (W1's
  * gate/up and down at 64 rows, two threads: 570 -> 643 and 534 -> 585 GMAC/s). The same integer
@@ -801,10 +810,7 @@ DG_Q4X16_TILE(8)
                 acc1[r] = _mm512_fmadd_ps(m1, xo, acc1[r]);                                            \
             }                                                                                          \
         }                                                                                              \
-        for (int r = 0; r < R; r++) {                                                                  \
-            _mm512_storeu_ps(y + r * n, acc0[r]);                                                      \
-            _mm512_storeu_ps(y + r * n + 16, acc1[r]);                                                 \
-        }                                                                                              \
+        dg_store_x32(R, acc0, acc1, y, n);                                                             \
     }
 
 DG_Q4X32_TILE(1)
@@ -846,10 +852,7 @@ DG_Q4X32_TILE(4)
                                           _mm512_mul_ps(d1, xs), acc1[r]);                             \
             }                                                                                          \
         }                                                                                              \
-        for (int r = 0; r < R; r++) {                                                                  \
-            _mm512_storeu_ps(y + r * n, acc0[r]);                                                      \
-            _mm512_storeu_ps(y + r * n + 16, acc1[r]);                                                 \
-        }                                                                                              \
+        dg_store_x32(R, acc0, acc1, y, n);                                                             \
     }
 
 DG_Q8X32_TILE(1)
