@@ -268,7 +268,7 @@ class NativeLibrary:
         lib.dg_argmax_rows.argtypes = [_P, _I, _I, _P]
         lib.dg_inverse_cdf.argtypes = [_P, _I, _I, _P, _P]
         lib.dg_inverse_cdf.restype = None
-        lib.dg_top_mass.argtypes = [_P, _I, _I, _P, _I, _I, _P, _P]
+        lib.dg_top_mass.argtypes = [_P, _I, _I, _P, _I, _P, _P]
         lib.dg_top_mass.restype = None
         lib.dg_top_p_rows.argtypes = [_P, _P, _I, _I, _P]
         lib.dg_top_p_rows.restype = ctypes.c_int
@@ -512,7 +512,7 @@ class NativeLibrary:
         count = torch.empty(rows, dtype=torch.int64)
         top_p = top_p.contiguous()
         self._lib.dg_top_mass(
-            _f32(probs), rows, n, int(top_p.data_ptr()), cap, cap, int(ids.data_ptr()), int(count.data_ptr())
+            _f32(probs), rows, n, int(top_p.data_ptr()), cap, int(ids.data_ptr()), int(count.data_ptr())
         )
         return ids, count
 

@@ -1444,19 +1444,19 @@ static int64_t dg_top_edge(const uint32_t *bits, int64_t n, double top_p, int64_
 /* For each row of probabilities p [rows, n] (>= 0) with its top_p: ids[r, :count[r]], in increasing
  * id order, of every token whose probability is at least an edge chosen so that they are the
  * fewest whole value buckets from the top whose mass reaches top_p: a set of the row's largest
- * values (ties at the edge all in) holding the top_p nucleus. The rest of the row, up to width,
+ * values (ties at the edge all in) holding the top_p nucleus. The rest of the row, up to cap,
  * is filled with the lowest ids outside the set (distinct padding, for the caller to mask).
  * count[r] = -1 where the set would pass cap ids: that row needs the whole vocabulary. */
-void dg_top_mass(const float *p, int64_t rows, int64_t n, const double *top_p, int64_t cap, int64_t width,
-                 int64_t *ids, int64_t *count) {
+void dg_top_mass(const float *p, int64_t rows, int64_t n, const double *top_p, int64_t cap, int64_t *ids,
+                 int64_t *count) {
 #pragma omp parallel for schedule(static) if (rows * n >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         const uint32_t *bits = (const uint32_t *)(const void *)(p + r * n);
-        const int64_t edge = dg_top_edge(bits, n, top_p[r], cap < width ? cap : width);
-        int64_t *out = ids + r * width;
+        const int64_t edge = dg_top_edge(bits, n, top_p[r], cap);
+        int64_t *out = ids + r * cap;
         if (edge < 0) {
             count[r] = -1;
-            for (int64_t j = 0; j < width; j++) out[j] = j < n ? j : 0;
+            for (int64_t j = 0; j < cap; j++) out[j] = j < n ? j : 0;
             continue;
         }
         int64_t c = 0, pad = 0;
@@ -1464,7 +1464,7 @@ void dg_top_mass(const float *p, int64_t rows, int64_t n, const double *top_p, i
             if (bits[i] >= (uint32_t)edge) out[c++] = i;
         count[r] = c;
         /* Padding: the lowest ids outside the set, distinct from every id in it. */
-        for (int64_t i = 0, j = 0; c + pad < width && i < n; i++) {
+        for (int64_t i = 0, j = 0; c + pad < cap && i < n; i++) {
             while (j < c && out[j] < i) j++;
             if (j < c && out[j] == i) continue;
             out[c + pad++] = i;
