@@ -1,0 +1,79 @@
+"""What a batch-1 run of a trace could gain from the n-gram drafter at best: the bound that the
+drafter's proposals put on adaptive speculation, whatever its policy.
+
+The trace's outputs (greedy, so the same with and without drafts) are replayed through the served
+n-gram drafter and its corpus of finished outputs, request after request as served. At each step
+an oracle policy verifies exactly the draft tokens that will be kept, up to the per-job most: no
+row is wasted on a rejected token and no kept one is left out. Each step is priced by a step-cost
+table (rows -> seconds; the adaptive run's, learned from its own steps at the trace's contexts),
+and the run without drafts by the same table at one row a step, so the ratio compares like with
+like. Host time is left out of both, and each request's prefill is added to both.
+
+No draft-length rule gets more of the drafter's tokens per step than the oracle, and with step
+costs subadditive (one step of a + b rows costs no more than steps of a and of b rows: each step
+reads the weights once) none gets them for less, so the oracle's ratio bounds what any rule for
+this drafter gets on the trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.ids import JobId
+from engine.speculation.draft_policy import StepCost
+from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
+from engine.speculation.speculation_step import make_drafter
+from engine.speculation.speculative import DraftRequest
+
+
+@dataclass(frozen=True)
+class RequestCeiling:
+    """One request replayed: its output tokens and the oracle's decode steps and their time."""
+
+    tokens: int
+    steps: int
+    seconds: float  # the oracle's decode steps, by the cost table
+    plain_seconds: float  # one row a step for every token after the first, by the same table
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_seconds / self.seconds if self.seconds > 0 else 1.0
+
+
+def replay(
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    cost: StepCost,
+    speculation: SpeculationConfig,
+) -> list[RequestCeiling]:
+    """Each request's best case under the drafter `speculation` configures (an n-gram one), in order.
+
+    A request's first output token comes from its prefill; every later one from a decode step
+    that verifies the drafts the oracle keeps plus the step's own token."""
+    if speculation.kind is not DrafterKind.NGRAM:
+        raise ValueError(f"the ceiling replays the n-gram drafter, not {speculation.kind.value}")
+    drafter = make_drafter(speculation, None, 0, 0, 0)
+    assert drafter is not None
+    out: list[RequestCeiling] = []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        job = JobId(f"ceiling-{i}")
+        tokens = [*prompt, *output[:1]]
+        steps, seconds, j = 0, 0.0, 1
+        while j < len(output):
+            most = min(speculation.num_draft_tokens, len(output) - j - 1)
+            proposal: tuple[int, ...] = ()
+            if most > 0:
+                (draft,) = drafter.propose([DraftRequest(job, tokens, (), most)])
+                proposal = draft.tokens
+            kept = 0
+            while kept < len(proposal) and proposal[kept] == output[j + kept]:
+                kept += 1
+            tokens.extend(output[j : j + kept + 1])
+            j += kept + 1
+            steps += 1
+            seconds += cost.at(1 + kept)
+        drafter.finished("", tokens, len(prompt))
+        drafter.forget(job)
+        out.append(RequestCeiling(len(output), steps, seconds, cost.at(1) * max(len(output) - 1, 0)))
+    return out
