@@ -108,8 +108,8 @@ def _bound_lines(specs: Sequence[JobSpec], bests: dict[str, BatchOneRun], cost: 
     lines = [
         "### The n-gram drafter's bound at batch 1: a policy that verifies exactly the drafts that are kept",
         "",
-        f"steps priced by the adaptive run's cost table as its steps left it (rows: ms) {_costs(cost)}; "
-        f"host time left out; the requests' prefill (the none run's, {first:.2f} s) added to both sides",
+        "steps priced by the adaptive run's cost table as its steps left it (whole steps, forward and host "
+        f"work; rows: ms) {_costs(cost)}; the requests' prefill (the none run's, {first:.2f} s) added to both sides",
         "",
         "| request | output tokens | decode tokens a step | decode speedup |",
         "| ---: | ---: | ---: | ---: |",

@@ -5,9 +5,10 @@ The trace's outputs (greedy, so the same with and without drafts) are replayed t
 n-gram drafter and its corpus of finished outputs, request after request as served. At each step
 an oracle policy verifies exactly the draft tokens that will be kept, up to the per-job most: no
 row is wasted on a rejected token and no kept one is left out. Each step is priced by a step-cost
-table (rows -> seconds; the adaptive run's, learned from its own steps at the trace's contexts),
-and the run without drafts by the same table at one row a step, so the ratio compares like with
-like. Host time is left out of both, and each request's prefill is added to both.
+table (rows -> seconds; the adaptive run's, learned from its own steps at the trace's contexts:
+whole steps, forward and host work, as the policy times them), and the run without drafts by the
+same table at one row a step, so the ratio compares like with like; each request's prefill is
+added to both.
 
 No draft-length rule gets more of the drafter's tokens per step than the oracle, and with step
 costs subadditive (one step of a + b rows costs no more than steps of a and of b rows: each step
