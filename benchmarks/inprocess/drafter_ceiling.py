@@ -10,10 +10,11 @@ whole steps, forward and host work, as the policy times them), and the run witho
 same table at one row a step, so the ratio compares like with like; each request's prefill is
 added to both.
 
-No draft-length rule gets more of the drafter's tokens per step than the oracle, and with step
-costs subadditive (one step of a + b rows costs no more than steps of a and of b rows: each step
-reads the weights once) none gets them for less, so the oracle's ratio bounds what any rule for
-this drafter gets on the trace.
+A rule that verifies a prefix of each proposal keeps at most what the oracle keeps from it, and
+with step costs subadditive (one step of a + b rows costs no more than steps of a and of b rows:
+each step reads the weights once) pays no less for it. The oracle's ratio is so the drafter's
+bound on the trace, but for one way round it: stopping a run of kept drafts early, in case the
+drafter's next proposal from there runs longer than the rest of this one.
 """
 
 from __future__ import annotations
