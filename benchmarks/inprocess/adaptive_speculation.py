@@ -43,7 +43,7 @@ ADAPTIVE = "n-gram, adaptive"
 # The policy alone at batch 64: the default's batch cap (16) would switch drafting off before it.
 W1_MODES: dict[str, SpeculationConfig] = {
     "none": MODES["none"],
-    "n-gram, adaptive": MODES[ADAPTIVE],
+    ADAPTIVE: MODES[ADAPTIVE],
     "n-gram, adaptive, no batch cap": SpeculationConfig(DrafterKind.NGRAM, max_batch_size=64),
 }
 

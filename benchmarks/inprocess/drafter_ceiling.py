@@ -26,7 +26,7 @@ from engine.ids import JobId
 from engine.speculation.draft_policy import StepCost
 from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
 from engine.speculation.speculation_step import make_drafter
-from engine.speculation.speculative import DraftRequest
+from engine.speculation.speculative import DraftRequest, accept_matching
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,7 @@ def replay(
             if most > 0:
                 (draft,) = drafter.propose([DraftRequest(job, tokens, (), most)])
                 proposal = draft.tokens
-            kept = 0
-            while kept < len(proposal) and proposal[kept] == output[j + kept]:
-                kept += 1
+            kept = accept_matching(output[j : j + len(proposal)], proposal)
             tokens.extend(output[j : j + kept + 1])
             j += kept + 1
             steps += 1
