@@ -212,28 +212,61 @@ class LlamaServer:
         raise PeerError(f"llama-server not healthy within {timeout:.0f} s; log {log}")
 
 
+# Servers whose start crashed with weight repacking on: on an Intel part with AMX, this build's
+# AMX kernels (Q4_1 weights repacked for them) died of SIGILL in their first product, their threads'
+# tile registers not set up. Later starts of such a server pass --no-repack (its AVX-512 kernels).
+_NO_REPACK: set[Path] = set()
+
+
+def repacking_note(peer: LlamaCppPeer) -> str:
+    """What the table says of a server that runs without weight repacking ("" if it repacks)."""
+    return " (--no-repack: its AMX kernels crashed at start on this CPU)" if peer.server in _NO_REPACK else ""
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _start(
+    peer: LlamaCppPeer, gguf: Path, slots: int, slot_tokens: int, log: Path
+) -> tuple[subprocess.Popen[bytes], LlamaServer]:
+    """A healthy llama-server; one that dies of a signal with repacking on is started again without."""
+    while True:
+        port = free_port()
+        threads = str(os.cpu_count() or 1)
+        no_repack = peer.server in _NO_REPACK
+        cmd = [
+            str(peer.server),
+            *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
+            *("-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * slot_tokens), "-cb"),
+            *(("--no-repack",) if no_repack else ()),
+        ]
+        with log.open("w") as out:
+            process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        server = LlamaServer(port)
+        try:
+            server.wait_healthy(process, 120.0, log)
+            return process, server
+        except PeerError:
+            _stop(process)
+            if no_repack or process.returncode >= 0:
+                raise
+            progress(f"llama-server died of signal {-process.returncode} at start; again with --no-repack")
+            _NO_REPACK.add(peer.server)
+
+
 @contextmanager
 def serving(peer: LlamaCppPeer, gguf: Path, slots: int, slot_tokens: int, name: str) -> Iterator[LlamaServer]:
     """llama-server with `slots` parallel slots of `slot_tokens` context each, on a free port."""
-    port = free_port()
-    threads = str(os.cpu_count() or 1)
-    cmd = [
-        str(peer.server),
-        *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
-        *("-t", threads, "-tb", threads, "-np", str(slots), "-c", str(slots * slot_tokens), "-cb"),
-    ]
     log = peer.log(name)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            server = LlamaServer(port)
-            server.wait_healthy(process, 120.0, log)
-            yield server
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    process, server = _start(peer, gguf, slots, slot_tokens, log)
+    try:
+        yield server
+    finally:
+        _stop(process)

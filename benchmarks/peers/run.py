@@ -152,6 +152,7 @@ def run_llamacpp(
                 value = seconds if part == "w2" else tokens / seconds
         progress(f"{LLAMACPP} {part}: {value:.2f} {'s' if part == 'w2' else 'tok/s'}")
         board.record(LLAMACPP, part, Figure(value, "Q4_1", idle))
+    board.versions[LLAMACPP] = peer.version() + peer_llamacpp.repacking_note(peer)
 
 
 def attempt(board: Board, engine: str, run: Callable[[], None]) -> None:
