@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.peers.process import PeerError, progress, run_logged, tail
+from benchmarks.peers.process import PeerError, progress, run_logged, stop, tail
 from kernels.isa import Isa
 from service.cluster import free_port
 
@@ -69,7 +69,12 @@ class LlamaCppPeer:
         )
         lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith("version")]
         isa = "" if self.isa is Isa.NATIVE else f", built for {self.isa.value} only"
-        return f"{PACKAGE} {VERSION} sdist{isa}, " + (lines[0] if lines else "version unknown")
+        repack = (
+            " (--no-repack: its AMX kernels crashed at start on this CPU)"
+            if self.server in _NO_REPACK
+            else ""
+        )
+        return f"{PACKAGE} {VERSION} sdist{isa}, " + (lines[0] if lines else "version unknown") + repack
 
 
 def _sha256(path: Path) -> str:
@@ -212,24 +217,10 @@ class LlamaServer:
         raise PeerError(f"llama-server not healthy within {timeout:.0f} s; log {log}")
 
 
-# Servers whose start crashed with weight repacking on: on an Intel part with AMX, this build's
-# AMX kernels (Q4_1 weights repacked for them) died of SIGILL in their first product, their threads'
-# tile registers not set up. Later starts of such a server pass --no-repack (its AVX-512 kernels).
+# Servers whose start crashed with weight repacking on: on an Intel part with AMX, this build died
+# of SIGILL in its AMX Q4_1 kernel (weights repacked for it), in the warm-up's first product. Later
+# starts of such a server pass --no-repack (its AVX-512 kernels).
 _NO_REPACK: set[Path] = set()
-
-
-def repacking_note(peer: LlamaCppPeer) -> str:
-    """What the table says of a server that runs without weight repacking ("" if it repacks)."""
-    return " (--no-repack: its AMX kernels crashed at start on this CPU)" if peer.server in _NO_REPACK else ""
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _start(
@@ -253,7 +244,7 @@ def _start(
             server.wait_healthy(process, 120.0, log)
             return process, server
         except PeerError:
-            _stop(process)
+            stop(process)
             if no_repack or process.returncode >= 0:
                 raise
             progress(f"llama-server died of signal {-process.returncode} at start; again with --no-repack")
@@ -269,4 +260,4 @@ def serving(peer: LlamaCppPeer, gguf: Path, slots: int, slot_tokens: int, name: 
     try:
         yield server
     finally:
-        _stop(process)
+        stop(process)

@@ -34,6 +34,17 @@ class PeerError(RuntimeError):
     pass
 
 
+def stop(process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """End a server process: SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

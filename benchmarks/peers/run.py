@@ -134,7 +134,15 @@ def slot_tokens(w: Workload) -> int:
 def run_llamacpp(
     peer: peer_llamacpp.LlamaCppPeer, gguf: Path, prompts: PeerPrompts, options: Options, board: Board
 ) -> None:
-    board.versions[LLAMACPP] = peer.version()
+    try:
+        _run_llamacpp_parts(peer, gguf, prompts, options, board)
+    finally:  # after the parts: a start that fell back to --no-repack is named there
+        board.versions[LLAMACPP] = peer.version()
+
+
+def _run_llamacpp_parts(
+    peer: peer_llamacpp.LlamaCppPeer, gguf: Path, prompts: PeerPrompts, options: Options, board: Board
+) -> None:
     for part in PARTS:
         w = prompts.parts()[part]
         # One slot per request, as many as the part sends at once; its slots share no prefixes.
@@ -152,7 +160,6 @@ def run_llamacpp(
                 value = seconds if part == "w2" else tokens / seconds
         progress(f"{LLAMACPP} {part}: {value:.2f} {'s' if part == 'w2' else 'tok/s'}")
         board.record(LLAMACPP, part, Figure(value, "Q4_1", idle))
-    board.versions[LLAMACPP] = peer.version() + peer_llamacpp.repacking_note(peer)
 
 
 def attempt(board: Board, engine: str, run: Callable[[], None]) -> None:

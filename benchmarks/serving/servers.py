@@ -8,7 +8,6 @@ OpenAI `/v1/completions`. All run at most MAX_RUNNING requests at once, the rest
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +16,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks.peers.llamacpp import LlamaCppPeer, LlamaServer, serving
+from benchmarks.peers.process import stop
 from benchmarks.peers.vllm import VllmPeer
 from benchmarks.served.service_load import wait_serving
 from benchmarks.serving import grpc_stream, openai_stream
@@ -31,16 +31,6 @@ MAX_RUNNING = defaults.MAX_BATCH_SIZE
 SLOT_TOKENS = 2048  # llama.cpp's context per slot, and vLLM's max_model_len: the longest prompt + output
 REPO = Path(__file__).resolve().parents[2]
 SERVED_NAME = "smollm2"
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @contextmanager
@@ -58,7 +48,7 @@ def dyngen(serve_args: Sequence[str], log: Path) -> Iterator[Send]:
             with Client(f"127.0.0.1:{port}") as client:
                 yield partial(grpc_stream.generate, client)
         finally:
-            _stop(process)
+            stop(process, 60.0)
 
 
 @contextmanager
@@ -88,7 +78,7 @@ def vllm(peer: VllmPeer, dtype: str, log: Path) -> Iterator[Send]:
             LlamaServer(port).wait_healthy(process, 1800.0, log)
             yield partial(openai_stream.complete, port, SERVED_NAME)
         finally:
-            _stop(process)
+            stop(process, 60.0)
 
 
 @contextmanager
