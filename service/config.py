@@ -199,8 +199,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "kv_cache",
         _choice(*defaults.KV_CACHE_KINDS),
         d.kv_cache,
-        "KV cache storage: auto (float16 for a float32 model with quantized linears, else float), float "
-        "(the model's dtype), float16 (half float32's bytes) or int8 (~3.9x less memory than float32)",
+        "KV cache storage: auto (for a float32 model with quantized linears bfloat16 where the attention "
+        "runs on AMX tiles, else float16; float otherwise), float (the model's dtype), float16 (half "
+        "float32's bytes), bfloat16 (the same bytes, fewer mantissa bits) or int8 (~3.9x less memory than float32)",
     )
     opt("max_batch_size", int, d.max_batch_size, "jobs running at once")
     opt("max_queue", int, d.max_queue, "jobs waiting for admission before RESOURCE_EXHAUSTED")

@@ -9,8 +9,11 @@ from engine import defaults
 from engine.cache.kv_cache import KVCacheKind, choose_kv_cache
 
 
-def test_auto_is_float16_only_for_a_float32_model_with_quantized_linears() -> None:
+def test_auto_is_two_bytes_only_for_a_float32_model_with_quantized_linears() -> None:
     assert choose_kv_cache("auto", torch.float32, quantized=True) is KVCacheKind.FLOAT16
+    # bfloat16 where the attention runs it on AMX tiles.
+    assert choose_kv_cache("auto", torch.float32, quantized=True, tiles=True) is KVCacheKind.BFLOAT16
+    assert choose_kv_cache("auto", torch.float32, quantized=False, tiles=True) is KVCacheKind.FLOAT
     # Float weights keep float32 K/V: greedy tokens stay those of the float reference.
     assert choose_kv_cache("auto", torch.float32, quantized=False) is KVCacheKind.FLOAT
     # A 2-byte model's float cache is already as small as float16.
@@ -21,6 +24,7 @@ def test_auto_is_float16_only_for_a_float32_model_with_quantized_linears() -> No
 def test_an_explicit_kind_is_taken_as_given(kind: KVCacheKind) -> None:
     for quantized in (False, True):
         assert choose_kv_cache(kind.value, torch.float32, quantized) is kind
+        assert choose_kv_cache(kind.value, torch.float32, quantized, tiles=True) is kind
 
 
 def test_every_offered_choice_resolves() -> None:

@@ -16,6 +16,7 @@ by at most half its block's step s).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -455,6 +456,18 @@ def test_bfloat16_conversion_rounds_as_torch(lib: NativeLibrary) -> None:
     assert torch.isnan(lib.to_bfloat16(torch.tensor([float("nan")]))).all()
 
 
+@pytest.fixture(params=[False, True], ids=["vectors", "tiles"])
+def tiles(request: pytest.FixtureRequest, lib: NativeLibrary) -> Iterator[bool]:
+    """The attention over a bfloat16 cache on each path this build and CPU have: 512-bit vectors,
+    and AMX tiles where the CPU, the OS and the build allow them."""
+    on = bool(request.param)
+    if on and not lib.tile_attention(True):
+        pytest.skip("no AMX tiles in this build, CPU or OS")
+    lib.tile_attention(on)
+    yield on
+    lib.tile_attention(True)
+
+
 @pytest.mark.parametrize("heads", [6, 10])  # 3 or 5 query heads per K/V head (the V sums take 4 at once)
 @pytest.mark.parametrize("quant", [None, torch.float32, torch.float16, "half", "bfloat16"])
 @pytest.mark.parametrize(
@@ -473,7 +486,10 @@ def test_decode_attention_matches_the_torch_path(
     dim: int,
     seq_lens: tuple[int, int, int],
     heads: int,
+    tiles: bool,
 ) -> None:
+    if tiles and quant != "bfloat16":
+        pytest.skip("tiles read bfloat16 caches only")
     torch.manual_seed(6)
     pages, kvh = 9, 2
     k = torch.randn(pages, kvh, page_size, dim)
@@ -524,7 +540,10 @@ def test_chunk_rows_match_plain_causal_attention_and_decoding_alone(
     dim: int,
     chunks: tuple[tuple[int, int], ...],
     cache_dtype: torch.dtype,
+    tiles: bool,
 ) -> None:
+    if tiles and cache_dtype is not torch.bfloat16:
+        pytest.skip("tiles read bfloat16 caches only")
     torch.manual_seed(page_size + dim)
     kvh, heads, pages = 2, 6, 40
     k = torch.randn(pages, kvh, page_size, dim)
@@ -571,6 +590,55 @@ def test_chunk_rows_match_plain_causal_attention_and_decoding_alone(
         row += new
     tol = 1e-2 if cache_dtype is torch.bfloat16 else 1e-5  # bfloat16 queries and weights (see above)
     assert torch.allclose(got, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("per_kv", [3, 16, 17])  # 5 rows a tile task, 1, and past the tiles' 16 columns
+def test_tile_attention_matches_the_vectors_and_reads_no_slot_past_a_sequence(
+    lib: NativeLibrary, per_kv: int
+) -> None:
+    """Verification and prefill rows of a sequence share a tile task (16 query vectors, up to 5
+    rows at 3 heads a K/V head): each gets what it gets alone, close to the vector path, and
+    slots past a sequence's keys (NaN here, as a reused page may hold) reach no output."""
+    if not lib.tile_attention(True):
+        pytest.skip("no AMX tiles in this build, CPU or OS")
+    torch.manual_seed(per_kv)
+    kvh, dim, page_size, pages = 2, 64, 64, 24
+    heads = kvh * per_kv
+    chunks = ((0, 23), (90, 1), (31, 2), (200, 7), (5, 64))  # (cached tokens, new tokens)
+    per_seq = 4
+    tables = torch.randperm(pages)[: len(chunks) * per_seq].view(len(chunks), per_seq).contiguous()
+    kc = torch.full((pages, kvh, page_size, dim), float("nan")).bfloat16()
+    vc = kc.clone()
+    for i, (cached, new) in enumerate(chunks):  # only each sequence's own slots hold numbers
+        for pos in range(cached + new):
+            page, slot = int(tables[i, pos // page_size]), pos % page_size
+            kc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+            vc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+    row_seq = torch.tensor([i for i, (_, n) in enumerate(chunks) for _ in range(n)])
+    row_lens = torch.tensor([c + j + 1 for c, n in chunks for j in range(n)])
+    q = torch.randn(len(row_lens), heads, dim)
+    # Slots past a row's own keys but inside its chunk are the later rows' keys: numbers, zero weight.
+    got = lib.decode_attention(q, kc, vc, None, None, tables, row_lens, dim**-0.5, row_seq)
+    assert torch.isfinite(got).all()
+    for r in range(len(row_lens)):
+        seq = int(row_seq[r])
+        alone = lib.decode_attention(
+            q[r : r + 1].contiguous(),
+            kc,
+            vc,
+            None,
+            None,
+            tables[seq : seq + 1],
+            row_lens[r : r + 1],
+            dim**-0.5,
+        )
+        assert torch.equal(alone[0], got[r])
+    lib.tile_attention(False)
+    try:
+        vectors = lib.decode_attention(q, kc, vc, None, None, tables, row_lens, dim**-0.5, row_seq)
+    finally:
+        lib.tile_attention(True)
+    assert torch.allclose(got, vectors, rtol=1e-2, atol=1e-2)  # both round queries and weights to bfloat16
 
 
 @pytest.mark.parametrize("kind", list(KVCacheKind))

@@ -46,7 +46,10 @@ class RunResult:
 
 def served_kv_cache(loaded: LoadedModel) -> KVCacheKind:
     """The KV cache `dyngen serve` runs this model with by default."""
-    return choose_kv_cache(defaults.KV_CACHE, loaded.model.dtype, loaded.model.plan.quantized)
+    model = loaded.model
+    return choose_kv_cache(
+        defaults.KV_CACHE, model.dtype, model.plan.quantized, tiles=model.tile_attention(defaults.PAGE_SIZE)
+    )
 
 
 class OneJob:

@@ -215,6 +215,13 @@ class LlamaModel:
         self._decode_layers[key] = LayerStack(layers) if usable and layers else None
         return self._decode_layers[key]
 
+    def tile_attention(self, page_size: int) -> bool:
+        """Whether a bfloat16 cache with `page_size` would be attended on AMX tiles (the native
+        attention's condition): what `--kv-cache auto` weighs (engine.cache.kv_cache.choose_kv_cache)."""
+        return isinstance(self.attention, NativePagedAttention) and self.attention.tiles_for(
+            self.config.head_dim, page_size
+        )
+
     def row_invariant(self, kv_cache: KVCacheKind, page_size: int) -> bool:
         """Whether a token's logits are the same bits however many rows its step carries (so drafts,
         batch neighbours and prefill chunking change no token): every projection and the head are

@@ -64,6 +64,11 @@ class NativePagedAttention:
     def __init__(self, lib: NativeLibrary) -> None:
         self._lib = lib
 
+    def tiles_for(self, head_dim: int, page_size: int) -> bool:
+        """Whether a bfloat16 cache of this geometry is attended on AMX tiles here (the kernel's
+        condition: head size 32 or 64, pages of 32s, tiles usable by this build, CPU and OS)."""
+        return head_dim in (32, 64) and page_size % 32 == 0 and self._lib.tile_attention()
+
     def prepare(
         self, batch: AttentionBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype
     ) -> _PreparedNativeAttention:

@@ -249,6 +249,8 @@ class NativeLibrary:
         lib.dg_matmul_q4x8.restype = None
         lib.dg_matmul_q8x8.argtypes = [_P, _I, _I, _P, _P, _I, _P]
         lib.dg_matmul_q8x8.restype = None
+        lib.dg_set_amx.argtypes = [ctypes.c_int]
+        lib.dg_set_amx.restype = ctypes.c_int
         lib.dg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
         lib.dg_linear.restype = ctypes.c_int
         lib.dg_linear_silu.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
@@ -460,6 +462,12 @@ class NativeLibrary:
         self._lib.dg_lora_rows(
             int(x.data_ptr()), x.stride(0), m, k, _ptr(a), r, _ptr(b_t), n, int(y.data_ptr()), y.stride(0)
         )
+
+    def tile_attention(self, on: bool | None = None) -> bool:
+        """Whether the attention over a bfloat16 cache runs on AMX tiles (where the build, CPU and
+        OS have them; head size 32 or 64, pages of 32s). `on` turns it off or back on for this
+        process: tests and benchmarks compare it with the vector path."""
+        return bool(self._lib.dg_set_amx(-1 if on is None else int(on)))
 
     def peak_rates(self, seconds: float = 0.2) -> PeakRates:
         """This build's peak arithmetic rates on every thread at once (see dg_peak), each timed

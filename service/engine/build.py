@@ -31,7 +31,12 @@ def build_engine(
         quant=QuantMode(settings.quant),
         device=device,
     )
-    kv_cache = choose_kv_cache(settings.kv_cache, loaded.model.dtype, loaded.model.plan.quantized)
+    kv_cache = choose_kv_cache(
+        settings.kv_cache,
+        loaded.model.dtype,
+        loaded.model.plan.quantized,
+        tiles=loaded.model.tile_attention(settings.page_size),
+    )
     speculation = speculation.resolved(loaded.model.row_invariant(kv_cache, settings.page_size))
     config = GeneratorConfig(
         page_size=settings.page_size,

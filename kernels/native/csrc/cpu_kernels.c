@@ -1836,6 +1836,269 @@ static inline int64_t dg_claim(int64_t *share, int threads, int *at) {
     return -1;
 }
 
+#if defined(DG_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define DG_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* ---- attention on AMX tiles (a bfloat16 cache, head_dim 32 or 64) -------------------------------
+ * A task is up to 16 query vectors of one K/V head: the group's query heads of up to 16 / per_kv
+ * consecutive rows of one sequence (a verify step's or a prefill chunk's tokens), so one pass over
+ * the keys serves all of them.
+ * - Scores: a 16-key block of K rows is a tile as the cache holds it (16 rows of 32 bfloat16), the
+ *   queries (bfloat16, as the vector path rounds them) are the other operand, paired by dimension;
+ *   C[key][query] = one tdpbf16ps per 32 dimensions. A score's arithmetic depends only on its query
+ *   and key, so a row gets the same scores in any group, alone included.
+ * - Softmax: per query vector over its own row's keys, exactly as alone (the same code and length).
+ * - Sums over V: the weights (bfloat16) are a tile of 16 query vectors by 32 keys; V's rows t, t+1
+ *   interleaved by 16-bit element (as dg_pv_bf16_heads does) are the other, and each 32-key block
+ *   adds one tdpbf16ps per 16 output values. A row shorter than its group's longest adds products
+ *   of zero weights past its own keys (V rows past the longest are zeroed, whatever a page holds).
+ * Per layer on the 2-core Intel AMX part, against the 512-bit path: 16 verify rows at 800 keys
+ * 234 -> 91 us, a 64-row prefill chunk at 600 keys 673 -> 235 us, one row 30 -> 26 us, 64 decode
+ * rows at 800 keys 1232 -> 1142 us (those read the memory's rate of K/V). vdpbf16ps runs at a
+ * quarter of an FMA's rate there, so its 512-bit pair products gained nothing on float32's. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} dg_tile_config;
+
+static int dg_amx_state = -1; /* -1 not asked yet, 0 unusable or switched off, 1 usable */
+
+/* The kernel must grant the process the tile registers' state (Linux: ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA) before any thread uses them; asked once. */
+static int dg_amx_usable(void) {
+    int s = __atomic_load_n(&dg_amx_state, __ATOMIC_ACQUIRE);
+    if (s < 0) {
+        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+        __atomic_store_n(&dg_amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s;
+}
+
+static _Thread_local dg_tls_buf dg_amx_tls;
+
+#define DG_AMX_Q 16
+
+/* Scores of the group's Q query vectors for keys t0.. (16 at a time) of a task whose longest row
+ * sees L keys, times `scale`, into sc + c * ls (c < Q): tile 0 the sums, 1-2 K, 3-4 the queries. */
+static inline void dg_amx_scores(const uint16_t *k_cache, const int64_t *table, int64_t KVH, int64_t kh,
+                                 int64_t page_size, int64_t D, int64_t L, int64_t Q, float scale, float *sc,
+                                 int64_t ls, float *ctmp, dg_prefetch *pf, int64_t pf_step) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(DG_AMX_Q));
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const uint16_t *rows = k_cache + ((table[t0 / page_size] * KVH + kh) * page_size + t0 % page_size) * D;
+        _tile_zero(0);
+        _tile_loadd(1, rows, D * 2);
+        _tile_dpbf16ps(0, 1, 3);
+        if (D == 64) {
+            _tile_loadd(2, rows + 32, D * 2);
+            _tile_dpbf16ps(0, 2, 4);
+        }
+        _tile_stored(0, ctmp, DG_AMX_Q * 4);
+        dg_prefetch_step(pf, pf_step);
+        const __mmask16 keep = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
+        for (int64_t c = 0; c < Q; c++)
+            _mm512_mask_storeu_ps(sc + c * ls + t0, keep,
+                                  _mm512_mul_ps(_mm512_i32gather_ps(idx, ctmp + c, 4), vscale));
+    }
+}
+
+/* Softmax of one query vector's `len` scores (sg), as bfloat16 weights into pw [0, lp): zeros past len. */
+static inline void dg_amx_softmax(float *sg, int64_t len, int64_t lp, uint16_t *pw) {
+    const float mx = dg_max_scores(sg, len);
+    __m512 vs = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = (__mmask16)(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(m, dg_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t),
+                                                                          _mm512_set1_ps(mx))));
+        _mm512_mask_storeu_ps(sg + t, m, e);
+        vs = _mm512_add_ps(vs, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vs));
+    for (int64_t t = 0; t < lp; t += 32) {
+        const int64_t n = len - t < 0 ? 0 : len - t;
+        const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u);
+        const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1u);
+        const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, sg + t), inv);
+        const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, sg + t + 16), inv);
+        _mm512_storeu_si512((void *)(pw + t), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* out rows of the group += nothing: O[c] = sum over keys < L of w[c][t] V[t], tiles 4-7 the sums,
+ * 1 the weights, 2 the interleaved V rows. */
+static inline void dg_amx_pv(const uint16_t *v_cache, const int64_t *table, int64_t KVH, int64_t kh,
+                             int64_t page_size, int64_t D, int64_t L, int64_t lp, const uint16_t *pw,
+                             uint32_t *vb, dg_prefetch *pf, int64_t pf_step) {
+    const int64_t halves = D / 32;
+    _tile_zero(4);
+    _tile_zero(5);
+    if (halves == 2) {
+        _tile_zero(6);
+        _tile_zero(7);
+    }
+    for (int64_t t0 = 0; t0 < lp; t0 += 32) {
+        const uint16_t *rows = v_cache + ((table[t0 / page_size] * KVH + kh) * page_size + t0 % page_size) * D;
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t t = t0 + 2 * i;
+            for (int64_t h = 0; h < halves; h++) {
+                const __m512i x0 = t < L ? _mm512_loadu_si512((const void *)(rows + 2 * i * D + 32 * h))
+                                         : _mm512_setzero_si512();
+                const __m512i x1 = t + 1 < L ? _mm512_loadu_si512((const void *)(rows + (2 * i + 1) * D + 32 * h))
+                                             : _mm512_setzero_si512();
+                _mm512_storeu_si512((void *)(vb + (2 * h) * 256 + 16 * i), _mm512_unpacklo_epi16(x0, x1));
+                _mm512_storeu_si512((void *)(vb + (2 * h + 1) * 256 + 16 * i), _mm512_unpackhi_epi16(x0, x1));
+            }
+        }
+        dg_prefetch_step(pf, pf_step);
+        _tile_loadd(1, pw + t0, lp * 2);
+        _tile_loadd(2, vb, 64);
+        _tile_dpbf16ps(4, 1, 2);
+        _tile_loadd(2, vb + 256, 64);
+        _tile_dpbf16ps(5, 1, 2);
+        if (halves == 2) {
+            _tile_loadd(2, vb + 512, 64);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_loadd(2, vb + 768, 64);
+            _tile_dpbf16ps(7, 1, 2);
+        }
+    }
+}
+
+static void dg_attention_amx(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
+                             const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                             int64_t page_size, float scale, float *out) {
+    const int64_t per_kv = H / KVH, group = DG_AMX_Q / per_kv;
+    /* Tasks (first row, rows, K/V head): a sequence's consecutive rows in groups, each group head by head. */
+    int64_t ntask = 0;
+    for (int64_t s = 0; s < B;) {
+        int64_t e = s + 1;
+        while (row_seq && e < B && row_seq[e] == row_seq[s]) e++;
+        ntask += (e - s + group - 1) / group * KVH;
+        s = e;
+    }
+    int64_t *tasks = (int64_t *)malloc(((size_t)ntask * 3 + 2 * DG_MAX_SHARES) * sizeof(int64_t));
+    if (!tasks) abort();
+    int64_t *share = tasks + 3 * ntask;
+    int64_t total = 0, n = 0;
+    for (int64_t s = 0; s < B;) {
+        int64_t e = s + 1;
+        while (row_seq && e < B && row_seq[e] == row_seq[s]) e++;
+        for (int64_t kh = 0; kh < KVH; kh++)
+            for (int64_t r = s; r < e; r += group) {
+                const int64_t rows = e - r < group ? e - r : group;
+                tasks[3 * n] = r, tasks[3 * n + 1] = rows, tasks[3 * n + 2] = kh, n++;
+                total += 16 + seq_lens[r + rows - 1];
+            }
+        s = e;
+    }
+    int threads = omp_get_max_threads();
+    if (threads > DG_MAX_SHARES) threads = DG_MAX_SHARES;
+    if (threads > ntask) threads = ntask > 1 ? (int)ntask : 1;
+    for (int64_t t = 0, i = 0, before = 0; t < threads; t++) {
+        for (; i < ntask && before < total * t / threads; i++) before += 16 + seq_lens[tasks[3 * i] + tasks[3 * i + 1] - 1];
+        share[t] = i;
+    }
+    for (int t = 0; t < threads; t++) share[DG_MAX_SHARES + t] = t + 1 < threads ? share[t + 1] : ntask;
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        dg_tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+        _tile_loadconfig(&cfg);
+        int at = omp_get_thread_num() % threads;
+        for (int64_t next = dg_claim(share, threads, &at), after; next >= 0; next = after) {
+            after = dg_claim(share, threads, &at);
+            const int64_t r0 = tasks[3 * next], rows = tasks[3 * next + 1], kh = tasks[3 * next + 2];
+            const int64_t Q = rows * per_kv;
+            int64_t L = 0;
+            for (int64_t r = r0; r < r0 + rows; r++) L = seq_lens[r] > L ? seq_lens[r] : L;
+            const int64_t lp = (L + 31) / 32 * 32; /* keys in whole 32-key blocks */
+            const int64_t seq = row_seq ? row_seq[r0] : r0;
+            const int64_t *table = page_tables + seq * max_pages;
+            dg_prefetch pf;
+            if (after >= 0) {
+                const int64_t nr = tasks[3 * after], nkh = tasks[3 * after + 2];
+                const int64_t nseq = row_seq ? row_seq[nr] : nr;
+                const int64_t nlen = seq_lens[nr + tasks[3 * after + 1] - 1];
+                if (nseq != seq || nkh != kh)
+                    dg_prefetch_start(&pf, k_cache, v_cache, page_tables + nseq * max_pages, nkh, KVH, page_size,
+                                      D * 2, nlen);
+                else
+                    dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, D * 2, 0);
+            } else {
+                dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, D * 2, 0);
+            }
+            const int64_t blocks = (L + 15) / 16 + lp / 32;
+            const int64_t pf_step = 1 + (pf.runs ? 2 * pf.len * D * 2 / DG_PF_STRIDE : 0) / blocks;
+            /* scratch: scores [16][lp], weights [16][lp] bfloat16, queries 2 x [16][16] pairs, V pairs
+             * 4 x [16][16], a tile of sums [16][16], outputs 4 x [16][16] */
+            const size_t floats = (size_t)(DG_AMX_Q * lp + DG_AMX_Q * lp / 2 + 2 * 256 + 4 * 256 + 256 + 4 * 256 + 16);
+            float *sc = (float *)dg_grow(&dg_amx_tls, floats * sizeof(float));
+            if (!sc) abort();
+            uint16_t *pw = (uint16_t *)(sc + DG_AMX_Q * lp);
+            uint32_t *qb = (uint32_t *)(sc + DG_AMX_Q * lp + DG_AMX_Q * lp / 2);
+            uint32_t *vb = qb + 2 * 256;
+            float *ctmp = (float *)(vb + 4 * 256), *otmp = ctmp + 256;
+            /* queries as bfloat16 pairs by dimension: qb[h][i][c] = (q_c[32h + 2i], q_c[32h + 2i + 1]) */
+            memset(qb, 0, 2 * 256 * sizeof(uint32_t));
+            for (int64_t c = 0; c < Q; c++) {
+                const float *qv = q + (r0 + c / per_kv) * q_stride + (kh * per_kv + c % per_kv) * D;
+                for (int64_t h = 0; h < D / 32; h++) {
+                    uint32_t pairs[16];
+                    _mm512_storeu_si512((void *)pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qv + 32 * h + 16),
+                                                                                    _mm512_loadu_ps(qv + 32 * h)));
+                    for (int i = 0; i < 16; i++) qb[h * 256 + i * 16 + c] = pairs[i];
+                }
+            }
+            _tile_loadd(3, qb, 64);
+            if (D == 64) _tile_loadd(4, qb + 256, 64);
+            dg_amx_scores(k_cache, table, KVH, kh, page_size, D, L, Q, scale, sc, lp, ctmp, &pf, pf_step);
+            for (int64_t c = 0; c < Q; c++)
+                dg_amx_softmax(sc + c * lp, seq_lens[r0 + c / per_kv], lp, pw + c * lp);
+            dg_amx_pv(v_cache, table, KVH, kh, page_size, D, L, lp, pw, vb, &pf, pf_step);
+            _tile_stored(4, otmp, 64);
+            _tile_stored(5, otmp + 256, 64);
+            if (D == 64) {
+                _tile_stored(6, otmp + 512, 64);
+                _tile_stored(7, otmp + 768, 64);
+            }
+            for (int64_t c = 0; c < Q; c++) {
+                float *o = out + (r0 + c / per_kv) * H * D + (kh * per_kv + c % per_kv) * D;
+                for (int64_t h = 0; h < D / 32; h++) {
+                    const __m512 lo = _mm512_loadu_ps(otmp + (2 * h) * 256 + c * 16);
+                    const __m512 hi = _mm512_loadu_ps(otmp + (2 * h + 1) * 256 + c * 16);
+                    _mm512_storeu_ps(o + 32 * h, _mm512_permutex2var_ps(lo, first, hi));
+                    _mm512_storeu_ps(o + 32 * h + 16, _mm512_permutex2var_ps(lo, second, hi));
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(tasks);
+}
+#endif
+
+/* Whether the attention's tile path is on (on < 0: only asks); 0 turns it off for this process,
+ * 1 back on where the CPU and the OS allow it (tests and benchmarks compare it with the vectors'). */
+int dg_set_amx(int on) {
+#if defined(DG_AMX)
+    if (on >= 0) __atomic_store_n(&dg_amx_state, on ? -1 : 0, __ATOMIC_RELEASE);
+    return dg_amx_usable();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* One query row per task group: q [B, H, D] (row b at q + b * q_stride); the caches are
  * [pages, KVH, page_size, D], float32, float16 or bfloat16 (kv_kind: DG_KV_*) or, with scales, int8
  * with one scale per
@@ -1856,6 +2119,14 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                          const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
                          const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
                          float scale, float *out) {
+#if defined(DG_AMX)
+    if (k_scale == NULL && kv_kind == DG_KV_BF16 && (D == 64 || D == 32) && page_size % 32 == 0 &&
+        H % KVH == 0 && H / KVH <= DG_AMX_Q && dg_amx_usable()) {
+        dg_attention_amx(q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, page_tables, max_pages,
+                         row_seq, seq_lens, B, H, KVH, D, page_size, scale, out);
+        return;
+    }
+#endif
     const int64_t per_kv = H / KVH;
     const int quant = k_scale != NULL, kind = quant ? DG_KV_F32 : kv_kind;
     const int half = kind == DG_KV_F16, bf16 = kind == DG_KV_BF16;
