@@ -458,7 +458,7 @@ def test_bfloat16_conversion_rounds_as_torch(lib: NativeLibrary) -> None:
 
 @pytest.fixture(params=[False, True], ids=["vectors", "tiles"])
 def tiles(request: pytest.FixtureRequest, lib: NativeLibrary) -> Iterator[bool]:
-    """The attention over a bfloat16 cache on each path this build and CPU have: 512-bit vectors,
+    """The attention over a bfloat16 or int8 cache on each path this build and CPU have: vectors,
     and AMX tiles where the CPU, the OS and the build allow them."""
     on = bool(request.param)
     if on and not lib.tile_attention(True):
@@ -488,8 +488,8 @@ def test_decode_attention_matches_the_torch_path(
     heads: int,
     tiles: bool,
 ) -> None:
-    if tiles and quant != "bfloat16":
-        pytest.skip("tiles read bfloat16 caches only")
+    if tiles and quant in (None, "half"):
+        pytest.skip("tiles read bfloat16 and int8 caches only")
     torch.manual_seed(6)
     pages, kvh = 9, 2
     k = torch.randn(pages, kvh, page_size, dim)
@@ -519,8 +519,8 @@ def test_decode_attention_matches_the_torch_path(
         ref[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), vals[:, kv_of_head]).reshape(-1)
     got = lib.decode_attention(q, kq, vq, k_scale, v_scale, tables, torch.tensor(seq_lens), dim**-0.5)
     # With bfloat16 pair products (CPUs with AVX512_BF16, head sizes of 32s) the queries and the
-    # softmax weights are rounded to bfloat16 too: 8 bits of mantissa.
-    tol = 1e-2 if quant == "bfloat16" else 1e-5
+    # softmax weights are rounded to bfloat16 too: 8 bits of mantissa. So on AMX tiles, int8 too.
+    tol = 1e-2 if quant == "bfloat16" or (tiles and page_size % 32 == 0 and dim in (32, 64)) else 1e-5
     assert torch.allclose(got, ref, rtol=tol, atol=tol)
 
 
@@ -592,13 +592,15 @@ def test_chunk_rows_match_plain_causal_attention_and_decoding_alone(
     assert torch.allclose(got, ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bfloat16", "int8"])
 @pytest.mark.parametrize("per_kv", [3, 16, 17])  # 5 rows a tile task, 1, and past the tiles' 16 columns
 def test_tile_attention_matches_the_vectors_and_reads_no_slot_past_a_sequence(
-    lib: NativeLibrary, per_kv: int
+    lib: NativeLibrary, per_kv: int, int8: bool
 ) -> None:
     """Verification and prefill rows of a sequence share a tile task (16 query vectors, up to 5
     rows at 3 heads a K/V head): each gets what it gets alone, close to the vector path, and
-    slots past a sequence's keys (NaN here, as a reused page may hold) reach no output."""
+    slots past a sequence's keys (NaN here, or NaN scales of an int8 cache, as a reused page may
+    hold) reach no output."""
     if not lib.tile_attention(True):
         pytest.skip("no AMX tiles in this build, CPU or OS")
     torch.manual_seed(per_kv)
@@ -607,38 +609,45 @@ def test_tile_attention_matches_the_vectors_and_reads_no_slot_past_a_sequence(
     chunks = ((0, 23), (90, 1), (31, 2), (200, 7), (5, 64))  # (cached tokens, new tokens)
     per_seq = 4
     tables = torch.randperm(pages)[: len(chunks) * per_seq].view(len(chunks), per_seq).contiguous()
-    kc = torch.full((pages, kvh, page_size, dim), float("nan")).bfloat16()
-    vc = kc.clone()
+    nan = float("nan")
+    if int8:  # whatever bytes past the ends, NaN scales there
+        kc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
+        vc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
+        ks: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
+        vs: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
+    else:
+        kc = torch.full((pages, kvh, page_size, dim), nan).bfloat16()
+        vc = kc.clone()
+        ks = vs = None
     for i, (cached, new) in enumerate(chunks):  # only each sequence's own slots hold numbers
         for pos in range(cached + new):
             page, slot = int(tables[i, pos // page_size]), pos % page_size
-            kc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
-            vc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+            if ks is not None and vs is not None:
+                ks[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
+                vs[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
+            else:
+                kc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+                vc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
     row_seq = torch.tensor([i for i, (_, n) in enumerate(chunks) for _ in range(n)])
     row_lens = torch.tensor([c + j + 1 for c, n in chunks for j in range(n)])
     q = torch.randn(len(row_lens), heads, dim)
     # Slots past a row's own keys but inside its chunk are the later rows' keys: numbers, zero weight.
-    got = lib.decode_attention(q, kc, vc, None, None, tables, row_lens, dim**-0.5, row_seq)
+    got = lib.decode_attention(q, kc, vc, ks, vs, tables, row_lens, dim**-0.5, row_seq)
     assert torch.isfinite(got).all()
     for r in range(len(row_lens)):
         seq = int(row_seq[r])
         alone = lib.decode_attention(
-            q[r : r + 1].contiguous(),
-            kc,
-            vc,
-            None,
-            None,
-            tables[seq : seq + 1],
-            row_lens[r : r + 1],
-            dim**-0.5,
+            q[r : r + 1].contiguous(), kc, vc, ks, vs, tables[seq : seq + 1], row_lens[r : r + 1], dim**-0.5
         )
         assert torch.equal(alone[0], got[r])
     lib.tile_attention(False)
     try:
-        vectors = lib.decode_attention(q, kc, vc, None, None, tables, row_lens, dim**-0.5, row_seq)
+        vectors = lib.decode_attention(q, kc, vc, ks, vs, tables, row_lens, dim**-0.5, row_seq)
     finally:
         lib.tile_attention(True)
-    assert torch.allclose(got, vectors, rtol=1e-2, atol=1e-2)  # both round queries and weights to bfloat16
+    scale = 1.0 if ks is None else 127 / 64  # an int8 cache's values here reach ~127 * 1/64
+    # The tiles round queries and weights to bfloat16 (the vectors do for bfloat16 only).
+    assert torch.allclose(got, vectors, rtol=2e-2, atol=2e-2 * scale)
 
 
 @pytest.mark.parametrize("kind", list(KVCacheKind))

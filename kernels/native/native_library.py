@@ -464,8 +464,8 @@ class NativeLibrary:
         )
 
     def tile_attention(self, on: bool | None = None) -> bool:
-        """Whether the attention over a bfloat16 cache runs on AMX tiles (where the build, CPU and
-        OS have them; head size 32 or 64, pages of 32s). `on` turns it off or back on for this
+        """Whether the attention over a bfloat16 or int8 cache runs on AMX tiles (where the build,
+        CPU and OS have them; head size 32 or 64, pages of 32s). `on` turns it off or back on for this
         process: tests and benchmarks compare it with the vector path."""
         return bool(self._lib.dg_set_amx(-1 if on is None else int(on)))
 

@@ -1839,9 +1839,9 @@ static inline int64_t dg_claim(int64_t *share, int threads, int *at) {
 #if defined(DG_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define DG_AMX 1
 #include <sys/syscall.h>
-#include <unistd.h>
+long syscall(long number, ...); /* unistd.h declares it only past strict C11 */
 
-/* ---- attention on AMX tiles (a bfloat16 cache, head_dim 32 or 64) -------------------------------
+/* ---- attention on AMX tiles (a bfloat16 or int8 cache, head_dim 32 or 64) -----------------------
  * A task is up to 16 query vectors of one K/V head: the group's query heads of up to 16 / per_kv
  * consecutive rows of one sequence (a verify step's or a prefill chunk's tokens), so one pass over
  * the keys serves all of them.
@@ -1881,16 +1881,53 @@ static _Thread_local dg_tls_buf dg_amx_tls;
 
 #define DG_AMX_Q 16
 
+/* The cache a tile task reads: bfloat16 K/V, or int8 with a scale per (page, head, slot) (float32,
+ * or float16 where `half`), whose rows become bfloat16 exactly (|q| <= 127 needs 7 bits). */
+typedef struct {
+    const void *k, *v, *ks, *vs;
+    int quant, half;
+    int64_t KVH, page_size, D;
+} dg_amx_cache;
+
+/* Slot t of (sequence table, head kh): its index in the cache's [pages, KVH, page_size] order. */
+static inline int64_t dg_amx_slot(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t t) {
+    return (table[t / kv->page_size] * kv->KVH + kh) * kv->page_size + t % kv->page_size;
+}
+
+/* 32 int8 values as 32 bfloat16, exactly. */
+static inline __m512i dg_i8x32_bf16(const int8_t *p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* n (<= 16) scales from slot `at` on, as floats (zeros past n). */
+static inline __m512 dg_amx_scales(const dg_amx_cache *kv, const void *scales, int64_t at, int64_t n) {
+    const __mmask16 m = (__mmask16)(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1u);
+    if (kv->half) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)scales + at));
+    return _mm512_maskz_loadu_ps(m, (const float *)scales + at);
+}
+
 /* Scores of the group's Q query vectors for keys t0.. (16 at a time) of a task whose longest row
- * sees L keys, times `scale`, into sc + c * ls (c < Q): tile 0 the sums, 1-2 K, 3-4 the queries. */
-static inline void dg_amx_scores(const uint16_t *k_cache, const int64_t *table, int64_t KVH, int64_t kh,
-                                 int64_t page_size, int64_t D, int64_t L, int64_t Q, float scale, float *sc,
-                                 int64_t ls, float *ctmp, dg_prefetch *pf, int64_t pf_step) {
+ * sees L keys, times `scale` (an int8 cache: times each key's scale first, as the vector path),
+ * into sc + c * ls (c < Q): tile 0 the sums, 1-2 K, 3-4 the queries. kb: an int8 block as bfloat16. */
+static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t L, int64_t Q,
+                                 float scale, float *sc, int64_t ls, float *ctmp, uint16_t *kb, dg_prefetch *pf,
+                                 int64_t pf_step) {
+    const int64_t D = kv->D;
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(DG_AMX_Q));
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
-        const uint16_t *rows = k_cache + ((table[t0 / page_size] * KVH + kh) * page_size + t0 % page_size) * D;
+        const int64_t slot = dg_amx_slot(kv, table, kh, t0), count = L - t0 < 16 ? L - t0 : 16;
+        const uint16_t *rows = (const uint16_t *)kv->k + slot * D;
+        if (kv->quant) { /* the block's rows as bfloat16 (rows past L as they are: their scores go unused) */
+            const int8_t *kq = (const int8_t *)kv->k + slot * D;
+            for (int64_t j = 0; j < 16; j++)
+                for (int64_t i = 0; i < D; i += 32)
+                    _mm512_storeu_si512((void *)(kb + j * D + i), dg_i8x32_bf16(kq + j * D + i));
+            rows = kb;
+        }
         _tile_zero(0);
         _tile_loadd(1, rows, D * 2);
         _tile_dpbf16ps(0, 1, 3);
@@ -1900,15 +1937,20 @@ static inline void dg_amx_scores(const uint16_t *k_cache, const int64_t *table, 
         }
         _tile_stored(0, ctmp, DG_AMX_Q * 4);
         dg_prefetch_step(pf, pf_step);
-        const __mmask16 keep = (__mmask16)(L - t0 >= 16 ? 0xFFFF : (1u << (L - t0)) - 1u);
-        for (int64_t c = 0; c < Q; c++)
-            _mm512_mask_storeu_ps(sc + c * ls + t0, keep,
-                                  _mm512_mul_ps(_mm512_i32gather_ps(idx, ctmp + c, 4), vscale));
+        const __mmask16 keep = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1u);
+        const __m512 ks = kv->quant ? dg_amx_scales(kv, kv->ks, slot, count) : _mm512_set1_ps(1.0f);
+        for (int64_t c = 0; c < Q; c++) {
+            __m512 s = _mm512_i32gather_ps(idx, ctmp + c, 4);
+            if (kv->quant) s = _mm512_mul_ps(s, ks);
+            _mm512_mask_storeu_ps(sc + c * ls + t0, keep, _mm512_mul_ps(s, vscale));
+        }
     }
 }
 
-/* Softmax of one query vector's `len` scores (sg), as bfloat16 weights into pw [0, lp): zeros past len. */
-static inline void dg_amx_softmax(float *sg, int64_t len, int64_t lp, uint16_t *pw) {
+/* Softmax of one query vector's `len` scores (sg), as bfloat16 weights into pw [0, lp): zeros past len.
+ * An int8 cache's V scales go into the weights (each weight times its row's scale, then rounded). */
+static inline void dg_amx_softmax(const dg_amx_cache *kv, const int64_t *table, int64_t kh, float *sg, int64_t len,
+                                  int64_t lp, uint16_t *pw) {
     const float mx = dg_max_scores(sg, len);
     __m512 vs = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t += 16) {
@@ -1923,18 +1965,28 @@ static inline void dg_amx_softmax(float *sg, int64_t len, int64_t lp, uint16_t *
         const int64_t n = len - t < 0 ? 0 : len - t;
         const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1u);
         const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1u);
-        const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, sg + t), inv);
-        const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, sg + t + 16), inv);
+        __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, sg + t), inv);
+        __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, sg + t + 16), inv);
+        if (kv->quant && n > 0) { /* 32-key blocks never cross a page (pages of 32s) */
+            const int64_t slot = dg_amx_slot(kv, table, kh, t);
+            lo = _mm512_mul_ps(lo, dg_amx_scales(kv, kv->vs, slot, n));
+            hi = _mm512_mul_ps(hi, dg_amx_scales(kv, kv->vs, slot + 16, n - 16));
+        }
         _mm512_storeu_si512((void *)(pw + t), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
 
-/* out rows of the group += nothing: O[c] = sum over keys < L of w[c][t] V[t], tiles 4-7 the sums,
- * 1 the weights, 2 the interleaved V rows. */
-static inline void dg_amx_pv(const uint16_t *v_cache, const int64_t *table, int64_t KVH, int64_t kh,
-                             int64_t page_size, int64_t D, int64_t L, int64_t lp, const uint16_t *pw,
-                             uint32_t *vb, dg_prefetch *pf, int64_t pf_step) {
-    const int64_t halves = D / 32;
+/* One V row's 32 values from `i` as bfloat16 (zeros for a row past the task's keys). */
+static inline __m512i dg_amx_vrow(const dg_amx_cache *kv, int64_t slot, int64_t i, int live) {
+    if (!live) return _mm512_setzero_si512();
+    if (kv->quant) return dg_i8x32_bf16((const int8_t *)kv->v + slot * kv->D + i);
+    return _mm512_loadu_si512((const void *)((const uint16_t *)kv->v + slot * kv->D + i));
+}
+
+/* O[c] = sum over keys < L of w[c][t] V[t], tiles 4-7 the sums, 1 the weights, 2 the interleaved V rows. */
+static inline void dg_amx_pv(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t L, int64_t lp,
+                             const uint16_t *pw, uint32_t *vb, dg_prefetch *pf, int64_t pf_step) {
+    const int64_t halves = kv->D / 32;
     _tile_zero(4);
     _tile_zero(5);
     if (halves == 2) {
@@ -1942,14 +1994,12 @@ static inline void dg_amx_pv(const uint16_t *v_cache, const int64_t *table, int6
         _tile_zero(7);
     }
     for (int64_t t0 = 0; t0 < lp; t0 += 32) {
-        const uint16_t *rows = v_cache + ((table[t0 / page_size] * KVH + kh) * page_size + t0 % page_size) * D;
+        const int64_t slot = dg_amx_slot(kv, table, kh, t0); /* a 32-key block stays in its page */
         for (int64_t i = 0; i < 16; i++) {
             const int64_t t = t0 + 2 * i;
             for (int64_t h = 0; h < halves; h++) {
-                const __m512i x0 = t < L ? _mm512_loadu_si512((const void *)(rows + 2 * i * D + 32 * h))
-                                         : _mm512_setzero_si512();
-                const __m512i x1 = t + 1 < L ? _mm512_loadu_si512((const void *)(rows + (2 * i + 1) * D + 32 * h))
-                                             : _mm512_setzero_si512();
+                const __m512i x0 = dg_amx_vrow(kv, slot + 2 * i, 32 * h, t < L);
+                const __m512i x1 = dg_amx_vrow(kv, slot + 2 * i + 1, 32 * h, t + 1 < L);
                 _mm512_storeu_si512((void *)(vb + (2 * h) * 256 + 16 * i), _mm512_unpacklo_epi16(x0, x1));
                 _mm512_storeu_si512((void *)(vb + (2 * h + 1) * 256 + 16 * i), _mm512_unpackhi_epi16(x0, x1));
             }
@@ -1969,11 +2019,14 @@ static inline void dg_amx_pv(const uint16_t *v_cache, const int64_t *table, int6
     }
 }
 
-static void dg_attention_amx(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                             const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
+static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                             const void *k_scale, const void *v_scale, int scale_half, const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
                              const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                              int64_t page_size, float scale, float *out) {
     const int64_t per_kv = H / KVH, group = DG_AMX_Q / per_kv;
+    const int quant = k_scale != NULL;
+    const dg_amx_cache kv = {k_cache, v_cache, k_scale, v_scale, quant, scale_half, KVH, page_size, D};
+    const int64_t row_bytes = D * (quant ? 1 : 2);
     /* Tasks (first row, rows, K/V head): a sequence's consecutive rows in groups, each group head by head. */
     int64_t ntask = 0;
     for (int64_t s = 0; s < B;) {
@@ -2031,23 +2084,24 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const uint16_t *k
                 const int64_t nlen = seq_lens[nr + tasks[3 * after + 1] - 1];
                 if (nseq != seq || nkh != kh)
                     dg_prefetch_start(&pf, k_cache, v_cache, page_tables + nseq * max_pages, nkh, KVH, page_size,
-                                      D * 2, nlen);
+                                      row_bytes, nlen);
                 else
-                    dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, D * 2, 0);
+                    dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, row_bytes, 0);
             } else {
-                dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, D * 2, 0);
+                dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, row_bytes, 0);
             }
             const int64_t blocks = (L + 15) / 16 + lp / 32;
-            const int64_t pf_step = 1 + (pf.runs ? 2 * pf.len * D * 2 / DG_PF_STRIDE : 0) / blocks;
+            const int64_t pf_step = 1 + (pf.runs ? 2 * pf.len * row_bytes / DG_PF_STRIDE : 0) / blocks;
             /* scratch: scores [16][lp], weights [16][lp] bfloat16, queries 2 x [16][16] pairs, V pairs
              * 4 x [16][16], a tile of sums [16][16], outputs 4 x [16][16] */
-            const size_t floats = (size_t)(DG_AMX_Q * lp + DG_AMX_Q * lp / 2 + 2 * 256 + 4 * 256 + 256 + 4 * 256 + 16);
+            const size_t floats = (size_t)(DG_AMX_Q * lp + DG_AMX_Q * lp / 2 + 2 * 256 + 4 * 256 + 256 + 4 * 256 + 8 * D + 16);
             float *sc = (float *)dg_grow(&dg_amx_tls, floats * sizeof(float));
             if (!sc) abort();
             uint16_t *pw = (uint16_t *)(sc + DG_AMX_Q * lp);
             uint32_t *qb = (uint32_t *)(sc + DG_AMX_Q * lp + DG_AMX_Q * lp / 2);
             uint32_t *vb = qb + 2 * 256;
             float *ctmp = (float *)(vb + 4 * 256), *otmp = ctmp + 256;
+            uint16_t *kb = (uint16_t *)(otmp + 4 * 256); /* an int8 K block as bfloat16 [16][D] */
             /* queries as bfloat16 pairs by dimension: qb[h][i][c] = (q_c[32h + 2i], q_c[32h + 2i + 1]) */
             memset(qb, 0, 2 * 256 * sizeof(uint32_t));
             for (int64_t c = 0; c < Q; c++) {
@@ -2061,10 +2115,10 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const uint16_t *k
             }
             _tile_loadd(3, qb, 64);
             if (D == 64) _tile_loadd(4, qb + 256, 64);
-            dg_amx_scores(k_cache, table, KVH, kh, page_size, D, L, Q, scale, sc, lp, ctmp, &pf, pf_step);
+            dg_amx_scores(&kv, table, kh, L, Q, scale, sc, lp, ctmp, kb, &pf, pf_step);
             for (int64_t c = 0; c < Q; c++)
-                dg_amx_softmax(sc + c * lp, seq_lens[r0 + c / per_kv], lp, pw + c * lp);
-            dg_amx_pv(v_cache, table, KVH, kh, page_size, D, L, lp, pw, vb, &pf, pf_step);
+                dg_amx_softmax(&kv, table, kh, sc + c * lp, seq_lens[r0 + c / per_kv], lp, pw + c * lp);
+            dg_amx_pv(&kv, table, kh, L, lp, pw, vb, &pf, pf_step);
             _tile_stored(4, otmp, 64);
             _tile_stored(5, otmp + 256, 64);
             if (D == 64) {
@@ -2120,10 +2174,10 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                          const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
                          float scale, float *out) {
 #if defined(DG_AMX)
-    if (k_scale == NULL && kv_kind == DG_KV_BF16 && (D == 64 || D == 32) && page_size % 32 == 0 &&
+    if ((k_scale != NULL || kv_kind == DG_KV_BF16) && (D == 64 || D == 32) && page_size % 32 == 0 &&
         H % KVH == 0 && H / KVH <= DG_AMX_Q && dg_amx_usable()) {
-        dg_attention_amx(q, q_stride, (const uint16_t *)k_cache, (const uint16_t *)v_cache, page_tables, max_pages,
-                         row_seq, seq_lens, B, H, KVH, D, page_size, scale, out);
+        dg_attention_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, scale_half, page_tables, max_pages, row_seq,
+                         seq_lens, B, H, KVH, D, page_size, scale, out);
         return;
     }
 #endif
