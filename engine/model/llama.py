@@ -218,8 +218,9 @@ class LlamaModel:
     def tile_attention(self, page_size: int) -> bool:
         """Whether a bfloat16 cache with `page_size` would be attended on AMX tiles (the native
         attention's condition): what `--kv-cache auto` weighs (engine.cache.kv_cache.choose_kv_cache)."""
+        c = self.config
         return isinstance(self.attention, NativePagedAttention) and self.attention.tiles_for(
-            self.config.head_dim, page_size
+            c.num_heads, c.num_kv_heads, c.head_dim, page_size
         )
 
     def row_invariant(self, kv_cache: KVCacheKind, page_size: int) -> bool:

@@ -64,10 +64,9 @@ class NativePagedAttention:
     def __init__(self, lib: NativeLibrary) -> None:
         self._lib = lib
 
-    def tiles_for(self, head_dim: int, page_size: int) -> bool:
-        """Whether a bfloat16 cache of this geometry is attended on AMX tiles here (the kernel's
-        condition: head size 32 or 64, pages of 32s, tiles usable by this build, CPU and OS)."""
-        return head_dim in (32, 64) and page_size % 32 == 0 and self._lib.tile_attention()
+    def tiles_for(self, heads: int, kv_heads: int, head_dim: int, page_size: int) -> bool:
+        """Whether a bfloat16 or int8 cache of this geometry is attended on AMX tiles here."""
+        return self._lib.tile_attends(heads, kv_heads, head_dim, page_size)
 
     def prepare(
         self, batch: AttentionBatch, num_heads: int, num_kv_heads: int, dtype: torch.dtype

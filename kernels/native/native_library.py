@@ -251,6 +251,8 @@ class NativeLibrary:
         lib.dg_matmul_q8x8.restype = None
         lib.dg_set_amx.argtypes = [ctypes.c_int]
         lib.dg_set_amx.restype = ctypes.c_int
+        lib.dg_amx_attends.argtypes = [_I, _I, _I, _I]
+        lib.dg_amx_attends.restype = ctypes.c_int
         lib.dg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
         lib.dg_linear.restype = ctypes.c_int
         lib.dg_linear_silu.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
@@ -468,6 +470,11 @@ class NativeLibrary:
         CPU and OS have them; head size 32 or 64, pages of 32s). `on` turns it off or back on for this
         process: tests and benchmarks compare it with the vector path."""
         return bool(self._lib.dg_set_amx(-1 if on is None else int(on)))
+
+    def tile_attends(self, heads: int, kv_heads: int, head_dim: int, page_size: int) -> bool:
+        """Whether a bfloat16 or int8 cache of this geometry is attended on AMX tiles here (the
+        kernel's own condition, dg_amx_attends)."""
+        return bool(self._lib.dg_amx_attends(heads, kv_heads, head_dim, page_size))
 
     def peak_rates(self, seconds: float = 0.2) -> PeakRates:
         """This build's peak arithmetic rates on every thread at once (see dg_peak), each timed

@@ -1836,6 +1836,21 @@ static inline int64_t dg_claim(int64_t *share, int threads, int *at) {
     return -1;
 }
 
+/* Threads for ntask attention tasks (cost[i]: keys task i reads, summing to total), and each one's
+ * contiguous share of the task order: thread t's starts at the first task whose costs before it
+ * reach t / threads of the total (share[t]; its end at share[DG_MAX_SHARES + t]). */
+static int dg_share_tasks(const int64_t *cost, int64_t ntask, int64_t total, int64_t *share) {
+    int threads = omp_get_max_threads();
+    if (threads > DG_MAX_SHARES) threads = DG_MAX_SHARES;
+    if (threads > ntask) threads = ntask > 1 ? (int)ntask : 1;
+    for (int64_t t = 0, i = 0, before = 0; t < threads; t++) {
+        for (; i < ntask && before < total * t / threads; i++) before += cost[i];
+        share[t] = i;
+    }
+    for (int t = 0; t < threads; t++) share[DG_MAX_SHARES + t] = t + 1 < threads ? share[t + 1] : ntask;
+    return threads;
+}
+
 #if defined(DG_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define DG_AMX 1
 #include <sys/syscall.h>
@@ -1884,8 +1899,8 @@ static _Thread_local dg_tls_buf dg_amx_tls;
 /* The cache a tile task reads: bfloat16 K/V, or int8 with a scale per (page, head, slot) (float32,
  * or float16 where `half`), whose rows become bfloat16 exactly (|q| <= 127 needs 7 bits). */
 typedef struct {
-    const void *k, *v, *ks, *vs;
-    int quant, half;
+    const void *k, *v, *ks, *vs; /* ks, vs: NULL for bfloat16 */
+    int half;
     int64_t KVH, page_size, D;
 } dg_amx_cache;
 
@@ -1921,7 +1936,7 @@ static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, i
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t slot = dg_amx_slot(kv, table, kh, t0), count = L - t0 < 16 ? L - t0 : 16;
         const uint16_t *rows = (const uint16_t *)kv->k + slot * D;
-        if (kv->quant) { /* the block's rows as bfloat16 (rows past L as they are: their scores go unused) */
+        if (kv->ks) { /* the block's rows as bfloat16 (rows past L as they are: their scores go unused) */
             const int8_t *kq = (const int8_t *)kv->k + slot * D;
             for (int64_t j = 0; j < 16; j++)
                 for (int64_t i = 0; i < D; i += 32)
@@ -1938,10 +1953,10 @@ static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, i
         _tile_stored(0, ctmp, DG_AMX_Q * 4);
         dg_prefetch_step(pf, pf_step);
         const __mmask16 keep = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1u);
-        const __m512 ks = kv->quant ? dg_amx_scales(kv, kv->ks, slot, count) : _mm512_set1_ps(1.0f);
+        const __m512 ks = kv->ks ? dg_amx_scales(kv, kv->ks, slot, count) : _mm512_set1_ps(1.0f);
         for (int64_t c = 0; c < Q; c++) {
             __m512 s = _mm512_i32gather_ps(idx, ctmp + c, 4);
-            if (kv->quant) s = _mm512_mul_ps(s, ks);
+            if (kv->ks) s = _mm512_mul_ps(s, ks);
             _mm512_mask_storeu_ps(sc + c * ls + t0, keep, _mm512_mul_ps(s, vscale));
         }
     }
@@ -1967,7 +1982,7 @@ static inline void dg_amx_softmax(const dg_amx_cache *kv, const int64_t *table, 
         const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xFFFF : n <= 16 ? 0 : (1u << (n - 16)) - 1u);
         __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, sg + t), inv);
         __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, sg + t + 16), inv);
-        if (kv->quant && n > 0) { /* 32-key blocks never cross a page (pages of 32s) */
+        if (kv->ks && n > 0) { /* 32-key blocks never cross a page (pages of 32s) */
             const int64_t slot = dg_amx_slot(kv, table, kh, t);
             lo = _mm512_mul_ps(lo, dg_amx_scales(kv, kv->vs, slot, n));
             hi = _mm512_mul_ps(hi, dg_amx_scales(kv, kv->vs, slot + 16, n - 16));
@@ -1979,7 +1994,7 @@ static inline void dg_amx_softmax(const dg_amx_cache *kv, const int64_t *table, 
 /* One V row's 32 values from `i` as bfloat16 (zeros for a row past the task's keys). */
 static inline __m512i dg_amx_vrow(const dg_amx_cache *kv, int64_t slot, int64_t i, int live) {
     if (!live) return _mm512_setzero_si512();
-    if (kv->quant) return dg_i8x32_bf16((const int8_t *)kv->v + slot * kv->D + i);
+    if (kv->ks) return dg_i8x32_bf16((const int8_t *)kv->v + slot * kv->D + i);
     return _mm512_loadu_si512((const void *)((const uint16_t *)kv->v + slot * kv->D + i));
 }
 
@@ -2024,40 +2039,27 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
                              const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                              int64_t page_size, float scale, float *out) {
     const int64_t per_kv = H / KVH, group = DG_AMX_Q / per_kv;
-    const int quant = k_scale != NULL;
-    const dg_amx_cache kv = {k_cache, v_cache, k_scale, v_scale, quant, scale_half, KVH, page_size, D};
-    const int64_t row_bytes = D * (quant ? 1 : 2);
-    /* Tasks (first row, rows, K/V head): a sequence's consecutive rows in groups, each group head by head. */
-    int64_t ntask = 0;
-    for (int64_t s = 0; s < B;) {
-        int64_t e = s + 1;
-        while (row_seq && e < B && row_seq[e] == row_seq[s]) e++;
-        ntask += (e - s + group - 1) / group * KVH;
-        s = e;
-    }
-    int64_t *tasks = (int64_t *)malloc(((size_t)ntask * 3 + 2 * DG_MAX_SHARES) * sizeof(int64_t));
+    const dg_amx_cache kv = {k_cache, v_cache, k_scale, v_scale, scale_half, KVH, page_size, D};
+    const int64_t row_bytes = D * (k_scale ? 1 : 2);
+    /* Tasks (first row, rows, K/V head): a sequence's consecutive rows in groups, each group head by
+     * head; at most B * KVH of them. */
+    const size_t most = (size_t)(B * KVH);
+    int64_t *tasks = (int64_t *)malloc((4 * most + 2 * DG_MAX_SHARES) * sizeof(int64_t));
     if (!tasks) abort();
-    int64_t *share = tasks + 3 * ntask;
-    int64_t total = 0, n = 0;
+    int64_t *cost = tasks + 3 * most, *share = cost + most;
+    int64_t total = 0, ntask = 0;
     for (int64_t s = 0; s < B;) {
         int64_t e = s + 1;
         while (row_seq && e < B && row_seq[e] == row_seq[s]) e++;
         for (int64_t kh = 0; kh < KVH; kh++)
-            for (int64_t r = s; r < e; r += group) {
+            for (int64_t r = s; r < e; r += group, ntask++) {
                 const int64_t rows = e - r < group ? e - r : group;
-                tasks[3 * n] = r, tasks[3 * n + 1] = rows, tasks[3 * n + 2] = kh, n++;
-                total += 16 + seq_lens[r + rows - 1];
+                tasks[3 * ntask] = r, tasks[3 * ntask + 1] = rows, tasks[3 * ntask + 2] = kh;
+                cost[ntask] = 16 + seq_lens[r + rows - 1], total += cost[ntask];
             }
         s = e;
     }
-    int threads = omp_get_max_threads();
-    if (threads > DG_MAX_SHARES) threads = DG_MAX_SHARES;
-    if (threads > ntask) threads = ntask > 1 ? (int)ntask : 1;
-    for (int64_t t = 0, i = 0, before = 0; t < threads; t++) {
-        for (; i < ntask && before < total * t / threads; i++) before += 16 + seq_lens[tasks[3 * i] + tasks[3 * i + 1] - 1];
-        share[t] = i;
-    }
-    for (int t = 0; t < threads; t++) share[DG_MAX_SHARES + t] = t + 1 < threads ? share[t + 1] : ntask;
+    const int threads = dg_share_tasks(cost, ntask, total, share);
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -2077,19 +2079,13 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
             const int64_t lp = (L + 31) / 32 * 32; /* keys in whole 32-key blocks */
             const int64_t seq = row_seq ? row_seq[r0] : r0;
             const int64_t *table = page_tables + seq * max_pages;
+            /* The next task's keys, where they are not this task's (its sequence and head). */
+            const int64_t nr = after >= 0 ? tasks[3 * after] : 0, nkh = after >= 0 ? tasks[3 * after + 2] : 0;
+            const int64_t nseq = row_seq ? row_seq[nr] : nr;
+            const int fetch = after >= 0 && (nseq != seq || nkh != kh);
             dg_prefetch pf;
-            if (after >= 0) {
-                const int64_t nr = tasks[3 * after], nkh = tasks[3 * after + 2];
-                const int64_t nseq = row_seq ? row_seq[nr] : nr;
-                const int64_t nlen = seq_lens[nr + tasks[3 * after + 1] - 1];
-                if (nseq != seq || nkh != kh)
-                    dg_prefetch_start(&pf, k_cache, v_cache, page_tables + nseq * max_pages, nkh, KVH, page_size,
-                                      row_bytes, nlen);
-                else
-                    dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, row_bytes, 0);
-            } else {
-                dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, row_bytes, 0);
-            }
+            dg_prefetch_start(&pf, k_cache, v_cache, fetch ? page_tables + nseq * max_pages : NULL, nkh, KVH,
+                              page_size, row_bytes, fetch ? seq_lens[nr + tasks[3 * after + 1] - 1] : 0);
             const int64_t blocks = (L + 15) / 16 + lp / 32;
             const int64_t pf_step = 1 + (pf.runs ? 2 * pf.len * row_bytes / DG_PF_STRIDE : 0) / blocks;
             /* scratch: scores [16][lp], weights [16][lp] bfloat16, queries 2 x [16][16] pairs, V pairs
@@ -2141,6 +2137,19 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
 }
 #endif
 
+/* Whether a bfloat16 or int8 cache of this geometry is attended on tiles here: heads of 32 or 64
+ * values, pages of 32s (a 32-key block stays in its page), at most 16 query heads per K/V head (a
+ * tile's columns), and the tiles on. The dispatch below and `--kv-cache auto` both ask it. */
+int dg_amx_attends(int64_t H, int64_t KVH, int64_t D, int64_t page_size) {
+#if defined(DG_AMX)
+    return (D == 64 || D == 32) && page_size % 32 == 0 && KVH > 0 && H % KVH == 0 && H / KVH <= DG_AMX_Q &&
+           dg_amx_usable();
+#else
+    (void)H, (void)KVH, (void)D, (void)page_size;
+    return 0;
+#endif
+}
+
 /* Whether the attention's tile path is on (on < 0: only asks); 0 turns it off for this process,
  * 1 back on where the CPU and the OS allow it (tests and benchmarks compare it with the vectors'). */
 int dg_set_amx(int on) {
@@ -2174,8 +2183,7 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
                          const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
                          float scale, float *out) {
 #if defined(DG_AMX)
-    if ((k_scale != NULL || kv_kind == DG_KV_BF16) && (D == 64 || D == 32) && page_size % 32 == 0 &&
-        H % KVH == 0 && H / KVH <= DG_AMX_Q && dg_amx_usable()) {
+    if ((k_scale != NULL || kv_kind == DG_KV_BF16) && dg_amx_attends(H, KVH, D, page_size)) {
         dg_attention_amx(q, q_stride, k_cache, v_cache, k_scale, v_scale, scale_half, page_tables, max_pages, row_seq,
                          seq_lens, B, H, KVH, D, page_size, scale, out);
         return;
@@ -2199,29 +2207,23 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
      * went to both threads in turn: whole 16-row verify steps at 800 keys took 10.7 ms against
      * 9.9 now, 2-row ones 3.85 against 3.63; 64 decode rows and a 512-token prefill the same.) */
     const int64_t ntask = B * KVH;
-    int64_t *order = (int64_t *)malloc(((size_t)ntask + 2 * DG_MAX_SHARES) * sizeof(int64_t));
+    int64_t *order = (int64_t *)malloc((2 * (size_t)ntask + 2 * DG_MAX_SHARES) * sizeof(int64_t));
     if (!order) abort();
-    int64_t *share = order + ntask; /* each thread's next claim, then (+ DG_MAX_SHARES) its end */
-    int64_t total = 0;              /* keys read over all tasks */
+    int64_t *cost = order + ntask; /* keys each task reads */
+    int64_t *share = cost + ntask; /* each thread's next claim, then (+ DG_MAX_SHARES) its end */
+    int64_t total = 0;             /* keys read over all tasks */
     {
         int64_t n = 0;
         for (int64_t s = 0; s < B;) {
             int64_t e = s + 1;
             while (row_seq && e < B && row_seq[e] == row_seq[s]) e++;
             for (int64_t kh = 0; kh < KVH; kh++)
-                for (int64_t b = s; b < e; b++) order[n++] = b * KVH + kh, total += 16 + seq_lens[b];
+                for (int64_t b = s; b < e; b++, n++)
+                    order[n] = b * KVH + kh, cost[n] = 16 + seq_lens[b], total += cost[n];
             s = e;
         }
     }
-    int threads = omp_get_max_threads();
-    if (threads > DG_MAX_SHARES) threads = DG_MAX_SHARES;
-    if (threads > ntask) threads = ntask > 1 ? (int)ntask : 1;
-    /* Thread t's share starts at the first task whose keys before it reach t / threads of the total. */
-    for (int64_t t = 0, i = 0, before = 0; t < threads; t++) {
-        for (; i < ntask && before < total * t / threads; i++) before += 16 + seq_lens[order[i] / KVH];
-        share[t] = i;
-    }
-    for (int t = 0; t < threads; t++) share[DG_MAX_SHARES + t] = t + 1 < threads ? share[t + 1] : ntask;
+    const int threads = dg_share_tasks(cost, ntask, total, share);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
     int at = omp_get_thread_num() % threads; /* the share being claimed from */
