@@ -178,6 +178,37 @@ def test_every_build_gives_the_same_block_products(n: int, rows: int) -> None:
         _close(a, b)
 
 
+@pytest.mark.parametrize(("n", "k"), [(40, 128), (24, 160), (64, 576), (56, 1536)])
+@pytest.mark.parametrize("rows", [13, 16, 17, 40, 67])
+def test_tile_linears_give_each_row_the_bits_it_gets_alone(
+    lib: NativeLibrary, n: int, k: int, rows: int
+) -> None:
+    """The block linears on AMX tiles (calls of 13 rows or more) give every row the bits the vector
+    tiles give it, in that call and alone: exact integer block sums, the same float steps. The
+    shapes: an odd last group, 5 blocks (a pair's first blocks made during the last pair's), the
+    body's inputs; rows past whole 16-row tiles and more than one tile."""
+    if not lib.tile_linears(True):
+        pytest.skip("no AMX tiles in this build, CPU or OS")
+    torch.manual_seed(n * k + rows)
+    groups = Int4Groups.quantize(torch.randn(n, k))
+    q, d = quantize_q8_blocks(torch.randn(n, k))
+    q4, q8 = pack_q4x8(groups, lib), pack_q8x8(q, d, lib)
+    x = torch.randn(rows, k)
+    qx = lib.quantize_rows(x)
+    try:
+        tiled = (lib.matmul_q4x8(q4, n, k, qx), lib.matmul_q8x8(q8, n, k, qx))
+        lib.tile_linears(False)
+        vectors = (lib.matmul_q4x8(q4, n, k, qx), lib.matmul_q8x8(q8, n, k, qx))
+    finally:
+        lib.tile_linears(True)
+    for t, v in zip(tiled, vectors, strict=True):
+        assert torch.equal(t, v)
+    for r in range(rows):
+        alone = lib.quantize_rows(x[r : r + 1])
+        assert torch.equal(tiled[0][r : r + 1], lib.matmul_q4x8(q4, n, k, alone))
+        assert torch.equal(tiled[1][r : r + 1], lib.matmul_q8x8(q8, n, k, alone))
+
+
 def _unpack_q4(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, offset) back from row-major q4 blocks [n, k / 32, 24]."""
     scale = blocks[..., 0:4].contiguous().view(torch.float32)[..., 0]

@@ -46,6 +46,9 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # The float K/V caches the native attention reads, and their element codes (DG_KV_* in the source).
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 32
+# The tile paths dg_set_amx switches (DG_TILES_* in the source).
+TILES_ATTENTION = 1
+TILES_LINEARS = 2
 SIMD_NAMES = {0: "scalar", 1: "avx2", 2: "avx2+avx_vnni", 3: "avx2+avx512_vnni", 4: "avx512_vnni"}
 
 _P = ctypes.c_void_p
@@ -249,7 +252,7 @@ class NativeLibrary:
         lib.dg_matmul_q4x8.restype = None
         lib.dg_matmul_q8x8.argtypes = [_P, _I, _I, _P, _P, _I, _P]
         lib.dg_matmul_q8x8.restype = None
-        lib.dg_set_amx.argtypes = [ctypes.c_int]
+        lib.dg_set_amx.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.dg_set_amx.restype = ctypes.c_int
         lib.dg_amx_attends.argtypes = [_I, _I, _I, _I]
         lib.dg_amx_attends.restype = ctypes.c_int
@@ -469,7 +472,12 @@ class NativeLibrary:
         """Whether the attention over a bfloat16 or int8 cache runs on AMX tiles (where the build,
         CPU and OS have them; head size 32 or 64, pages of 32s). `on` turns it off or back on for this
         process: tests and benchmarks compare it with the vector path."""
-        return bool(self._lib.dg_set_amx(-1 if on is None else int(on)))
+        return bool(self._lib.dg_set_amx(TILES_ATTENTION, -1 if on is None else int(on)))
+
+    def tile_linears(self, on: bool | None = None) -> bool:
+        """Whether the 8-row block linears of 3 or more rows run on AMX tiles (where the build, CPU
+        and OS have them); they give the vector tiles' bits. `on` as in tile_attention."""
+        return bool(self._lib.dg_set_amx(TILES_LINEARS, -1 if on is None else int(on)))
 
     def tile_attends(self, heads: int, kv_heads: int, head_dim: int, page_size: int) -> bool:
         """Whether a bfloat16 or int8 cache of this geometry is attended on AMX tiles here (the

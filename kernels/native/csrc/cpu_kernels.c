@@ -542,6 +542,50 @@ void dg_matmul_q8(const block_q8 *w, int64_t n, int64_t k, const int8_t *qx, con
     }
 }
 
+/* ---- AMX tiles: the process's grant and the switches ---------------------------------------------- */
+#if defined(DG_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__linux__)
+#define DG_AMX 1
+#include <sys/syscall.h>
+long syscall(long number, ...); /* unistd.h declares it only past strict C11 */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} dg_tile_config;
+
+static int dg_amx_granted = -1; /* -1 not asked yet, 0 refused, 1 granted */
+static int dg_amx_off = 0;      /* DG_TILES_* bits switched off for this process */
+
+/* The kernel must grant the process the tile registers' state (Linux: ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA) before any thread uses them; asked once. */
+static int dg_amx_usable(void) {
+    int s = __atomic_load_n(&dg_amx_granted, __ATOMIC_ACQUIRE);
+    if (s < 0) {
+        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+        __atomic_store_n(&dg_amx_granted, s, __ATOMIC_RELEASE);
+    }
+    return s;
+}
+#endif
+
+#define DG_TILES_ATTENTION 1
+#define DG_TILES_LINEARS 2
+
+/* Whether the tile paths in `which` (DG_TILES_* bits) run; on < 0 only asks, 0 switches them off
+ * for this process, 1 back on where the build, CPU and OS allow (tests and benchmarks compare the
+ * tiles with the vectors, which give the same bits for the linears). */
+int dg_set_amx(int which, int on) {
+#if defined(DG_AMX)
+    if (on == 0) __atomic_fetch_or(&dg_amx_off, which, __ATOMIC_ACQ_REL);
+    if (on > 0) __atomic_fetch_and(&dg_amx_off, ~which, __ATOMIC_ACQ_REL);
+    return !(__atomic_load_n(&dg_amx_off, __ATOMIC_ACQUIRE) & which) && dg_amx_usable();
+#else
+    (void)which, (void)on;
+    return 0;
+#endif
+}
+
 /* ---- 8-row interleaved q4 blocks: one vector lane per output row ----------------------------
  *
  * block_q4x8 holds one block of 32 inputs for 8 consecutive output rows: their d and m (float16,
@@ -977,9 +1021,248 @@ static int dg_matmul_q8x16(const block_q8x8 *w, int64_t n, int64_t k, const int8
 }
 #endif
 
+#if defined(DG_AMX)
+/* ---- the 8-row layouts on AMX tiles, for calls of DG_AMX_ROWS rows or more -----------------------
+ * One block (32 inputs) of 16 activation rows against one group pair (16 output rows) is one tile
+ * product: A = the rows' 32 bytes, B = the pair's weights as 8 rows of input quads by 16 columns
+ * (q8x8's chunks of both groups side by side; q4x8's nibbles widened to bytes, the low ones of
+ * chunk c in row c and the high ones in row c + 4), C = 16 x 16 sums in 32 bits: tdpbssd for s8
+ * weights, tdpbsud for the u4 ones. The sums are exact, and every block's float steps are the
+ * vector tiles' (the same operations in the same order), so a row's outputs have the same bits
+ * here as in any other tile: how many rows share a call does not change a job's tokens.
+ *
+ * Each block needs its own float scaling, so every product's sums go through memory (dg_amx_run
+ * has the order of the work). A tile's 16 activation rows are packed contiguously first.
+ * Against the vector tiles, on the 2-core Intel AMX part (30 layers of the shipped model's int4
+ * body and its int8 head, ms): 16 rows 7.0 -> 5.6, 32 rows 12.3 -> 9.4, 64 rows 23.4 -> 16.3,
+ * 256 rows 102 -> 74; at 12 rows about even, at 8 rows 3.6 -> 5.2 (a 16-row tile's work for 8):
+ * so from 13 rows. */
+#define DG_AMX_ROWS 13
+/* Inputs of at least 4 blocks: a pair's first blocks are made three blocks ahead, in the last pair's last unit. */
+#define DG_AMX_K (4 * QK)
+
+static _Thread_local dg_tls_buf dg_amx_lin_tls;
+
+/* One block's products of the A rows at a (stride as) and the B tile at bt, into tile TC, on tiles
+ * TA, TB (literals: the instructions name their tiles); stored later (DG_AMX_STORE), once made. */
+#define DG_AMX_PRODUCT(TA, TB, TC, Q4, a, as, bt)                                                      \
+    do {                                                                                               \
+        _tile_zero(TC);                                                                                \
+        _tile_loadd(TA, (a), (as));                                                                    \
+        _tile_loadd(TB, (bt), 64);                                                                     \
+        if (Q4)                                                                                        \
+            _tile_dpbsud(TC, TA, TB);                                                                  \
+        else                                                                                           \
+            _tile_dpbssd(TC, TA, TB);                                                                  \
+    } while (0)
+#define DG_AMX_STORE(TC, cb) _tile_stored(TC, (cb), 64)
+
+/* Block b's sums of 16 rows (cb) into their accumulators, as the vector tiles scale them; sx and
+ * ssum: the 16 rows' scales of the block. */
+static inline __attribute__((always_inline)) void dg_amx_scale(const int q4, const int32_t *cb, const char *wa,
+                                                               const char *wb, const float *sx, const float *ssum,
+                                                               int64_t b, __m512 *acc) {
+    __m512 d, mo = _mm512_setzero_ps();
+    if (q4) {
+        const block_q4x8 *ba = (const block_q4x8 *)wa + b, *bb = (const block_q4x8 *)wb + b;
+        d = dg_pair_half(ba->d, bb->d), mo = dg_pair_half(ba->m, bb->m);
+    } else {
+        d = dg_pair_half(((const block_q8x8 *)wa + b)->d, ((const block_q8x8 *)wb + b)->d);
+    }
+#pragma GCC unroll 16 /* the accumulators stay in registers */
+    for (int r = 0; r < 16; r++) {
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(cb + 16 * r)));
+        acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(sx[r])), acc[r]);
+        if (q4) acc[r] = _mm512_fmadd_ps(mo, _mm512_set1_ps(ssum[r]), acc[r]);
+    }
+}
+
+/* Block b of the pair (wa, wb)'s B tiles into bt (its [nb][8][64] bytes). */
+static inline __attribute__((always_inline)) void dg_amx_b(const int q4, const char *wa, const char *wb, int64_t b,
+                                                           int8_t *bt) {
+    bt += 512 * b;
+    if (q4) {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        const block_q4x8 *ba = (const block_q4x8 *)wa + b, *bb = (const block_q4x8 *)wb + b;
+        for (int c = 0; c < 4; c++) {
+            const __m512i raw = dg_pair256(ba->qs + 32 * c, bb->qs + 32 * c);
+            _mm512_store_si512((void *)(bt + 64 * c), _mm512_and_si512(raw, low));
+            _mm512_store_si512((void *)(bt + 64 * (c + 4)), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+        }
+    } else {
+        const block_q8x8 *ba = (const block_q8x8 *)wa + b, *bb = (const block_q8x8 *)wb + b;
+        for (int c = 0; c < 8; c++)
+            _mm512_store_si512((void *)(bt + 64 * c), dg_pair256(ba->qs + 32 * c, bb->qs + 32 * c));
+    }
+}
+
+/* A thread's pairs p0..p1 of y [m, n] = x [m, k] . w^T: pa, psx, pss the activations and their scales
+ * as dg_matmul_amx packs them; bts two pairs' B tiles, ring 4 blocks' sums (this thread's scratch).
+ *
+ * The units (pair, row tile) run as one stream of blocks, G = unit * nb + block. Block G is made in C
+ * tile {2, 3, 6, 7}[G % 4] from A and B in tiles 0 and 1 (G even) or 4 and 5, three blocks ahead of
+ * its scaling, and stored just before it: tiles are not renamed, and a product stored right behind
+ * its tdp held up all work after it. So a unit's first blocks are made while the last unit's are
+ * scaled, and the next pair's B tiles are made block by block during its last unit; the pair after
+ * next's weights are fetched meanwhile. The 16 accumulators stay in registers: every index into
+ * them is a constant. */
+static inline __attribute__((always_inline)) void dg_amx_run(const int q4, const void *w, int64_t n, int64_t k,
+                                                             const int8_t *pa, const float *psx, const float *pss,
+                                                             int64_t m, float *y, int64_t p0, int64_t p1,
+                                                             int8_t *bts, int32_t *ring) {
+    const int64_t nb = k / QK, groups = n / 8, nrt = (m + 15) / 16, total = (p1 - p0) * nrt * nb;
+    const size_t wbytes = q4 ? sizeof(block_q4x8) : sizeof(block_q8x8);
+    const char *wend = (const char *)w + (size_t)groups * nb * wbytes;
+#define DG_AMX_WA(p) ((const char *)w + (size_t)(2 * (p)) * nb * wbytes)
+#define DG_AMX_WB(p) (2 * (p) + 1 < groups ? DG_AMX_WA(p) + nb * wbytes : DG_AMX_WA(p))
+#define DG_AMX_BT(p) (bts + (((p) - p0) & 1) * nb * 512)
+    for (int64_t b = 0; b < nb; b++) dg_amx_b(q4, DG_AMX_WA(p0), DG_AMX_WB(p0), b, DG_AMX_BT(p0));
+    /* The maker: the next block to make (its unit's row tile, pair and block). */
+    int64_t mrt = 0, mp = p0, mi = 0;
+#define DG_AMX_MAKE(TA, TB, TC)                                                                        \
+    do {                                                                                               \
+        const int8_t *a_ = pa + (mrt * nb + mi) * 512, *b_ = DG_AMX_BT(mp) + 512 * mi;                 \
+        if (q4)                                                                                        \
+            DG_AMX_PRODUCT(TA, TB, TC, 1, a_, 32, b_);                                                 \
+        else                                                                                           \
+            DG_AMX_PRODUCT(TA, TB, TC, 0, a_, 32, b_);                                                 \
+        if (++mi == nb) {                                                                              \
+            mi = 0;                                                                                    \
+            if (++mrt == nrt) mrt = 0, mp++;                                                           \
+        }                                                                                              \
+    } while (0)
+    DG_AMX_MAKE(0, 1, 2);
+    if (total > 1) DG_AMX_MAKE(4, 5, 3);
+    if (total > 2) DG_AMX_MAKE(0, 1, 6);
+    /* The scaler: unit (p, rt), block i. */
+    int64_t p = p0, rt = 0, i = 0;
+    const char *wa = DG_AMX_WA(p), *wb = DG_AMX_WB(p);
+    const char *f = DG_AMX_WA(p + 2), *fend = f;
+    if (2 * (p + 2) < groups) fend = f + 2 * nb * wbytes < wend ? f + 2 * nb * wbytes : wend;
+    int64_t per_step = ((fend - f) / 64 + nb * nrt) / (nb * nrt);
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+#define DG_AMX_STEP(TC, TA3, TB3, TC3, j)                                                              \
+    if (G + (j) < total) {                                                                             \
+        for (int64_t t_ = 0; t_ < per_step && f < fend; t_++, f += 64) _mm_prefetch(f, _MM_HINT_T0);   \
+        DG_AMX_STORE(TC, ring + 256 * (j));                                                            \
+        /* The next pair's block i, before block i + 3 - nb of it is made (nb >= 4). */               \
+        if (rt == nrt - 1 && p + 1 < p1) dg_amx_b(q4, DG_AMX_WA(p + 1), DG_AMX_WB(p + 1), i, DG_AMX_BT(p + 1)); \
+        if (G + (j) + 3 < total) DG_AMX_MAKE(TA3, TB3, TC3);                                           \
+        dg_amx_scale(q4, ring + 256 * (j), wa, wb, psx + (rt * nb + i) * 16,                           \
+                     q4 ? pss + (rt * nb + i) * 16 : NULL, i, acc);                                    \
+        if (++i == nb) { /* the unit's outputs, and on to the next unit */                             \
+            const int64_t rows = m - rt * 16 < 16 ? m - rt * 16 : 16;                                  \
+            const __mmask16 keep = 2 * p + 1 < groups ? 0xFFFF : 0x00FF;                               \
+            float *yr = y + rt * 16 * n + 16 * p;                                                      \
+            _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) {                                    \
+                if (r < rows) _mm512_mask_storeu_ps(yr + r * n, keep, acc[r]);                         \
+                acc[r] = _mm512_setzero_ps();                                                          \
+            }                                                                                          \
+            i = 0;                                                                                     \
+            if (++rt == nrt) {                                                                         \
+                rt = 0, p++;                                                                           \
+                wa = DG_AMX_WA(p), wb = DG_AMX_WB(p);                                                  \
+                f = fend = DG_AMX_WA(p + 2);                                                           \
+                if (2 * (p + 2) < groups) fend = f + 2 * nb * wbytes < wend ? f + 2 * nb * wbytes : wend; \
+            }                                                                                          \
+        }                                                                                              \
+    }
+    for (int64_t G = 0; G < total; G += 4) {
+        DG_AMX_STEP(2, 4, 5, 7, 0)
+        DG_AMX_STEP(3, 0, 1, 2, 1)
+        DG_AMX_STEP(6, 4, 5, 3, 2)
+        DG_AMX_STEP(7, 0, 1, 6, 3)
+    }
+#undef DG_AMX_STEP
+#undef DG_AMX_MAKE
+#undef DG_AMX_WA
+#undef DG_AMX_WB
+#undef DG_AMX_BT
+}
+
+static __attribute__((noinline)) void dg_amx_run_q4(const void *w, int64_t n, int64_t k, const int8_t *pa,
+                                                    const float *psx, const float *pss, int64_t m, float *y,
+                                                    int64_t p0, int64_t p1, int8_t *bts, int32_t *ring) {
+    dg_amx_run(1, w, n, k, pa, psx, pss, m, y, p0, p1, bts, ring);
+}
+
+static __attribute__((noinline)) void dg_amx_run_q8(const void *w, int64_t n, int64_t k, const int8_t *pa,
+                                                    const float *psx, int64_t m, float *y, int64_t p0, int64_t p1,
+                                                    int8_t *bts, int32_t *ring) {
+    dg_amx_run(0, w, n, k, pa, psx, NULL, m, y, p0, p1, bts, ring);
+}
+
+static _Thread_local dg_tls_buf dg_amx_pack_tls;
+
+/* y [m, n] = x [m, k] . w^T on tiles: w q4x8 (q4) or q8x8 blocks, qx [m, k] s8 with scales sx (and
+ * ssum for q4) [m, k / 32]. The activations are first packed tile by tile, [row tile][block][16][32]
+ * (a tile's A is 512 contiguous bytes: read with the rows' stride, 16 lines a block held up each
+ * load) with their scales [row tile][block][16], rows past m zero. Each thread then takes a run of
+ * pairs. Returns 0 without touching y if a buffer could not be had. */
+static int dg_matmul_amx(const void *w, int q4, int64_t n, int64_t k, const int8_t *qx, const float *sx,
+                         const float *ssum, int64_t m, float *y) {
+    const int64_t nb = k / QK, pairs = (n / 8 + 1) / 2, nrt = (m + 15) / 16;
+    const size_t packed = (size_t)(nrt * nb) * (512 + 2 * 16 * sizeof(float));
+    char *pk = (char *)dg_grow(&dg_amx_pack_tls, packed + 64);
+    if (!pk) return 0;
+    int8_t *pa = (int8_t *)(((uintptr_t)pk + 63) & ~(uintptr_t)63);
+    float *psx = (float *)(pa + nrt * nb * 512), *pss = psx + nrt * nb * 16;
+    /* two pairs' B tiles [nb][8][64] and a ring of 4 blocks' sums [16][16] */
+    const size_t bytes = (size_t)nb * 1024 + 4 * 1024 + 64;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < nrt * nb; t++) {
+            const int64_t rt = t / nb, b = t % nb;
+            for (int64_t r = 0; r < 16; r++) {
+                const int64_t row = rt * 16 + r;
+                int8_t *dst = pa + t * 512 + 32 * r;
+                if (row < m) {
+                    memcpy(dst, qx + row * k + QK * b, 32);
+                    psx[t * 16 + r] = sx[row * nb + b];
+                    pss[t * 16 + r] = q4 ? ssum[row * nb + b] : 0.0f;
+                } else {
+                    memset(dst, 0, 32);
+                    psx[t * 16 + r] = pss[t * 16 + r] = 0.0f;
+                }
+            }
+        }
+        char *raw = (char *)dg_grow(&dg_amx_lin_tls, bytes);
+        if (!raw) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            dg_tile_config cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            cfg.rows[0] = cfg.rows[4] = 16, cfg.colsb[0] = cfg.colsb[4] = 32; /* A: 16 rows x 32 inputs */
+            cfg.rows[1] = cfg.rows[5] = 8, cfg.colsb[1] = cfg.colsb[5] = 64;  /* B: 8 quads x 16 outputs */
+            for (int t = 2; t < 8; t += t == 3 ? 3 : 1) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* C (2, 3, 6, 7): 16 x 16 sums */
+            _tile_loadconfig(&cfg);
+            int8_t *bt = (int8_t *)(((uintptr_t)raw + 63) & ~(uintptr_t)63);
+            int32_t *ring = (int32_t *)(bt + nb * 1024);
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t p0 = pairs * t / nt, p1 = pairs * (t + 1) / nt;
+            if (p1 > p0 && q4) dg_amx_run_q4(w, n, k, pa, psx, pss, m, y, p0, p1, bt, ring);
+            if (p1 > p0 && !q4) dg_amx_run_q8(w, n, k, pa, psx, m, y, p0, p1, bt, ring);
+            _tile_release();
+        }
+    }
+    return !failed;
+}
+#endif
+
 /* y [m, n] = x [m, k] . w^T with w in q4x8 blocks [n / 8, k / 32] (n a multiple of 8). */
 void dg_matmul_q4x8(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
                     const float *ssum, int64_t m, float *y) {
+#if defined(DG_AMX)
+    if (m >= DG_AMX_ROWS && k >= DG_AMX_K && dg_set_amx(DG_TILES_LINEARS, -1) && dg_matmul_amx(w, 1, n, k, qx, sx, ssum, m, y)) return;
+#endif
 #if defined(DG_AVX512)
     if (m > 2) {
         dg_matmul_q4x16(w, n, k, qx, sx, ssum, m, y);
@@ -1063,6 +1346,9 @@ DG_Q8X8_TILE(4)
 /* y [m, n] = x [m, k] . w^T with w in q8x8 blocks [n / 8, k / 32] (n a multiple of 8). */
 void dg_matmul_q8x8(const block_q8x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx, int64_t m,
                     float *y) {
+#if defined(DG_AMX)
+    if (m >= DG_AMX_ROWS && k >= DG_AMX_K && dg_set_amx(DG_TILES_LINEARS, -1) && dg_matmul_amx(w, 0, n, k, qx, sx, NULL, m, y)) return;
+#endif
 #if defined(DG_AVX512)
     if (m > 2 && dg_matmul_q8x16(w, n, k, qx, sx, m, y)) return;
 #endif
@@ -1851,11 +2137,7 @@ static int dg_share_tasks(const int64_t *cost, int64_t ntask, int64_t total, int
     return threads;
 }
 
-#if defined(DG_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define DG_AMX 1
-#include <sys/syscall.h>
-long syscall(long number, ...); /* unistd.h declares it only past strict C11 */
-
+#if defined(DG_AMX)
 /* ---- attention on AMX tiles (a bfloat16 or int8 cache, head_dim 32 or 64) -----------------------
  * A task is up to 16 query vectors of one K/V head: the group's query heads of up to 16 / per_kv
  * consecutive rows of one sequence (a verify step's or a prefill chunk's tokens), so one pass over
@@ -1873,25 +2155,6 @@ long syscall(long number, ...); /* unistd.h declares it only past strict C11 */
  * 234 -> 91 us, a 64-row prefill chunk at 600 keys 673 -> 235 us, one row 30 -> 26 us, 64 decode
  * rows at 800 keys 1232 -> 1142 us (those read the memory's rate of K/V). vdpbf16ps runs at a
  * quarter of an FMA's rate there, so its 512-bit pair products gained nothing on float32's. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} dg_tile_config;
-
-static int dg_amx_state = -1; /* -1 not asked yet, 0 unusable or switched off, 1 usable */
-
-/* The kernel must grant the process the tile registers' state (Linux: ARCH_REQ_XCOMP_PERM for
- * XTILEDATA) before any thread uses them; asked once. */
-static int dg_amx_usable(void) {
-    int s = __atomic_load_n(&dg_amx_state, __ATOMIC_ACQUIRE);
-    if (s < 0) {
-        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-        __atomic_store_n(&dg_amx_state, s, __ATOMIC_RELEASE);
-    }
-    return s;
-}
-
 static _Thread_local dg_tls_buf dg_amx_tls;
 
 #define DG_AMX_Q 16
@@ -2143,21 +2406,9 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
 int dg_amx_attends(int64_t H, int64_t KVH, int64_t D, int64_t page_size) {
 #if defined(DG_AMX)
     return (D == 64 || D == 32) && page_size % 32 == 0 && KVH > 0 && H % KVH == 0 && H / KVH <= DG_AMX_Q &&
-           dg_amx_usable();
+           dg_set_amx(DG_TILES_ATTENTION, -1);
 #else
     (void)H, (void)KVH, (void)D, (void)page_size;
-    return 0;
-#endif
-}
-
-/* Whether the attention's tile path is on (on < 0: only asks); 0 turns it off for this process,
- * 1 back on where the CPU and the OS allow it (tests and benchmarks compare it with the vectors'). */
-int dg_set_amx(int on) {
-#if defined(DG_AMX)
-    if (on >= 0) __atomic_store_n(&dg_amx_state, on ? -1 : 0, __ATOMIC_RELEASE);
-    return dg_amx_usable();
-#else
-    (void)on;
     return 0;
 #endif
 }
