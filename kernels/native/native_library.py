@@ -475,8 +475,9 @@ class NativeLibrary:
         return bool(self._lib.dg_set_amx(TILES_ATTENTION, -1 if on is None else int(on)))
 
     def tile_linears(self, on: bool | None = None) -> bool:
-        """Whether the 8-row block linears of 3 or more rows run on AMX tiles (where the build, CPU
-        and OS have them); they give the vector tiles' bits. `on` as in tile_attention."""
+        """Whether the 8-row block linears of 13 or more rows (and 128 or more inputs) run on AMX tiles
+        (where the build, CPU and OS have them); they give the vector tiles' bits. `on` as in
+        tile_attention."""
         return bool(self._lib.dg_set_amx(TILES_LINEARS, -1 if on is None else int(on)))
 
     def tile_attends(self, heads: int, kv_heads: int, head_dim: int, page_size: int) -> bool:

@@ -1137,9 +1137,18 @@ static inline __attribute__((always_inline)) void dg_amx_run(const int q4, const
     /* The scaler: unit (p, rt), block i. */
     int64_t p = p0, rt = 0, i = 0;
     const char *wa = DG_AMX_WA(p), *wb = DG_AMX_WB(p);
-    const char *f = DG_AMX_WA(p + 2), *fend = f;
-    if (2 * (p + 2) < groups) fend = f + 2 * nb * wbytes < wend ? f + 2 * nb * wbytes : wend;
-    int64_t per_step = ((fend - f) / 64 + nb * nrt) / (nb * nrt);
+/* The pair after next's weights [f, fend), fetched over pair p's blocks (empty past the last pair). */
+#define DG_AMX_AHEAD(p)                                                                                \
+    do {                                                                                               \
+        f = fend = wend;                                                                               \
+        if (2 * ((p) + 2) < groups) {                                                                  \
+            f = DG_AMX_WA((p) + 2);                                                                    \
+            fend = f + 2 * nb * wbytes < wend ? f + 2 * nb * wbytes : wend;                            \
+        }                                                                                              \
+    } while (0)
+    const char *f, *fend;
+    DG_AMX_AHEAD(p);
+    const int64_t per_step = ((fend - f) / 64 + nb * nrt) / (nb * nrt);
     __m512 acc[16];
 #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
@@ -1164,8 +1173,7 @@ static inline __attribute__((always_inline)) void dg_amx_run(const int q4, const
             if (++rt == nrt) {                                                                         \
                 rt = 0, p++;                                                                           \
                 wa = DG_AMX_WA(p), wb = DG_AMX_WB(p);                                                  \
-                f = fend = DG_AMX_WA(p + 2);                                                           \
-                if (2 * (p + 2) < groups) fend = f + 2 * nb * wbytes < wend ? f + 2 * nb * wbytes : wend; \
+                DG_AMX_AHEAD(p);                                                                       \
             }                                                                                          \
         }                                                                                              \
     }
@@ -1177,6 +1185,7 @@ static inline __attribute__((always_inline)) void dg_amx_run(const int q4, const
     }
 #undef DG_AMX_STEP
 #undef DG_AMX_MAKE
+#undef DG_AMX_AHEAD
 #undef DG_AMX_WA
 #undef DG_AMX_WB
 #undef DG_AMX_BT
@@ -1257,11 +1266,18 @@ static int dg_matmul_amx(const void *w, int q4, int64_t n, int64_t k, const int8
 }
 #endif
 
+#if defined(DG_AMX)
+/* Whether a call of m rows and k inputs goes to the tiles (both 8-row layouts ask it). */
+static inline int dg_amx_takes(int64_t m, int64_t k) {
+    return m >= DG_AMX_ROWS && k >= DG_AMX_K && dg_set_amx(DG_TILES_LINEARS, -1);
+}
+#endif
+
 /* y [m, n] = x [m, k] . w^T with w in q4x8 blocks [n / 8, k / 32] (n a multiple of 8). */
 void dg_matmul_q4x8(const block_q4x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx,
                     const float *ssum, int64_t m, float *y) {
 #if defined(DG_AMX)
-    if (m >= DG_AMX_ROWS && k >= DG_AMX_K && dg_set_amx(DG_TILES_LINEARS, -1) && dg_matmul_amx(w, 1, n, k, qx, sx, ssum, m, y)) return;
+    if (dg_amx_takes(m, k) && dg_matmul_amx(w, 1, n, k, qx, sx, ssum, m, y)) return;
 #endif
 #if defined(DG_AVX512)
     if (m > 2) {
@@ -1347,7 +1363,7 @@ DG_Q8X8_TILE(4)
 void dg_matmul_q8x8(const block_q8x8 *w, int64_t n, int64_t k, const int8_t *qx, const float *sx, int64_t m,
                     float *y) {
 #if defined(DG_AMX)
-    if (m >= DG_AMX_ROWS && k >= DG_AMX_K && dg_set_amx(DG_TILES_LINEARS, -1) && dg_matmul_amx(w, 0, n, k, qx, sx, NULL, m, y)) return;
+    if (dg_amx_takes(m, k) && dg_matmul_amx(w, 0, n, k, qx, sx, NULL, m, y)) return;
 #endif
 #if defined(DG_AVX512)
     if (m > 2 && dg_matmul_q8x16(w, n, k, qx, sx, m, y)) return;
