@@ -196,9 +196,12 @@ def test_tile_linears_give_each_row_the_bits_it_gets_alone(
     x = torch.randn(rows, k)
     qx = lib.quantize_rows(x)
     try:
+        before = lib.tile_linear_calls()
         tiled = (lib.matmul_q4x8(q4, n, k, qx), lib.matmul_q8x8(q8, n, k, qx))
+        assert lib.tile_linear_calls() == before + 2  # both ran on the tiles
         lib.tile_linears(False)
         vectors = (lib.matmul_q4x8(q4, n, k, qx), lib.matmul_q8x8(q8, n, k, qx))
+        assert lib.tile_linear_calls() == before + 2
     finally:
         lib.tile_linears(True)
     for t, v in zip(tiled, vectors, strict=True):

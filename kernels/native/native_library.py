@@ -254,6 +254,8 @@ class NativeLibrary:
         lib.dg_matmul_q8x8.restype = None
         lib.dg_set_amx.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.dg_set_amx.restype = ctypes.c_int
+        lib.dg_tile_linear_calls.argtypes = []
+        lib.dg_tile_linear_calls.restype = ctypes.c_int64
         lib.dg_amx_attends.argtypes = [_I, _I, _I, _I]
         lib.dg_amx_attends.restype = ctypes.c_int
         lib.dg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
@@ -479,6 +481,11 @@ class NativeLibrary:
         (where the build, CPU and OS have them); they give the vector tiles' bits. `on` as in
         tile_attention."""
         return bool(self._lib.dg_set_amx(TILES_LINEARS, -1 if on is None else int(on)))
+
+    def tile_linear_calls(self) -> int:
+        """How many block linears the AMX tiles have run in this process (tests check that the
+        dispatch reaches them)."""
+        return int(self._lib.dg_tile_linear_calls())
 
     def tile_attends(self, heads: int, kv_heads: int, head_dim: int, page_size: int) -> bool:
         """Whether a bfloat16 or int8 cache of this geometry is attended on AMX tiles here (the

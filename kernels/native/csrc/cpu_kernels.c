@@ -1204,6 +1204,7 @@ static __attribute__((noinline)) void dg_amx_run_q8(const void *w, int64_t n, in
 }
 
 static _Thread_local dg_tls_buf dg_amx_pack_tls;
+static int64_t dg_amx_linear_calls = 0; /* calls the tiles ran (tests check the dispatch reaches them) */
 
 /* y [m, n] = x [m, k] . w^T on tiles: w q4x8 (q4) or q8x8 blocks, qx [m, k] s8 with scales sx (and
  * ssum for q4) [m, k / 32]. The activations are first packed tile by tile, [row tile][block][16][32]
@@ -1262,9 +1263,19 @@ static int dg_matmul_amx(const void *w, int q4, int64_t n, int64_t k, const int8
             _tile_release();
         }
     }
+    if (!failed) __atomic_fetch_add(&dg_amx_linear_calls, 1, __ATOMIC_RELAXED);
     return !failed;
 }
 #endif
+
+/* How many block linears the AMX tiles have run in this process (0 where the build has none). */
+int64_t dg_tile_linear_calls(void) {
+#if defined(DG_AMX)
+    return __atomic_load_n(&dg_amx_linear_calls, __ATOMIC_RELAXED);
+#else
+    return 0;
+#endif
+}
 
 #if defined(DG_AMX)
 /* Whether a call of m rows and k inputs goes to the tiles (both 8-row layouts ask it). */
