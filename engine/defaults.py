@@ -43,8 +43,8 @@ SAMPLER_MODE = "batched"
 # The KV cache's storage (kernels.attention.kv_layer.KVCacheKind's values, and auto): float = the model's
 # dtype; float16 = half a float32 cache's bytes; bfloat16 = the same bytes, bfloat16 pair products
 # in the native attention where the CPU has them; int8 = int8 with a float16 scale per token and
-# head. auto = 2 bytes where the linears are quantized and the model computes in float32 (bfloat16
-# where the native attention runs it on AMX tiles, float16 elsewhere), float elsewhere
+# head. auto, where the linears are quantized and the model computes in float32: int8 where the
+# native attention runs it on AMX tiles, float16 elsewhere; float otherwise
 # (engine.cache.kv_cache.choose_kv_cache says why).
 KV_CACHE_KINDS = ("auto", "float", "float16", "bfloat16", "int8")
 KV_CACHE = "auto"

@@ -11,8 +11,8 @@ from engine.cache.kv_cache import KVCacheKind, choose_kv_cache
 
 def test_auto_is_two_bytes_only_for_a_float32_model_with_quantized_linears() -> None:
     assert choose_kv_cache("auto", torch.float32, quantized=True) is KVCacheKind.FLOAT16
-    # bfloat16 where the attention runs it on AMX tiles.
-    assert choose_kv_cache("auto", torch.float32, quantized=True, tiles=True) is KVCacheKind.BFLOAT16
+    # int8 where the attention runs it on AMX tiles.
+    assert choose_kv_cache("auto", torch.float32, quantized=True, tiles=True) is KVCacheKind.INT8
     assert choose_kv_cache("auto", torch.float32, quantized=False, tiles=True) is KVCacheKind.FLOAT
     # Float weights keep float32 K/V: greedy tokens stay those of the float reference.
     assert choose_kv_cache("auto", torch.float32, quantized=False) is KVCacheKind.FLOAT

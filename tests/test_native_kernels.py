@@ -708,12 +708,15 @@ def test_native_attention_and_fused_ops_match_the_torch_model(tmp_path: Path, ki
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", [KVCacheKind.FLOAT, KVCacheKind.FLOAT16, KVCacheKind.BFLOAT16])
+@pytest.mark.parametrize(
+    "kind", [KVCacheKind.FLOAT, KVCacheKind.FLOAT16, KVCacheKind.BFLOAT16, KVCacheKind.INT8]
+)
 def test_one_call_decoder_layers_match_the_per_op_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: KVCacheKind
 ) -> None:
     """Steps of a block-quantized model run all their layers in one native call (decode rows, and
-    prefill chunks a token per row, as a verification's drafts); same logits as per op."""
+    prefill chunks a token per row, as a verification's drafts); same logits as per op, and the
+    same bytes in the cache (an int8 cache's values and scales as quantize_kv stores them)."""
     lib = native_library()
     if lib is None:
         pytest.skip(f"native kernels unavailable: {native_unavailable_reason()}")
@@ -734,14 +737,14 @@ def test_one_call_decoder_layers_match_the_per_op_path(
     monkeypatch.setattr(NativeLibrary, "decode_layers", counting)
     prompts = [[(5 * i + 11 * j) % 300 + 3 for j in range(2 + 9 * i)] for i in range(3)]
     settings = GenerationSettings(max_new_tokens=10, ignore_eos=True, max_chunk_tokens=16)
-    fused = generate_batch(
-        model, model.new_cache(num_pages=40, page_size=8, kind=kind), prompts, settings, keep_logits=True
-    )
+    caches = [model.new_cache(num_pages=40, page_size=8, kind=kind) for _ in range(2)]
+    fused = generate_batch(model, caches[0], prompts, settings, keep_logits=True)
     assert calls > chunk_calls > 0  # decode steps and prompt chunks took the one-call path
     monkeypatch.setattr(type(model), "_native_layers", lambda *_: None)
-    per_op = generate_batch(
-        model, model.new_cache(num_pages=40, page_size=8, kind=kind), prompts, settings, keep_logits=True
-    )
+    per_op = generate_batch(model, caches[1], prompts, settings, keep_logits=True)
+    for name in ("k", "v", "k_scale", "v_scale"):
+        a, b = getattr(caches[0], name), getattr(caches[1], name)
+        assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)), name
     for ours, theirs in zip(fused, per_op, strict=True):
         assert ours.token_ids == theirs.token_ids
         for a, b in zip(ours.step_logits, theirs.step_logits, strict=True):

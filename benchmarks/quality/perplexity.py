@@ -192,6 +192,7 @@ def run(tokens: int = 10 * 1024, auto: bool = True) -> str:
         plans.append(("--quant auto --kv-cache float", plan_for(QuantMode.AUTO, cpu), float_kv))
         plans.append(("--quant auto --kv-cache float16", plan_for(QuantMode.AUTO, cpu), half_kv))
         plans.append(("--quant auto --kv-cache bfloat16", plan_for(QuantMode.AUTO, cpu), bf16_kv))
+        plans.append(("--quant auto --kv-cache int8", plan_for(QuantMode.AUTO, cpu), int8_kv))
     lines = [
         f"### Quality per linear plan: {tokens} tokens of {TEXT_SOURCE}, windows of {WINDOW}",
         "",

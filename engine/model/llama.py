@@ -186,7 +186,8 @@ class LlamaModel:
 
     def _native_layers(self, rows: int, cache: PagedKVCache) -> LayerStack | None:
         """The layers for `NativeLibrary.decode_layers` at `rows` rows, if every projection runs a
-        bias-free block linear there, attention is the native one and the cache is float32."""
+        bias-free block linear there, attention is the native one and the cache is one the fused layer
+        writes: float32, float16, bfloat16, or int8 with float16 scales."""
         if self._decode_cache is not cache:
             self._decode_layers, self._decode_cache = {}, cache
         key = bucket(rows)
@@ -198,10 +199,10 @@ class LlamaModel:
             return chosen.native_desc() if isinstance(chosen, BlockLinear) else None
 
         layers: list[DecodeLayer] | None = []
-        usable = (
-            isinstance(self.attention, NativePagedAttention)
-            and not cache.layer(0).quantized
-            and cache.k.dtype in CACHE_DTYPES
+        first = cache.layer(0)
+        usable = isinstance(self.attention, NativePagedAttention) and (
+            first.k.dtype in CACHE_DTYPES
+            or (first.quantized and first.k_scale is not None and first.k_scale.dtype is torch.float16)
         )
         for i, layer in enumerate(self.layers if usable else []):
             d = [desc(layer.qkv), desc(layer.o), desc(layer.gate_up), desc(layer.down)]
@@ -211,12 +212,14 @@ class LlamaModel:
                 break
             nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
             kv = cache.layer(i)
-            layers.append(DecodeLayer(qkv, o, gate_up, down, layer.ffn_norm, nxt, kv.k, kv.v))
+            layers.append(
+                DecodeLayer(qkv, o, gate_up, down, layer.ffn_norm, nxt, kv.k, kv.v, kv.k_scale, kv.v_scale)
+            )
         self._decode_layers[key] = LayerStack(layers) if usable and layers else None
         return self._decode_layers[key]
 
     def tile_attention(self, page_size: int) -> bool:
-        """Whether a bfloat16 cache with `page_size` would be attended on AMX tiles (the native
+        """Whether a bfloat16 or int8 cache with `page_size` would be attended on AMX tiles (the native
         attention's condition): what `--kv-cache auto` weighs (engine.cache.kv_cache.choose_kv_cache)."""
         c = self.config
         return isinstance(self.attention, NativePagedAttention) and self.attention.tiles_for(
@@ -227,7 +230,7 @@ class LlamaModel:
         """Whether a token's logits are the same bits however many rows its step carries (so drafts,
         batch neighbours and prefill chunking change no token): every projection and the head are
         block linears, whose native kernels compute each row alone, over the native attention of a
-        float cache. Float linears go to BLAS, which rounds apart by row count."""
+        cache the fused layer writes. Float linears go to BLAS, which rounds apart by row count."""
         if self._native_ops is None or self._native_layers(1, self.new_cache(1, page_size, kv_cache)) is None:
             return False
         head = self.lm_head.for_rows(1) if isinstance(self.lm_head, TunedLinear) else self.lm_head

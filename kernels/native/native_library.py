@@ -168,7 +168,7 @@ class DecodeStep:
 
 @dataclass(frozen=True)
 class DecodeLayer:
-    """One decoder layer's weights and float cache, for a LayerStack."""
+    """One decoder layer's weights and K/V cache, for a LayerStack."""
 
     qkv: LinearDesc
     o: LinearDesc
@@ -176,8 +176,10 @@ class DecodeLayer:
     down: LinearDesc
     ffn_norm: torch.Tensor
     next_norm: torch.Tensor | None  # the next layer's attention norm (None: the last layer)
-    k_cache: torch.Tensor  # [pages, kv_heads, page_size, head_dim] float32, float16 or bfloat16
+    k_cache: torch.Tensor  # [pages, kv_heads, page_size, head_dim] float32, float16, bfloat16 or int8
     v_cache: torch.Tensor
+    k_scale: torch.Tensor | None = None  # an int8 cache's float16 scales [pages, kv_heads, page_size]
+    v_scale: torch.Tensor | None = None
 
 
 class LayerRef(ctypes.Structure):
@@ -192,7 +194,23 @@ class LayerRef(ctypes.Structure):
         ("next_norm", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p),
     ]
+
+
+KV_INT8 = 3  # dg_decode_layers' code for an int8 cache with float16 scales (DG_KV_I8)
+
+
+def _stack_cache_kind(layer: DecodeLayer) -> int:
+    if layer.k_scale is None or layer.v_scale is None:
+        return cache_kind(layer.k_cache.dtype)
+    if layer.k_cache.dtype is not torch.int8 or layer.k_scale.dtype is not torch.float16:
+        raise ValueError("a decode layer's quantized cache is int8 with float16 scales")
+    for t in (layer.k_scale, layer.v_scale):
+        if not t.is_contiguous():
+            raise ValueError("a decode layer's cache scales must be contiguous")
+    return KV_INT8
 
 
 class LayerStack:
@@ -202,7 +220,7 @@ class LayerStack:
     def __init__(self, layers: Sequence[DecodeLayer]) -> None:
         if not layers:
             raise ValueError("a layer stack needs at least one layer")
-        kinds = {cache_kind(layer.k_cache.dtype) for layer in layers}
+        kinds = {_stack_cache_kind(layer) for layer in layers}
         if len(kinds) != 1:
             raise ValueError("a layer stack's caches must share one element type")
         self.layers = tuple(layers)
@@ -215,6 +233,8 @@ class LayerStack:
                     raise ValueError(f"a decode layer's {name} must be contiguous")
                 setattr(ref, name, tensor.data_ptr())
             ref.next_norm = layer.next_norm.data_ptr() if layer.next_norm is not None else None
+            if layer.k_scale is not None and layer.v_scale is not None:
+                ref.k_scale, ref.v_scale = layer.k_scale.data_ptr(), layer.v_scale.data_ptr()
             ref.qkv, ref.o = ctypes.pointer(layer.qkv), ctypes.pointer(layer.o)
             ref.gate_up, ref.down = ctypes.pointer(layer.gate_up), ctypes.pointer(layer.down)
         self.refs = refs

@@ -111,6 +111,7 @@ void dg_to_bf16_array(const float *x, int64_t n, uint16_t *out) {
 #define DG_KV_F32 0
 #define DG_KV_F16 1
 #define DG_KV_BF16 2
+#define DG_KV_I8 3 /* int8 with a float16 scale per (page, head, slot) */
 
 /* x [n] float32 -> float16 bits, as the decoder layer writes a float16 cache: 8 at a time where F16C
  * converts vectors (the same rounding as its one-value form, dg_to_half). */
@@ -2213,11 +2214,11 @@ static inline __m512 dg_amx_scales(const dg_amx_cache *kv, const void *scales, i
     return _mm512_maskz_loadu_ps(m, (const float *)scales + at);
 }
 
-/* Scores of the group's Q query vectors for keys t0.. (16 at a time) of a task whose longest row
- * sees L keys, times `scale` (an int8 cache: times each key's scale first, as the vector path),
- * into sc + c * ls (c < Q): tile 0 the sums, 1-2 K, 3-4 the queries. kb: an int8 block as bfloat16. */
+/* A bfloat16 cache's scores of the group's Q query vectors for keys t0.. (16 at a time) of a task
+ * whose longest row sees L keys, times `scale`, into sc + c * ls (c < Q): tile 0 the sums, 1-2 K,
+ * 3-4 the queries. */
 static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t L, int64_t Q,
-                                 float scale, float *sc, int64_t ls, float *ctmp, uint16_t *kb, dg_prefetch *pf,
+                                 float scale, float *sc, int64_t ls, float *ctmp, dg_prefetch *pf,
                                  int64_t pf_step) {
     const int64_t D = kv->D;
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -2226,13 +2227,6 @@ static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, i
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
         const int64_t slot = dg_amx_slot(kv, table, kh, t0), count = L - t0 < 16 ? L - t0 : 16;
         const uint16_t *rows = (const uint16_t *)kv->k + slot * D;
-        if (kv->ks) { /* the block's rows as bfloat16 (rows past L as they are: their scores go unused) */
-            const int8_t *kq = (const int8_t *)kv->k + slot * D;
-            for (int64_t j = 0; j < 16; j++)
-                for (int64_t i = 0; i < D; i += 32)
-                    _mm512_storeu_si512((void *)(kb + j * D + i), dg_i8x32_bf16(kq + j * D + i));
-            rows = kb;
-        }
         _tile_zero(0);
         _tile_loadd(1, rows, D * 2);
         _tile_dpbf16ps(0, 1, 3);
@@ -2243,13 +2237,51 @@ static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, i
         _tile_stored(0, ctmp, DG_AMX_Q * 4);
         dg_prefetch_step(pf, pf_step);
         const __mmask16 keep = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1u);
-        const __m512 ks = kv->ks ? dg_amx_scales(kv, kv->ks, slot, count) : _mm512_set1_ps(1.0f);
+        for (int64_t c = 0; c < Q; c++)
+            _mm512_mask_storeu_ps(sc + c * ls + t0, keep, _mm512_mul_ps(_mm512_i32gather_ps(idx, ctmp + c, 4), vscale));
+    }
+}
+
+/* An int8 cache's scores: the block's K rows go to the tile as the cache holds them (tile 6, D bytes
+ * a row) against the group's queries quantized to int8 (tile 3, [D / 4][16][4]), one tdpbssd a block
+ * of 16 keys. The int32 sums are exact, so a query's scores have the same bits in any task; each
+ * becomes float times its key's scale, then times its query's scale and `scale` (qf[c]). */
+static inline void dg_amx_scores_i8(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t L, int64_t Q,
+                                    const float *qf, float *sc, int64_t ls, int32_t *ctmp, dg_prefetch *pf,
+                                    int64_t pf_step) {
+    const int64_t D = kv->D;
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(DG_AMX_Q));
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int64_t slot = dg_amx_slot(kv, table, kh, t0), count = L - t0 < 16 ? L - t0 : 16;
+        _tile_zero(0);
+        _tile_loadd(6, (const int8_t *)kv->k + slot * D, D);
+        _tile_dpbssd(0, 6, 3);
+        _tile_stored(0, ctmp, DG_AMX_Q * 4);
+        dg_prefetch_step(pf, pf_step);
+        const __mmask16 keep = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1u);
+        const __m512 ks = dg_amx_scales(kv, kv->ks, slot, count);
         for (int64_t c = 0; c < Q; c++) {
-            __m512 s = _mm512_i32gather_ps(idx, ctmp + c, 4);
-            if (kv->ks) s = _mm512_mul_ps(s, ks);
-            _mm512_mask_storeu_ps(sc + c * ls + t0, keep, _mm512_mul_ps(s, vscale));
+            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_i32gather_epi32(idx, ctmp + c, 4)), ks);
+            _mm512_mask_storeu_ps(sc + c * ls + t0, keep, _mm512_mul_ps(s, _mm512_set1_ps(qf[c])));
         }
     }
+}
+
+/* Query vector qv (D values) as int8 at `scale_out`'s scale (absmax / 127, rounded to nearest even),
+ * its 4-value groups into q8 + 4c, 64 bytes apart (tile 3's layout). */
+static inline void dg_amx_query_i8(const float *qv, int64_t D, int64_t c, int8_t *q8, float *scale_out) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qv + i)));
+    const float absmax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
+    for (int64_t i = 0; i < D; i += 16) {
+        int32_t quads[4];
+        _mm_storeu_si128((__m128i *)quads,
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qv + i), inv))));
+        for (int j = 0; j < 4; j++) memcpy(q8 + (i / 4 + j) * 64 + 4 * c, quads + j, 4);
+    }
+    *scale_out = absmax / 127.0f;
 }
 
 /* Softmax of one query vector's `len` scores (sg), as bfloat16 weights into pw [0, lp): zeros past len.
@@ -2330,6 +2362,7 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
                              int64_t page_size, float scale, float *out) {
     const int64_t per_kv = H / KVH, group = DG_AMX_Q / per_kv;
     const dg_amx_cache kv = {k_cache, v_cache, k_scale, v_scale, scale_half, KVH, page_size, D};
+    const int i8 = k_scale != NULL;
     const int64_t row_bytes = D * (k_scale ? 1 : 2);
     /* Tasks (first row, rows, K/V head): a sequence's consecutive rows in groups, each group head by
      * head; at most B * KVH of them. */
@@ -2358,6 +2391,8 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
         for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+        if (i8) /* K rows of D int8 (tile 6, unused by the V sums at D = 32) against D / 4 query groups */
+            cfg.colsb[6] = (uint16_t)D, cfg.rows[3] = (uint8_t)(D / 4);
         _tile_loadconfig(&cfg);
         int at = omp_get_thread_num() % threads;
         for (int64_t next = dg_claim(share, threads, &at), after; next >= 0; next = after) {
@@ -2378,19 +2413,25 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
                               page_size, row_bytes, fetch ? seq_lens[nr + tasks[3 * after + 1] - 1] : 0);
             const int64_t blocks = (L + 15) / 16 + lp / 32;
             const int64_t pf_step = 1 + (pf.runs ? 2 * pf.len * row_bytes / DG_PF_STRIDE : 0) / blocks;
-            /* scratch: scores [16][lp], weights [16][lp] bfloat16, queries 2 x [16][16] pairs, V pairs
-             * 4 x [16][16], a tile of sums [16][16], outputs 4 x [16][16] */
-            const size_t floats = (size_t)(DG_AMX_Q * lp + DG_AMX_Q * lp / 2 + 2 * 256 + 4 * 256 + 256 + 4 * 256 + 8 * D + 16);
+            /* scratch: scores [16][lp], weights [16][lp] bfloat16, queries 2 x [16][16] pairs (int8:
+             * [16][16][4]), V pairs 4 x [16][16], a tile of sums [16][16], outputs 4 x [16][16] */
+            const size_t floats = (size_t)(DG_AMX_Q * lp + DG_AMX_Q * lp / 2 + 2 * 256 + 4 * 256 + 256 + 4 * 256 + 16);
             float *sc = (float *)dg_grow(&dg_amx_tls, floats * sizeof(float));
             if (!sc) abort();
             uint16_t *pw = (uint16_t *)(sc + DG_AMX_Q * lp);
             uint32_t *qb = (uint32_t *)(sc + DG_AMX_Q * lp + DG_AMX_Q * lp / 2);
             uint32_t *vb = qb + 2 * 256;
             float *ctmp = (float *)(vb + 4 * 256), *otmp = ctmp + 256;
-            uint16_t *kb = (uint16_t *)(otmp + 4 * 256); /* an int8 K block as bfloat16 [16][D] */
-            /* queries as bfloat16 pairs by dimension: qb[h][i][c] = (q_c[32h + 2i], q_c[32h + 2i + 1]) */
+            /* queries as bfloat16 pairs by dimension: qb[h][i][c] = (q_c[32h + 2i], q_c[32h + 2i + 1]);
+             * for an int8 cache, as int8 4-value groups (dg_amx_query_i8) */
             memset(qb, 0, 2 * 256 * sizeof(uint32_t));
-            for (int64_t c = 0; c < Q; c++) {
+            float qf[DG_AMX_Q];
+            for (int64_t c = 0; c < Q && i8; c++) {
+                const float *qv = q + (r0 + c / per_kv) * q_stride + (kh * per_kv + c % per_kv) * D;
+                dg_amx_query_i8(qv, D, c, (int8_t *)qb, qf + c);
+                qf[c] *= scale;
+            }
+            for (int64_t c = 0; c < Q && !i8; c++) {
                 const float *qv = q + (r0 + c / per_kv) * q_stride + (kh * per_kv + c % per_kv) * D;
                 for (int64_t h = 0; h < D / 32; h++) {
                     uint32_t pairs[16];
@@ -2400,8 +2441,12 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
                 }
             }
             _tile_loadd(3, qb, 64);
-            if (D == 64) _tile_loadd(4, qb + 256, 64);
-            dg_amx_scores(&kv, table, kh, L, Q, scale, sc, lp, ctmp, kb, &pf, pf_step);
+            if (i8) {
+                dg_amx_scores_i8(&kv, table, kh, L, Q, qf, sc, lp, (int32_t *)ctmp, &pf, pf_step);
+            } else {
+                if (D == 64) _tile_loadd(4, qb + 256, 64);
+                dg_amx_scores(&kv, table, kh, L, Q, scale, sc, lp, ctmp, &pf, pf_step);
+            }
             for (int64_t c = 0; c < Q; c++)
                 dg_amx_softmax(&kv, table, kh, sc + c * lp, seq_lens[r0 + c / per_kv], lp, pw + c * lp);
             dg_amx_pv(&kv, table, kh, L, lp, pw, vb, &pf, pf_step);
@@ -2830,9 +2875,43 @@ void dg_lora_rows(const float *x, int64_t x_stride, int64_t m, int64_t k, const 
     }
 }
 
+/* One K or V head vector x [D] into an int8 cache: scale = max(absmax / 127, float16's smallest
+ * normal) rounded to float16, q = floor(x / scale + 0.5) within +-127. The same ops as the per-op
+ * path's quantize_kv (kernels/attention/kv_layer.py), so both store the same bytes. */
+static void dg_quantize_kv(const float *x, int64_t D, int8_t *q, uint16_t *scale) {
+    float mx = 0.0f;
+    int64_t i = 0;
+#if defined(DG_AVX512)
+    __m512 vm = _mm512_setzero_ps();
+    for (; i + 16 <= D; i += 16) vm = _mm512_max_ps(vm, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    mx = _mm512_reduce_max_ps(vm);
+#endif
+    for (; i < D; i++) mx = fabsf(x[i]) > mx ? fabsf(x[i]) : mx;
+    float s = mx / 127.0f;
+    s = s < 6.103515625e-05f ? 6.103515625e-05f : s;
+    *scale = dg_to_half(s);
+    const float sf = dg_half(*scale);
+    i = 0;
+#if defined(DG_AVX512)
+    const __m512 vs = _mm512_set1_ps(sf), half = _mm512_set1_ps(0.5f);
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (; i + 16 <= D; i += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_add_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs), half),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+#endif
+    for (; i < D; i++) {
+        float v = floorf(x[i] / sf + 0.5f);
+        v = v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v;
+        q[i] = (int8_t)v;
+    }
+}
+
 /* ---- one whole decoder layer for a decode step -------------------------------------------------
  *
- * B rows, activations float32, the K/V cache float32, float16 or bfloat16 (kv_kind), and all four
+ * B rows, activations float32, the K/V cache float32, float16, bfloat16 or int8 (kv_kind), and all four
  * projections block linears: then the layer is one call, not a dozen, so the host work per layer
  * (argument checks, allocations, calls) is paid once. Same ops, same order and same kernels as
  * the per-op path: norms, linears, rotary, the K/V write at each row's slot, decode attention,
@@ -2858,10 +2937,10 @@ static float *dg_layer_scratch(size_t floats) { return (float *)dg_grow(&dg_laye
 int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_linear_desc *o,
                     const dg_linear_desc *gate_up, const dg_linear_desc *down, const float *ffn_norm,
                     const float *next_norm, float eps, const float *cos_table, const float *sin_signed,
-                    const int64_t *positions, void *k_cache, void *v_cache, int kv_kind, const int64_t *slots,
-                    const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
-                    const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t page_size,
-                    float attn_scale) {
+                    const int64_t *positions, void *k_cache, void *v_cache, void *k_scale, void *v_scale,
+                    int kv_kind, const int64_t *slots, const int64_t *page_tables, int64_t max_pages,
+                    const int64_t *row_seq, const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                    int64_t page_size, float attn_scale) {
     const int64_t hidden = o->n, width = qkv->n, inter = down->k;
     float *qkv_out = dg_layer_scratch((size_t)B * (size_t)(width + H * D + hidden + 2 * inter));
     if (!qkv_out) return -1;
@@ -2873,7 +2952,11 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
         for (int64_t kh = 0; kh < KVH; kh++) {
             const int64_t at = ((page * KVH + kh) * page_size + off) * D;
             const float *k = qkv_out + b * width + (H + kh) * D, *v = qkv_out + b * width + (H + KVH + kh) * D;
-            if (kv_kind == DG_KV_F16) {
+            if (kv_kind == DG_KV_I8) {
+                const int64_t si = (page * KVH + kh) * page_size + off;
+                dg_quantize_kv(k, D, (int8_t *)k_cache + at, (uint16_t *)k_scale + si);
+                dg_quantize_kv(v, D, (int8_t *)v_cache + at, (uint16_t *)v_scale + si);
+            } else if (kv_kind == DG_KV_F16) {
                 dg_to_half_array(k, D, (uint16_t *)k_cache + at);
                 dg_to_half_array(v, D, (uint16_t *)v_cache + at);
             } else if (kv_kind == DG_KV_BF16) {
@@ -2885,8 +2968,8 @@ int dg_decode_layer(float *x, float *h, const dg_linear_desc *qkv, const dg_line
             }
         }
     }
-    dg_decode_attention(qkv_out, width, k_cache, v_cache, NULL, NULL, 0, kv_kind, page_tables, max_pages, row_seq,
-                        seq_lens, B, H, KVH, D, page_size, attn_scale, attn);
+    dg_decode_attention(qkv_out, width, k_cache, v_cache, k_scale, v_scale, 1, kv_kind, page_tables, max_pages,
+                        row_seq, seq_lens, B, H, KVH, D, page_size, attn_scale, attn);
     if (dg_linear(o->layout, o->blocks, hidden, o->k, attn, B, delta)) return -1;
     dg_add_rms_norm(x, delta, ffn_norm, h, B, hidden, eps);
     if (dg_linear(gate_up->layout, gate_up->blocks, gate_up->n, gate_up->k, h, B, gu)) return -1;
@@ -2904,6 +2987,7 @@ typedef struct {
     const dg_linear_desc *qkv, *o, *gate_up, *down;
     const float *ffn_norm, *next_norm; /* next_norm NULL: the last layer */
     void *k_cache, *v_cache;
+    void *k_scale, *v_scale; /* float16 [pages, KVH, page_size] of an int8 cache, else NULL */
 } dg_layer_ref;
 
 /* A decode step's layers, n_layers of them, in one call: each as dg_decode_layer, the step's
@@ -2918,7 +3002,8 @@ int dg_decode_layers(float *x, float *h, const dg_layer_ref *layers, int64_t n_l
     for (int64_t i = 0; i < n_layers && !rc; i++) {
         const dg_layer_ref *l = layers + i;
         rc = dg_decode_layer(x, h, l->qkv, l->o, l->gate_up, l->down, l->ffn_norm, l->next_norm, eps, cos_table,
-                             sin_signed, positions, l->k_cache, l->v_cache, kv_kind, slots, page_tables, max_pages,
+                             sin_signed, positions, l->k_cache, l->v_cache, l->k_scale, l->v_scale, kv_kind, slots,
+                             page_tables, max_pages,
                              row_seq, seq_lens, B, H, KVH, D, page_size, attn_scale);
     }
     /* A long prompt's scratch (~20 KiB a row for SmolLM2-135M) is not kept for the decode steps
