@@ -2017,23 +2017,30 @@ static inline float dg_max_scores(const float *x, int64_t n) {
  * latency (cold, the 30 layers' attention took 2.7x its time with the cache warm). */
 typedef struct {
     const char *k, *v;     /* the caches */
+    const char *ks, *vs;   /* an int8 cache's scales (NULL: none), scale_bytes each */
     const int64_t *table;  /* the next task's page table */
-    int64_t kh, KVH, page_size, row_bytes, len;
-    int64_t run;           /* runs done: the pages of K, then those of V */
-    int64_t runs;          /* 2 * pages, 0 when there is no next task */
+    int64_t kh, KVH, page_size, row_bytes, scale_bytes, len;
+    int64_t run;           /* runs done: the pages of K, then those of V (then K's and V's scales) */
+    int64_t runs;          /* 2 or 4 runs a page, 0 when there is no next task */
     const char *at;        /* next line of the current run */
     int64_t left;          /* its bytes left */
 } dg_prefetch;
 
 #define DG_PF_STRIDE 64
 
-static inline void dg_prefetch_start(dg_prefetch *pf, const void *k, const void *v, const int64_t *table,
-                                     int64_t kh, int64_t KVH, int64_t page_size, int64_t row_bytes,
-                                     int64_t len) {
+static inline void dg_prefetch_start(dg_prefetch *pf, const void *k, const void *v, const void *ks,
+                                     const void *vs, int64_t scale_bytes, const int64_t *table, int64_t kh,
+                                     int64_t KVH, int64_t page_size, int64_t row_bytes, int64_t len) {
     const int64_t pages = (len + page_size - 1) / page_size;
-    pf->k = (const char *)k, pf->v = (const char *)v, pf->table = table;
-    pf->kh = kh, pf->KVH = KVH, pf->page_size = page_size, pf->row_bytes = row_bytes, pf->len = len;
-    pf->run = 0, pf->runs = table ? 2 * pages : 0, pf->at = NULL, pf->left = 0;
+    pf->k = (const char *)k, pf->v = (const char *)v, pf->ks = (const char *)ks, pf->vs = (const char *)vs;
+    pf->table = table, pf->kh = kh, pf->KVH = KVH, pf->page_size = page_size, pf->row_bytes = row_bytes;
+    pf->scale_bytes = ks ? scale_bytes : 0, pf->len = len;
+    pf->run = 0, pf->runs = table ? (ks ? 4 : 2) * pages : 0, pf->at = NULL, pf->left = 0;
+}
+
+/* The lines a task's prefetch issues in all (for spreading them over the current task). */
+static inline int64_t dg_prefetch_lines(const dg_prefetch *pf) {
+    return pf->runs ? 2 * pf->len * (pf->row_bytes + pf->scale_bytes) / DG_PF_STRIDE : 0;
 }
 
 /* Issue the next n prefetches of the stream. */
@@ -2041,11 +2048,12 @@ static inline void dg_prefetch_step(dg_prefetch *pf, int64_t n) {
     for (; n > 0; n--) {
         if (pf->left <= 0) {
             if (pf->run >= pf->runs) return;
-            const int64_t pages = pf->runs / 2, p = pf->run % pages;
+            const int64_t pages = pf->runs / (pf->ks ? 4 : 2), p = pf->run % pages, part = pf->run / pages;
             const int64_t rows = p == pages - 1 ? pf->len - p * pf->page_size : pf->page_size;
-            pf->at = (pf->run < pages ? pf->k : pf->v) +
-                     (pf->table[p] * pf->KVH + pf->kh) * pf->page_size * pf->row_bytes;
-            pf->left = rows * pf->row_bytes;
+            const int64_t slot = (pf->table[p] * pf->KVH + pf->kh) * pf->page_size;
+            const int64_t bytes = part < 2 ? pf->row_bytes : pf->scale_bytes;
+            pf->at = (part == 0 ? pf->k : part == 1 ? pf->v : part == 2 ? pf->ks : pf->vs) + slot * bytes;
+            pf->left = rows * bytes;
             pf->run++;
         }
         __builtin_prefetch(pf->at, 0, 2);
@@ -2409,10 +2417,11 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
             const int64_t nseq = row_seq ? row_seq[nr] : nr;
             const int fetch = after >= 0 && (nseq != seq || nkh != kh);
             dg_prefetch pf;
-            dg_prefetch_start(&pf, k_cache, v_cache, fetch ? page_tables + nseq * max_pages : NULL, nkh, KVH,
-                              page_size, row_bytes, fetch ? seq_lens[nr + tasks[3 * after + 1] - 1] : 0);
+            dg_prefetch_start(&pf, k_cache, v_cache, k_scale, v_scale, scale_half ? 2 : 4,
+                              fetch ? page_tables + nseq * max_pages : NULL, nkh, KVH, page_size, row_bytes,
+                              fetch ? seq_lens[nr + tasks[3 * after + 1] - 1] : 0);
             const int64_t blocks = (L + 15) / 16 + lp / 32;
-            const int64_t pf_step = 1 + (pf.runs ? 2 * pf.len * row_bytes / DG_PF_STRIDE : 0) / blocks;
+            const int64_t pf_step = 1 + dg_prefetch_lines(&pf) / blocks;
             /* scratch: scores [16][lp], weights [16][lp] bfloat16, queries 2 x [16][16] pairs (int8:
              * [16][16][4]), V pairs 4 x [16][16], a tile of sums [16][16], outputs 4 x [16][16] */
             const size_t floats = (size_t)(DG_AMX_Q * lp + DG_AMX_Q * lp / 2 + 2 * 256 + 4 * 256 + 256 + 4 * 256 + 16);
@@ -2563,13 +2572,12 @@ void dg_decode_attention(const float *q, int64_t q_stride, const void *k_cache, 
         const int64_t nb = after >= 0 ? order[after] / KVH : 0, nkh = after >= 0 ? order[after] % KVH : 0;
         const int64_t nseq = row_seq ? row_seq[nb] : nb;
         if (after >= 0 && (nseq != seq || nkh != kh))
-            dg_prefetch_start(&pf, k_cache, v_cache, page_tables + nseq * max_pages, nkh, KVH, page_size,
-                              row_bytes, seq_lens[nb]);
+            dg_prefetch_start(&pf, k_cache, v_cache, k_scale, v_scale, scale_half ? 2 : 4,
+                              page_tables + nseq * max_pages, nkh, KVH, page_size, row_bytes, seq_lens[nb]);
         else
-            dg_prefetch_start(&pf, k_cache, v_cache, NULL, 0, KVH, page_size, row_bytes, 0);
+            dg_prefetch_start(&pf, k_cache, v_cache, NULL, NULL, 0, NULL, 0, KVH, page_size, row_bytes, 0);
         /* Spread over the current task's blocks of 16 K rows and 16 V rows. */
-        const int64_t pf_step = 1 + (pf.runs ? 2 * seq_lens[nb] * row_bytes / DG_PF_STRIDE : 0) /
-                                        (2 * ((len + 15) / 16));
+        const int64_t pf_step = 1 + dg_prefetch_lines(&pf) / (2 * ((len + 15) / 16));
         const float *qg = q + b * q_stride + kh * per_kv * D; /* the group's query heads, D apart */
         float *og = out + b * H * D + kh * per_kv * D;
         /* scores, int8 V rows, then (bfloat16 dot products) the queries and the weights as
