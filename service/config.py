@@ -199,7 +199,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "kv_cache",
         _choice(*defaults.KV_CACHE_KINDS),
         d.kv_cache,
-        "KV cache storage: auto (for a float32 model with quantized linears bfloat16 where the attention "
+        "KV cache storage: auto (for a float32 model with quantized linears int8 where the attention "
         "runs on AMX tiles, else float16; float otherwise), float (the model's dtype), float16 (half "
         "float32's bytes), bfloat16 (the same bytes, fewer mantissa bits) or int8 (~3.9x less memory than float32)",
     )

@@ -54,7 +54,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
         "--kv-cache",
         choices=defaults.KV_CACHE_KINDS,
         default=defaults.KV_CACHE,
-        help="KV cache storage: auto = for a float32 model with quantized linears bfloat16 where the attention "
+        help="KV cache storage: auto = for a float32 model with quantized linears int8 where the attention "
         "runs on AMX tiles, else float16; float otherwise; "
         "float = the model's dtype; float16 = half float32's bytes; int8 = int8 "
         "K/V with a float16 scale per token and head (~3.9x less memory than float32, ~1.9x less than bfloat16)",
