@@ -201,8 +201,7 @@ class LlamaModel:
         layers: list[DecodeLayer] | None = []
         first = cache.layer(0)
         usable = isinstance(self.attention, NativePagedAttention) and (
-            first.k.dtype in CACHE_DTYPES
-            or (first.quantized and first.k_scale is not None and first.k_scale.dtype is torch.float16)
+            first.k.dtype in CACHE_DTYPES or first.quantized
         )
         for i, layer in enumerate(self.layers if usable else []):
             d = [desc(layer.qkv), desc(layer.o), desc(layer.gate_up), desc(layer.down)]

@@ -207,9 +207,6 @@ def _stack_cache_kind(layer: DecodeLayer) -> int:
         return cache_kind(layer.k_cache.dtype)
     if layer.k_cache.dtype is not torch.int8 or layer.k_scale.dtype is not torch.float16:
         raise ValueError("a decode layer's quantized cache is int8 with float16 scales")
-    for t in (layer.k_scale, layer.v_scale):
-        if not t.is_contiguous():
-            raise ValueError("a decode layer's cache scales must be contiguous")
     return KV_INT8
 
 
@@ -227,14 +224,14 @@ class LayerStack:
         self.kv_kind = kinds.pop()
         refs = (LayerRef * len(self.layers))()
         for ref, layer in zip(refs, self.layers, strict=True):
-            for name in ("ffn_norm", "k_cache", "v_cache"):
+            for name in ("ffn_norm", "k_cache", "v_cache", "k_scale", "v_scale"):
                 tensor = getattr(layer, name)
+                if tensor is None:  # the scales of a float cache
+                    continue
                 if not tensor.is_contiguous():
                     raise ValueError(f"a decode layer's {name} must be contiguous")
                 setattr(ref, name, tensor.data_ptr())
             ref.next_norm = layer.next_norm.data_ptr() if layer.next_norm is not None else None
-            if layer.k_scale is not None and layer.v_scale is not None:
-                ref.k_scale, ref.v_scale = layer.k_scale.data_ptr(), layer.v_scale.data_ptr()
             ref.qkv, ref.o = ctypes.pointer(layer.qkv), ctypes.pointer(layer.o)
             ref.gate_up, ref.down = ctypes.pointer(layer.gate_up), ctypes.pointer(layer.down)
         self.refs = refs

@@ -2371,7 +2371,7 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
     const int64_t per_kv = H / KVH, group = DG_AMX_Q / per_kv;
     const dg_amx_cache kv = {k_cache, v_cache, k_scale, v_scale, scale_half, KVH, page_size, D};
     const int i8 = k_scale != NULL;
-    const int64_t row_bytes = D * (k_scale ? 1 : 2);
+    const int64_t row_bytes = D * (i8 ? 1 : 2);
     /* Tasks (first row, rows, K/V head): a sequence's consecutive rows in groups, each group head by
      * head; at most B * KVH of them. */
     const size_t most = (size_t)(B * KVH);
@@ -2434,14 +2434,14 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
             /* queries as bfloat16 pairs by dimension: qb[h][i][c] = (q_c[32h + 2i], q_c[32h + 2i + 1]);
              * for an int8 cache, as int8 4-value groups (dg_amx_query_i8) */
             memset(qb, 0, 2 * 256 * sizeof(uint32_t));
-            float qf[DG_AMX_Q];
-            for (int64_t c = 0; c < Q && i8; c++) {
+            float qf[DG_AMX_Q]; /* int8: each query's scale times `scale` */
+            for (int64_t c = 0; c < Q; c++) {
                 const float *qv = q + (r0 + c / per_kv) * q_stride + (kh * per_kv + c % per_kv) * D;
-                dg_amx_query_i8(qv, D, c, (int8_t *)qb, qf + c);
-                qf[c] *= scale;
-            }
-            for (int64_t c = 0; c < Q && !i8; c++) {
-                const float *qv = q + (r0 + c / per_kv) * q_stride + (kh * per_kv + c % per_kv) * D;
+                if (i8) {
+                    dg_amx_query_i8(qv, D, c, (int8_t *)qb, qf + c);
+                    qf[c] *= scale;
+                    continue;
+                }
                 for (int64_t h = 0; h < D / 32; h++) {
                     uint32_t pairs[16];
                     _mm512_storeu_si512((void *)pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qv + 32 * h + 16),
