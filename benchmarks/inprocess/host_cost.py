@@ -52,7 +52,7 @@ class StepCost:
         return self.host_ms / self.total_ms if self.total_ms > 0 else 0.0
 
 
-class _TimedForward:
+class TimedForward:
     """Stands in for `model.forward` and adds up the seconds spent inside it."""
 
     def __init__(
@@ -90,7 +90,7 @@ def _generator(loaded: LoadedModel, jobs: int) -> DynamicGenerator:
     )
 
 
-def _timed_steps(gen: DynamicGenerator, timer: _TimedForward, steps: int) -> list[tuple[float, float]]:
+def _timed_steps(gen: DynamicGenerator, timer: TimedForward, steps: int) -> list[tuple[float, float]]:
     """(total, forward) seconds of each of `steps` iterations."""
     out = []
     for _ in range(steps):
@@ -121,7 +121,7 @@ def _decode_steps(
     sampled: bool = False,
 ) -> list[tuple[float, float]]:
     gen = _generator(loaded, len(prompts))
-    timer = _TimedForward(loaded.model.forward, profile)
+    timer = TimedForward(loaded.model.forward, profile)
     gen.model.forward = timer  # type: ignore[method-assign]
     try:
         for i, p in enumerate(prompts):
@@ -148,7 +148,7 @@ def _decode_steps(
 def _mixed_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> list[tuple[float, float]]:
     """63 decoding jobs; each timed step also prefills a new job's first 512 prompt tokens."""
     gen = _generator(loaded, 64 + steps)
-    timer = _TimedForward(loaded.model.forward)
+    timer = TimedForward(loaded.model.forward)
     gen.model.forward = timer  # type: ignore[method-assign]
     try:
         for p in prompts[:63]:
