@@ -80,6 +80,7 @@ class BatchOneRun:
     outputs: list[tuple[int, ...]]
     kept: int
     drafted: int
+    decode_seconds: tuple[float, ...]  # per request, after its first token
 
     @property
     def tokens(self) -> int:
@@ -93,16 +94,19 @@ class BatchOneRun:
 
 def _one_at_a_time(gen: DynamicGenerator, specs: Sequence[JobSpec]) -> BatchOneRun:
     seconds, first, outputs, kept, drafted = 0.0, 0.0, [], 0, 0
+    decode: list[float] = []
     for spec in specs:
         t0 = time.perf_counter()
         (result,) = gen.generate([spec])
-        seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        seconds += took
         timings = result.finished.timings
         first += timings.queued + timings.prefill  # the job's own clock, up to its first token
+        decode.append(took - timings.queued - timings.prefill)
         outputs.append(result.token_ids)
         kept += result.finished.accepted_draft_tokens
         drafted += result.finished.accepted_draft_tokens + result.finished.rejected_draft_tokens
-    return BatchOneRun(seconds, first, outputs, kept, drafted)
+    return BatchOneRun(seconds, first, outputs, kept, drafted, tuple(decode))
 
 
 def _costs(cost: StepCost) -> str:
@@ -121,11 +125,14 @@ def _bound_lines(specs: Sequence[JobSpec], bests: dict[str, BatchOneRun], cost: 
         "steps priced by the adaptive run's cost table as its steps left it (whole steps, forward and host "
         f"work; rows: ms) {_costs(cost)}; the requests' prefill (the none run's, {first:.2f} s) added to both sides",
         "",
-        "| request | output tokens | decode tokens a step | decode speedup |",
-        "| ---: | ---: | ---: | ---: |",
+        "| request | output tokens | decode tokens a step | decode speedup | measured (adaptive) |",
+        "| ---: | ---: | ---: | ---: | ---: |",
     ]
     for i, r in enumerate(reqs):
-        lines.append(f"| {i} | {r.tokens} | {(r.tokens - 1) / max(r.steps, 1):.2f} | {r.speedup:.2f}x |")
+        measured = base.decode_seconds[i] / adaptive.decode_seconds[i]
+        lines.append(
+            f"| {i} | {r.tokens} | {(r.tokens - 1) / max(r.steps, 1):.2f} | {r.speedup:.2f}x | {measured:.2f}x |"
+        )
     lines += [
         "",
         f"bound: {(plain + first) / (oracle + first):.2f}x end to end ({plain / oracle:.2f}x in decode); "
