@@ -41,6 +41,7 @@ from service.ipc import Accepted, Message, Submit, Tag, pack_events
 from tests.certs import CertAuthority
 from tests.service_harness import (
     ServerProcess,
+    is_idle,
     launch_server,
     log_count,
     start_server,
@@ -251,6 +252,32 @@ def test_stopped_engine_turns_not_serving_then_is_replaced(tiny_model: Path) -> 
             assert r.finished.new_tokens == 8
     finally:
         assert s.stop() == 0
+
+
+def test_a_drain_waits_for_running_jobs_not_for_finished_unstreamed_ones(tiny_model: Path) -> None:
+    """SIGTERM waits for what still runs. Enqueued jobs that ended before anyone streamed them
+    (cancelled, or done) keep their events for a Stream call until their grace timer; they run
+    nothing and do not hold the drain (they had held every drain for the whole grace period)."""
+    s = start_tiny_server(tiny_model, "--shutdown-grace-seconds", "120", "--stream-grace-seconds", "120")
+    try:
+        with s.client() as client:
+            done = client.enqueue(Request([5, 6, 7], max_new_tokens=2, ignore_eos=True))
+            cancelled = [
+                client.enqueue(Request([8, 9, 10], max_new_tokens=400, ignore_eos=True)) for _ in range(3)
+            ]
+            for job in cancelled:
+                client.cancel(job)
+            assert is_idle(wait_pool_idle(client))
+            # Each one's finish is still there for its Stream call.
+            assert collect(client.stream(done)).stop_reason == "max_new_tokens"
+            assert collect(client.stream(cancelled[0])).stop_reason == "cancelled"
+        s.process.send_signal(signal.SIGTERM)
+        assert s.process.wait(60) == 0  # not the 120 s grace
+        (draining,) = [r for r in s.logs if r.get("event") == "draining"]
+        (stopped,) = [r for r in s.logs if r.get("event") == "stopped"]
+        assert draining["open_jobs"] == 0 and stopped["cancelled"] == 0
+    finally:
+        s.stop()
 
 
 def test_a_brief_stall_recovers_without_a_restart(tiny_model: Path) -> None:

@@ -625,6 +625,11 @@ class EngineClient:
         job.cancel_sent = True
         self._proc.outbox.put(Message(Tag.CANCEL, 0, job.job_id.encode("ascii")).encode())
 
+    def unfinished_jobs(self) -> int:
+        """Jobs the engine still queues or runs, or a restarted one will resume. A finished job whose
+        events wait for a `Stream` call (until its grace timer) is not one: a drain waits for these only."""
+        return sum(1 for j in self.jobs.values() if not j.finished)
+
     def cancel_all(self) -> None:
         for job in list(self.jobs.values()):
             self.cancel(job)

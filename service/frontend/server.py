@@ -204,15 +204,17 @@ async def serve(
         await asyncio.sleep(config.drain_delay_seconds)
     # Drain: admit nothing new, let running jobs finish within the grace period, cancel the rest.
     service.draining = True
-    log.info("draining", open_jobs=len(engine.jobs), grace_seconds=config.shutdown_grace_seconds)
+    # Finished jobs whose events wait for a Stream call are not waited for: they run nothing, and a
+    # cancelled Enqueue'd job had held every drain for the whole grace period.
+    log.info("draining", open_jobs=engine.unfinished_jobs(), grace_seconds=config.shutdown_grace_seconds)
     deadline = time.monotonic() + config.shutdown_grace_seconds
-    while engine.jobs and time.monotonic() < deadline:
+    while engine.unfinished_jobs() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    cancelled = len(engine.jobs)
+    cancelled = engine.unfinished_jobs()
     engine.cancel_all()
     # The cancelled jobs' JobFinished events still reach their readers before the server stops.
     settle = time.monotonic() + 5.0
-    while (engine.jobs or service.open_streams) and engine.ready and time.monotonic() < settle:
+    while (engine.unfinished_jobs() or service.open_streams) and engine.ready and time.monotonic() < settle:
         await asyncio.sleep(0.02)
     await server.stop(1.0)
     engine.stop()
