@@ -28,8 +28,9 @@ PROMPTS = PARITY_PROMPTS[:3]
 # Quantized base (--quant int4: the file's own 4-bit blocks, so the weights are exact and what differs
 # is the activations' int8 rounding; a fixed plan, not auto's, whose kinds follow a load-time timing
 # and so changed the measured effect from run to run): the adapter's effect on the last position's
-# log-probabilities (with it minus without) against the float path's, bounded on both sides: it must point the same way
-# (cosine) and be within a factor MAX_EFFECT_SIZE of the float path's size either way.
+# log-probabilities (with it minus without) against the float path's, bounded on both sides: it
+# must point the same way (cosine) and be within a factor MAX_EFFECT_SIZE of the float path's size
+# either way.
 # On raw logits the quantized effect measured 1.0-1.75x the float one at cosine 0.93-0.99, and a
 # doubled delta measured only 1.67x in one case: of the float effect's norm of 160 on the first
 # prompt, 155 was every logit moving by the same 0.7 (1.2 quantized), which no probability sees.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.inprocess.drafter_ceiling import replay
-from benchmarks.inprocess.host_cost import TimedForward
+from benchmarks.inprocess.host_cost import timed_forward
 from benchmarks.inprocess.throughput import served_kv_cache
 from benchmarks.serving.trace import editing_trace
 from benchmarks.workloads import load_workloads
@@ -197,12 +197,10 @@ def run(workloads: Path | None, requests: int = 12, rounds: int = 2) -> str:
     for round_ in range(rounds + 2):  # W1's runs vary most between runs: more of them
         for name, speculation in _turns(W1_MODES, round_):
             gen = _generator(loaded, speculation, pages)
-            timer = TimedForward(loaded.model.forward)
-            gen.model.forward = timer  # type: ignore[method-assign]
-            t0 = time.perf_counter()
-            results = gen.generate(w1_specs)
-            seconds = time.perf_counter() - t0
-            del gen.model.forward
+            with timed_forward(gen.model) as timer:
+                t0 = time.perf_counter()
+                results = gen.generate(w1_specs)
+                seconds = time.perf_counter() - t0
             gen.close()
             rate = sum(len(r.token_ids) for r in results) / seconds
             best_w1[name] = max(best_w1.get(name, 0.0), rate)

@@ -13,13 +13,14 @@ shared, so `--repeat` runs several rounds and keeps each row's best round.
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import dataclasses
 import io
 import pstats
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from engine.cache.kv_cache import PagedKVCache
 from engine.forward_batch import ForwardBatch
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec, SamplingSettings
+from engine.model.llama import LlamaModel
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
@@ -78,6 +80,17 @@ class TimedForward:
                 self._profile.enable()
 
 
+@contextlib.contextmanager
+def timed_forward(model: LlamaModel, profile: cProfile.Profile | None = None) -> Iterator[TimedForward]:
+    """`model.forward` timed (TimedForward) inside the block, itself again after it."""
+    timer = TimedForward(model.forward, profile)
+    model.forward = timer  # type: ignore[method-assign]
+    try:
+        yield timer
+    finally:
+        del model.forward
+
+
 def _generator(loaded: LoadedModel, jobs: int) -> DynamicGenerator:
     return DynamicGenerator(
         loaded.model,
@@ -120,10 +133,10 @@ def _decode_steps(
     profile: cProfile.Profile | None,
     sampled: bool = False,
 ) -> list[tuple[float, float]]:
-    gen = _generator(loaded, len(prompts))
-    timer = TimedForward(loaded.model.forward, profile)
-    gen.model.forward = timer  # type: ignore[method-assign]
-    try:
+    with (
+        contextlib.closing(_generator(loaded, len(prompts))) as gen,
+        timed_forward(gen.model, profile) as timer,
+    ):
         for i, p in enumerate(prompts):
             sampling = dataclasses.replace(SAMPLED, seed=i) if sampled else SamplingSettings()
             gen.enqueue(JobSpec(tuple(p), max_new_tokens=steps + 40, ignore_eos=True, sampling=sampling))
@@ -140,17 +153,11 @@ def _decode_steps(
             if profile is not None:
                 profile.disable()
                 timer.profiling = False
-    finally:
-        del gen.model.forward
-        gen.close()
 
 
 def _mixed_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> list[tuple[float, float]]:
     """63 decoding jobs; each timed step also prefills a new job's first 512 prompt tokens."""
-    gen = _generator(loaded, 64 + steps)
-    timer = TimedForward(loaded.model.forward)
-    gen.model.forward = timer  # type: ignore[method-assign]
-    try:
+    with contextlib.closing(_generator(loaded, 64 + steps)) as gen, timed_forward(gen.model) as timer:
         for p in prompts[:63]:
             gen.enqueue(JobSpec(tuple(p), max_new_tokens=steps + 40, ignore_eos=True))
         while not all(j.decoding for j in gen.jobs.values()) or gen.scheduler.queue:
@@ -166,9 +173,6 @@ def _mixed_steps(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> l
             gen.cancel(job)
             gen.iterate()  # the cancel's event, and one more decode step (untimed)
         return out
-    finally:
-        del gen.model.forward
-        gen.close()
 
 
 def _prompts(loaded: LoadedModel, workloads: Path | None, count: int) -> list[list[int]]:
