@@ -684,6 +684,83 @@ def test_tile_attention_matches_the_vectors_and_reads_no_slot_past_a_sequence(
     assert torch.allclose(got, vectors, rtol=2e-2, atol=2e-2 * scale)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bfloat16", "int8"])
+@pytest.mark.parametrize("per_kv", [3, 1])  # 5 sequences a tile task, and 16
+def test_decode_rows_on_a_shared_prompt_share_tile_tasks_and_get_what_they_get_alone(
+    lib: NativeLibrary, per_kv: int, int8: bool
+) -> None:
+    """Decode rows of sequences whose page tables begin with the same pages (a prompt the prefix
+    cache shares) are attended together over those pages, then each over its own: every row gets,
+    bit for bit, what it gets alone, in any mix (other sequences, a verify step's rows, tables that
+    part after some shared pages, a sequence that ends inside the shared ones), close to the
+    vector path, and slots past a sequence's keys (NaN) reach no output."""
+    if not lib.tile_attention(True):
+        pytest.skip("no AMX tiles in this build, CPU or OS")
+    torch.manual_seed(7 + per_kv)
+    kvh, dim, page_size, pages = 2, 64, 64, 80
+    heads = kvh * per_kv
+    prompt_a, prompt_b = list(range(0, 6)), list(range(6, 8))  # 384 and 128 shared keys
+    spare = iter(torch.randperm(pages - 8).add(8).tolist())
+    # (shared pages, keys): own pages follow the shared ones, the keys end anywhere in the last page
+    plan = [(prompt_a, 384 + 1 + 37 * i) for i in range(7)]
+    plan += [(prompt_a[:3], 192 + 90), (prompt_a[:3], 192 + 250)]  # tables that part after three pages
+    plan += [(prompt_a, 200), (prompt_a, 384)]  # ends inside the prompt, or at its end
+    plan += [(prompt_b, 128 + 20 + 31 * i) for i in range(3)]
+    plan += [([], 150), ([], 64)]
+    plan.append((prompt_a, 420))  # a verify step's 4 rows, last in the batch
+    tables_list = [
+        shared[: -(-keys // page_size)] + [next(spare) for _ in range(-(-keys // page_size) - len(shared))]
+        for shared, keys in plan
+    ]
+    max_pages = max(len(t) for t in tables_list)
+    tables = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables_list])
+    nan = float("nan")
+    if int8:
+        kc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
+        vc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
+        ks: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
+        vs: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
+    else:
+        kc = torch.full((pages, kvh, page_size, dim), nan).bfloat16()
+        vc = kc.clone()
+        ks = vs = None
+    written: set[tuple[int, int]] = set()
+    for table, (_, keys) in zip(tables_list, plan, strict=True):
+        for pos in range(keys):
+            page, slot = table[pos // page_size], pos % page_size
+            if (page, slot) in written:  # a shared page's slot holds one value for every reader
+                continue
+            written.add((page, slot))
+            if ks is not None and vs is not None:
+                ks[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
+                vs[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
+            else:
+                kc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+                vc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+    decoders = torch.randperm(len(plan) - 1).tolist()  # the decode rows in any order
+    verify = len(plan) - 1
+    row_seq = torch.tensor(decoders + [verify] * 4)
+    row_lens = torch.tensor([plan[s][1] for s in decoders] + [plan[verify][1] - 3 + j for j in range(4)])
+    q = torch.randn(len(row_lens), heads, dim)
+    before = lib.shared_attention_tasks()
+    got = lib.decode_attention(q, kc, vc, ks, vs, tables, row_lens, dim**-0.5, row_seq)
+    assert lib.shared_attention_tasks() > before  # the shared prompts took the shared tasks
+    assert torch.isfinite(got).all()
+    for r in range(len(row_lens)):
+        seq = int(row_seq[r])
+        alone = lib.decode_attention(
+            q[r : r + 1].contiguous(), kc, vc, ks, vs, tables[seq : seq + 1], row_lens[r : r + 1], dim**-0.5
+        )
+        assert torch.equal(alone[0], got[r]), r
+    lib.tile_attention(False)
+    try:
+        vectors = lib.decode_attention(q, kc, vc, ks, vs, tables, row_lens, dim**-0.5, row_seq)
+    finally:
+        lib.tile_attention(True)
+    scale = 1.0 if ks is None else 127 / 64
+    assert torch.allclose(got, vectors, rtol=2e-2, atol=2e-2 * scale)
+
+
 @pytest.mark.parametrize("kind", list(KVCacheKind))
 def test_native_attention_and_fused_ops_match_the_torch_model(tmp_path: Path, kind: KVCacheKind) -> None:
     """A tiny model through the native backend (decode kernel, fused ops) and through plain torch."""

@@ -273,6 +273,8 @@ class NativeLibrary:
         lib.dg_set_amx.restype = ctypes.c_int
         lib.dg_tile_linear_calls.argtypes = []
         lib.dg_tile_linear_calls.restype = ctypes.c_int64
+        lib.dg_shared_attention_tasks.argtypes = []
+        lib.dg_shared_attention_tasks.restype = ctypes.c_int64
         lib.dg_amx_attends.argtypes = [_I, _I, _I, _I]
         lib.dg_amx_attends.restype = ctypes.c_int
         lib.dg_linear.argtypes = [ctypes.c_int, _P, _I, _I, _P, _I, _P]
@@ -503,6 +505,11 @@ class NativeLibrary:
         """How many block linears the AMX tiles have run in this process (tests check that the
         dispatch reaches them)."""
         return int(self._lib.dg_tile_linear_calls())
+
+    def shared_attention_tasks(self) -> int:
+        """How many tile attention tasks have served the decode rows of several sequences at once, over
+        the pages their tables share (tests check that shared prompts reach them)."""
+        return int(self._lib.dg_shared_attention_tasks())
 
     def tile_attends(self, heads: int, kv_heads: int, head_dim: int, page_size: int) -> bool:
         """Whether a bfloat16 or int8 cache of this geometry is attended on AMX tiles here (the

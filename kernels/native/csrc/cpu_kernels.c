@@ -2177,7 +2177,10 @@ static int dg_share_tasks(const int64_t *cost, int64_t ntask, int64_t total, int
 /* ---- attention on AMX tiles (a bfloat16 or int8 cache, head_dim 32 or 64) -----------------------
  * A task is up to 16 query vectors of one K/V head: the group's query heads of up to 16 / per_kv
  * consecutive rows of one sequence (a verify step's or a prefill chunk's tokens), so one pass over
- * the keys serves all of them.
+ * the keys serves all of them; or of up to 16 / per_kv decode rows of as many sequences whose page
+ * tables begin with the same pages (a prompt the prefix cache shares), so one pass over those pages
+ * serves them all, and each row then adds its own keys to its sums (its rows of the sum tiles are
+ * stored and loaded back: float32, exact).
  * - Scores: a 16-key block of K rows is a tile as the cache holds it (16 rows of 32 bfloat16), the
  *   queries (bfloat16, as the vector path rounds them) are the other operand, paired by dimension;
  *   C[key][query] = one tdpbf16ps per 32 dimensions. A score's arithmetic depends only on its query
@@ -2225,14 +2228,14 @@ static inline __m512 dg_amx_scales(const dg_amx_cache *kv, const void *scales, i
 /* A bfloat16 cache's scores of the group's Q query vectors for keys t0.. (16 at a time) of a task
  * whose longest row sees L keys, times `scale`, into sc + c * ls (c < Q): tile 0 the sums, 1-2 K,
  * 3-4 the queries. */
-static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t L, int64_t Q,
-                                 float scale, float *sc, int64_t ls, float *ctmp, dg_prefetch *pf,
-                                 int64_t pf_step) {
+static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t t_begin,
+                                 int64_t L, int64_t c0, int64_t c1, float scale, float *sc, int64_t ls, float *ctmp,
+                                 dg_prefetch *pf, int64_t pf_step) {
     const int64_t D = kv->D;
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(DG_AMX_Q));
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    for (int64_t t0 = t_begin; t0 < L; t0 += 16) {
         const int64_t slot = dg_amx_slot(kv, table, kh, t0), count = L - t0 < 16 ? L - t0 : 16;
         const uint16_t *rows = (const uint16_t *)kv->k + slot * D;
         _tile_zero(0);
@@ -2245,7 +2248,7 @@ static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, i
         _tile_stored(0, ctmp, DG_AMX_Q * 4);
         dg_prefetch_step(pf, pf_step);
         const __mmask16 keep = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1u);
-        for (int64_t c = 0; c < Q; c++)
+        for (int64_t c = c0; c < c1; c++)
             _mm512_mask_storeu_ps(sc + c * ls + t0, keep, _mm512_mul_ps(_mm512_i32gather_ps(idx, ctmp + c, 4), vscale));
     }
 }
@@ -2254,13 +2257,13 @@ static inline void dg_amx_scores(const dg_amx_cache *kv, const int64_t *table, i
  * a row) against the group's queries quantized to int8 (tile 3, [D / 4][16][4]), one tdpbssd a block
  * of 16 keys. The int32 sums are exact, so a query's scores have the same bits in any task; each
  * becomes float times its key's scale, then times its query's scale and `scale` (qf[c]). */
-static inline void dg_amx_scores_i8(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t L, int64_t Q,
-                                    const float *qf, float *sc, int64_t ls, int32_t *ctmp, dg_prefetch *pf,
-                                    int64_t pf_step) {
+static inline void dg_amx_scores_i8(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t t_begin,
+                                    int64_t L, int64_t c0, int64_t c1, const float *qf, float *sc, int64_t ls,
+                                    int32_t *ctmp, dg_prefetch *pf, int64_t pf_step) {
     const int64_t D = kv->D;
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(DG_AMX_Q));
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    for (int64_t t0 = t_begin; t0 < L; t0 += 16) {
         const int64_t slot = dg_amx_slot(kv, table, kh, t0), count = L - t0 < 16 ? L - t0 : 16;
         _tile_zero(0);
         _tile_loadd(6, (const int8_t *)kv->k + slot * D, D);
@@ -2269,7 +2272,7 @@ static inline void dg_amx_scores_i8(const dg_amx_cache *kv, const int64_t *table
         dg_prefetch_step(pf, pf_step);
         const __mmask16 keep = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1u);
         const __m512 ks = dg_amx_scales(kv, kv->ks, slot, count);
-        for (int64_t c = 0; c < Q; c++) {
+        for (int64_t c = c0; c < c1; c++) {
             const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_i32gather_epi32(idx, ctmp + c, 4)), ks);
             _mm512_mask_storeu_ps(sc + c * ls + t0, keep, _mm512_mul_ps(s, _mm512_set1_ps(qf[c])));
         }
@@ -2328,17 +2331,21 @@ static inline __m512i dg_amx_vrow(const dg_amx_cache *kv, int64_t slot, int64_t 
     return _mm512_loadu_si512((const void *)((const uint16_t *)kv->v + slot * kv->D + i));
 }
 
-/* O[c] = sum over keys < L of w[c][t] V[t], tiles 4-7 the sums, 1 the weights, 2 the interleaved V rows. */
-static inline void dg_amx_pv(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t L, int64_t lp,
-                             const uint16_t *pw, uint32_t *vb, dg_prefetch *pf, int64_t pf_step) {
+/* O[c] += sum over keys t in the 32-key blocks [t_begin, t_end) (live below L) of w[c][t] V[t]: tiles 4-7
+ * the sums (zeroed first where `fresh`), 1 the weights (rows of pw, ls apart), 2 the interleaved V rows. */
+static inline void dg_amx_pv(const dg_amx_cache *kv, const int64_t *table, int64_t kh, int64_t L, int64_t t_begin,
+                             int64_t t_end, int fresh, const uint16_t *pw, int64_t ls, uint32_t *vb, dg_prefetch *pf,
+                             int64_t pf_step) {
     const int64_t halves = kv->D / 32;
-    _tile_zero(4);
-    _tile_zero(5);
-    if (halves == 2) {
-        _tile_zero(6);
-        _tile_zero(7);
+    if (fresh) {
+        _tile_zero(4);
+        _tile_zero(5);
+        if (halves == 2) {
+            _tile_zero(6);
+            _tile_zero(7);
+        }
     }
-    for (int64_t t0 = 0; t0 < lp; t0 += 32) {
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += 32) {
         const int64_t slot = dg_amx_slot(kv, table, kh, t0); /* a 32-key block stays in its page */
         for (int64_t i = 0; i < 16; i++) {
             const int64_t t = t0 + 2 * i;
@@ -2350,7 +2357,7 @@ static inline void dg_amx_pv(const dg_amx_cache *kv, const int64_t *table, int64
             }
         }
         dg_prefetch_step(pf, pf_step);
-        _tile_loadd(1, pw + t0, lp * 2);
+        _tile_loadd(1, pw + t0, ls * 2);
         _tile_loadd(2, vb, 64);
         _tile_dpbf16ps(4, 1, 2);
         _tile_loadd(2, vb + 256, 64);
@@ -2364,6 +2371,22 @@ static inline void dg_amx_pv(const dg_amx_cache *kv, const int64_t *table, int64
     }
 }
 
+/* Decode rows whose page tables begin with the same pages (a shared prompt) attend as one task once
+ * they share at least this many keys. */
+#define DG_AMX_SHARE_MIN 64
+
+static int64_t dg_amx_shared_tasks = 0; /* such tasks run in this process (tests check they happen) */
+
+typedef struct {
+    int64_t page, row;
+} dg_amx_lead;
+
+static int dg_amx_lead_cmp(const void *a, const void *b) {
+    const dg_amx_lead *x = (const dg_amx_lead *)a, *y = (const dg_amx_lead *)b;
+    if (x->page != y->page) return x->page < y->page ? -1 : 1;
+    return x->row < y->row ? -1 : x->row > y->row;
+}
+
 static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                              const void *k_scale, const void *v_scale, int scale_half, const int64_t *page_tables, int64_t max_pages, const int64_t *row_seq,
                              const int64_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
@@ -2372,27 +2395,73 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
     const dg_amx_cache kv = {k_cache, v_cache, k_scale, v_scale, scale_half, KVH, page_size, D};
     const int i8 = k_scale != NULL;
     const int64_t row_bytes = D * (i8 ? 1 : 2);
-    /* Tasks (first row, rows, K/V head): a sequence's consecutive rows in groups, each group head by
-     * head; at most B * KVH of them. */
+    /* Tasks (first, rows, K/V head, shared keys), each group head by head; at most B * KVH of them:
+     * - shared < 0: rows first.. of one sequence (a verify step's or a prefill chunk's tokens), which
+     *   read its keys up to the longest row's;
+     * - shared >= 0: rows gm[first..], each the only row of its sequence in the step, whose first
+     *   `shared` keys lie on the same pages: those keys' scores and V sums are made once for all the
+     *   rows, then each row's own keys are added to its sums alone. */
     const size_t most = (size_t)(B * KVH);
-    int64_t *tasks = (int64_t *)malloc((4 * most + 2 * DG_MAX_SHARES) * sizeof(int64_t));
+    int64_t *tasks = (int64_t *)malloc((5 * most + 2 * DG_MAX_SHARES + 7 * (size_t)B) * sizeof(int64_t));
     if (!tasks) abort();
-    int64_t *cost = tasks + 3 * most, *share = cost + most;
-    int64_t total = 0, ntask = 0;
+    int64_t *cost = tasks + 4 * most, *share = cost + most, *gm = share + 2 * DG_MAX_SHARES;
+    /* by row: its group's first member in gm (-1: none; -2: a member, not the first), their count and
+     * the keys they share */
+    int64_t *gfirst = gm + B, *gcount = gfirst + B, *gshared = gcount + B;
+    dg_amx_lead *lead = (dg_amx_lead *)(gshared + B);
+    int64_t total = 0, ntask = 0, nlead = 0, placed = 0;
+    for (int64_t r = 0; r < B; r++) {
+        const int64_t seq = row_seq ? row_seq[r] : r;
+        const int alone = !row_seq || ((r == 0 || row_seq[r - 1] != seq) && (r + 1 == B || row_seq[r + 1] != seq));
+        gfirst[r] = -1;
+        if (alone && seq_lens[r] >= DG_AMX_SHARE_MIN) lead[nlead].page = page_tables[seq * max_pages], lead[nlead++].row = r;
+    }
+    if (nlead > 1) qsort(lead, (size_t)nlead, sizeof *lead, dg_amx_lead_cmp);
+    for (int64_t i = 0, j; i < nlead; i = j) {
+        const int64_t r0 = lead[i].row;
+        const int64_t *t0 = page_tables + (row_seq ? row_seq[r0] : r0) * max_pages;
+        int64_t keys = seq_lens[r0] / 32 * 32; /* shared so far: whole 32-key blocks every row sees */
+        for (j = i + 1; j < nlead && j - i < group && lead[j].page == lead[i].page; j++) {
+            const int64_t r = lead[j].row, len = seq_lens[r] / 32 * 32, upto = len < keys ? len : keys;
+            const int64_t *t = page_tables + (row_seq ? row_seq[r] : r) * max_pages;
+            int64_t c = 0;
+            while (c < upto && t[c / page_size] == t0[c / page_size]) c += page_size;
+            if ((c < upto ? c : upto) < DG_AMX_SHARE_MIN) break;
+            keys = c < upto ? c : upto;
+        }
+        if (j - i < 2) continue;
+        gfirst[r0] = placed, gcount[r0] = j - i, gshared[r0] = keys;
+        for (int64_t k = i; k < j; k++) {
+            if (k > i) gfirst[lead[k].row] = -2;
+            gm[placed++] = lead[k].row;
+        }
+    }
     for (int64_t s = 0; s < B;) {
         int64_t e = s + 1;
         while (row_seq && e < B && row_seq[e] == row_seq[s]) e++;
-        for (int64_t kh = 0; kh < KVH; kh++)
-            for (int64_t r = s; r < e; r += group, ntask++) {
-                const int64_t rows = e - r < group ? e - r : group;
-                tasks[3 * ntask] = r, tasks[3 * ntask + 1] = rows, tasks[3 * ntask + 2] = kh;
-                cost[ntask] = 16 + seq_lens[r + rows - 1], total += cost[ntask];
+        if (gfirst[s] >= 0) {
+            const int64_t f = gfirst[s], n = gcount[s], shared = gshared[s];
+            int64_t c = 16 + shared;
+            for (int64_t k = 0; k < n; k++) c += 16 + seq_lens[gm[f + k]] - shared;
+            for (int64_t kh = 0; kh < KVH; kh++, ntask++) {
+                tasks[4 * ntask] = f, tasks[4 * ntask + 1] = n, tasks[4 * ntask + 2] = kh, tasks[4 * ntask + 3] = shared;
+                cost[ntask] = c, total += c;
             }
+            __atomic_fetch_add(&dg_amx_shared_tasks, KVH, __ATOMIC_RELAXED);
+        } else if (gfirst[s] == -1) {
+            for (int64_t kh = 0; kh < KVH; kh++)
+                for (int64_t r = s; r < e; r += group, ntask++) {
+                    const int64_t rows = e - r < group ? e - r : group;
+                    tasks[4 * ntask] = r, tasks[4 * ntask + 1] = rows, tasks[4 * ntask + 2] = kh, tasks[4 * ntask + 3] = -1;
+                    cost[ntask] = 16 + seq_lens[r + rows - 1], total += cost[ntask];
+                }
+        }
         s = e;
     }
     const int threads = dg_share_tasks(cost, ntask, total, share);
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const int64_t halves = D / 32;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         dg_tile_config cfg;
@@ -2405,38 +2474,45 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
         int at = omp_get_thread_num() % threads;
         for (int64_t next = dg_claim(share, threads, &at), after; next >= 0; next = after) {
             after = dg_claim(share, threads, &at);
-            const int64_t r0 = tasks[3 * next], rows = tasks[3 * next + 1], kh = tasks[3 * next + 2];
+            const int64_t f = tasks[4 * next], rows = tasks[4 * next + 1], kh = tasks[4 * next + 2];
+            const int64_t shared = tasks[4 * next + 3];
             const int64_t Q = rows * per_kv;
+#define DG_AMX_ROW(f, shared, i) ((shared) < 0 ? (f) + (i) : gm[(f) + (i)])
+#define DG_AMX_TABLE(r) (page_tables + (row_seq ? row_seq[r] : (r)) * max_pages)
             int64_t L = 0;
-            for (int64_t r = r0; r < r0 + rows; r++) L = seq_lens[r] > L ? seq_lens[r] : L;
+            for (int64_t i = 0; i < rows; i++) L = seq_lens[DG_AMX_ROW(f, shared, i)] > L ? seq_lens[DG_AMX_ROW(f, shared, i)] : L;
             const int64_t lp = (L + 31) / 32 * 32; /* keys in whole 32-key blocks */
-            const int64_t seq = row_seq ? row_seq[r0] : r0;
-            const int64_t *table = page_tables + seq * max_pages;
-            /* The next task's keys, where they are not this task's (its sequence and head). */
-            const int64_t nr = after >= 0 ? tasks[3 * after] : 0, nkh = after >= 0 ? tasks[3 * after + 2] : 0;
-            const int64_t nseq = row_seq ? row_seq[nr] : nr;
-            const int fetch = after >= 0 && (nseq != seq || nkh != kh);
+            const int64_t *table = DG_AMX_TABLE(DG_AMX_ROW(f, shared, 0));
+            /* The next task's keys (its first row's), where they are not this task's. */
+            int64_t nr = 0, nkh = 0, nlen = 0;
+            if (after >= 0) {
+                const int64_t af = tasks[4 * after], ashared = tasks[4 * after + 3];
+                nr = DG_AMX_ROW(af, ashared, 0), nkh = tasks[4 * after + 2];
+                nlen = ashared < 0 ? seq_lens[af + tasks[4 * after + 1] - 1] : seq_lens[nr];
+            }
+            const int fetch = after >= 0 && (DG_AMX_TABLE(nr) != table || nkh != kh);
             dg_prefetch pf;
             dg_prefetch_start(&pf, k_cache, v_cache, k_scale, v_scale, scale_half ? 2 : 4,
-                              fetch ? page_tables + nseq * max_pages : NULL, nkh, KVH, page_size, row_bytes,
-                              fetch ? seq_lens[nr + tasks[3 * after + 1] - 1] : 0);
+                              fetch ? DG_AMX_TABLE(nr) : NULL, nkh, KVH, page_size, row_bytes, fetch ? nlen : 0);
             const int64_t blocks = (L + 15) / 16 + lp / 32;
             const int64_t pf_step = 1 + dg_prefetch_lines(&pf) / blocks;
-            /* scratch: scores [16][lp], weights [16][lp] bfloat16, queries 2 x [16][16] pairs (int8:
-             * [16][16][4]), V pairs 4 x [16][16], a tile of sums [16][16], outputs 4 x [16][16] */
-            const size_t floats = (size_t)(DG_AMX_Q * lp + DG_AMX_Q * lp / 2 + 2 * 256 + 4 * 256 + 256 + 4 * 256 + 16);
+            /* scratch: scores [16][lp], weights [32][lp] bfloat16 (a row's own keys read 16 rows from
+             * its first), queries 2 x [16][16] pairs (int8: [16][16][4]), V pairs 4 x [16][16], a tile
+             * of sums [16][16], outputs 4 x [16][16] (and 16 rows past them), a row's own sums 4 x [16][16] */
+            const size_t floats = (size_t)(DG_AMX_Q * lp + DG_AMX_Q * lp + 2 * 256 + 4 * 256 + 256 + 5 * 256 +
+                                           4 * 256 + 16);
             float *sc = (float *)dg_grow(&dg_amx_tls, floats * sizeof(float));
             if (!sc) abort();
             uint16_t *pw = (uint16_t *)(sc + DG_AMX_Q * lp);
-            uint32_t *qb = (uint32_t *)(sc + DG_AMX_Q * lp + DG_AMX_Q * lp / 2);
+            uint32_t *qb = (uint32_t *)(sc + DG_AMX_Q * lp + DG_AMX_Q * lp);
             uint32_t *vb = qb + 2 * 256;
-            float *ctmp = (float *)(vb + 4 * 256), *otmp = ctmp + 256;
+            float *ctmp = (float *)(vb + 4 * 256), *otmp = ctmp + 256, *mtmp = otmp + 5 * 256;
             /* queries as bfloat16 pairs by dimension: qb[h][i][c] = (q_c[32h + 2i], q_c[32h + 2i + 1]);
              * for an int8 cache, as int8 4-value groups (dg_amx_query_i8) */
             memset(qb, 0, 2 * 256 * sizeof(uint32_t));
             float qf[DG_AMX_Q]; /* int8: each query's scale times `scale` */
             for (int64_t c = 0; c < Q; c++) {
-                const float *qv = q + (r0 + c / per_kv) * q_stride + (kh * per_kv + c % per_kv) * D;
+                const float *qv = q + DG_AMX_ROW(f, shared, c / per_kv) * q_stride + (kh * per_kv + c % per_kv) * D;
                 if (i8) {
                     dg_amx_query_i8(qv, D, c, (int8_t *)qb, qf + c);
                     qf[c] *= scale;
@@ -2450,23 +2526,58 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
                 }
             }
             _tile_loadd(3, qb, 64);
-            if (i8) {
-                dg_amx_scores_i8(&kv, table, kh, L, Q, qf, sc, lp, (int32_t *)ctmp, &pf, pf_step);
-            } else {
-                if (D == 64) _tile_loadd(4, qb + 256, 64);
-                dg_amx_scores(&kv, table, kh, L, Q, scale, sc, lp, ctmp, &pf, pf_step);
+            if (!i8 && D == 64) _tile_loadd(4, qb + 256, 64);
+            /* Scores: the keys all rows read (the shared ones, or a sequence's), then a row's own. */
+            const int64_t common = shared < 0 ? L : shared;
+            if (i8)
+                dg_amx_scores_i8(&kv, table, kh, 0, common, 0, Q, qf, sc, lp, (int32_t *)ctmp, &pf, pf_step);
+            else
+                dg_amx_scores(&kv, table, kh, 0, common, 0, Q, scale, sc, lp, ctmp, &pf, pf_step);
+            for (int64_t i = 0; shared >= 0 && i < rows; i++) {
+                const int64_t r = gm[f + i], c0 = i * per_kv;
+                if (i8)
+                    dg_amx_scores_i8(&kv, DG_AMX_TABLE(r), kh, shared, seq_lens[r], c0, c0 + per_kv, qf, sc, lp,
+                                     (int32_t *)ctmp, &pf, pf_step);
+                else
+                    dg_amx_scores(&kv, DG_AMX_TABLE(r), kh, shared, seq_lens[r], c0, c0 + per_kv, scale, sc, lp, ctmp,
+                                  &pf, pf_step);
             }
-            for (int64_t c = 0; c < Q; c++)
-                dg_amx_softmax(&kv, table, kh, sc + c * lp, seq_lens[r0 + c / per_kv], lp, pw + c * lp);
-            dg_amx_pv(&kv, table, kh, L, lp, pw, vb, &pf, pf_step);
+            for (int64_t c = 0; c < Q; c++) {
+                const int64_t r = DG_AMX_ROW(f, shared, c / per_kv);
+                dg_amx_softmax(&kv, DG_AMX_TABLE(r), kh, sc + c * lp, seq_lens[r], lp, pw + c * lp);
+            }
+            /* V sums over the shared keys; then each row's own from its queries' sums so far (tiles
+             * 4-7 loaded from its rows on: its sums are the tile's first rows, the rest discarded) */
+            dg_amx_pv(&kv, table, kh, L, 0, shared < 0 ? lp : shared, 1, pw, lp, vb, &pf, pf_step);
             _tile_stored(4, otmp, 64);
             _tile_stored(5, otmp + 256, 64);
-            if (D == 64) {
+            if (halves == 2) {
                 _tile_stored(6, otmp + 512, 64);
                 _tile_stored(7, otmp + 768, 64);
             }
+            for (int64_t i = 0; shared >= 0 && i < rows; i++) {
+                const int64_t r = gm[f + i], own = (seq_lens[r] + 31) / 32 * 32;
+                if (own <= shared) continue;
+                float *oi = otmp + i * per_kv * 16;
+                _tile_loadd(4, oi, 64);
+                _tile_loadd(5, oi + 256, 64);
+                if (halves == 2) {
+                    _tile_loadd(6, oi + 512, 64);
+                    _tile_loadd(7, oi + 768, 64);
+                }
+                dg_amx_pv(&kv, DG_AMX_TABLE(r), kh, seq_lens[r], shared, own, 0, pw + i * per_kv * lp, lp, vb, &pf,
+                          pf_step);
+                _tile_stored(4, mtmp, 64);
+                _tile_stored(5, mtmp + 256, 64);
+                if (halves == 2) {
+                    _tile_stored(6, mtmp + 512, 64);
+                    _tile_stored(7, mtmp + 768, 64);
+                }
+                for (int64_t h = 0; h < 2 * halves; h++)
+                    memcpy(oi + h * 256, mtmp + h * 256, (size_t)per_kv * 16 * sizeof(float));
+            }
             for (int64_t c = 0; c < Q; c++) {
-                float *o = out + (r0 + c / per_kv) * H * D + (kh * per_kv + c % per_kv) * D;
+                float *o = out + DG_AMX_ROW(f, shared, c / per_kv) * H * D + (kh * per_kv + c % per_kv) * D;
                 for (int64_t h = 0; h < D / 32; h++) {
                     const __m512 lo = _mm512_loadu_ps(otmp + (2 * h) * 256 + c * 16);
                     const __m512 hi = _mm512_loadu_ps(otmp + (2 * h + 1) * 256 + c * 16);
@@ -2474,12 +2585,23 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
                     _mm512_storeu_ps(o + 32 * h + 16, _mm512_permutex2var_ps(lo, second, hi));
                 }
             }
+#undef DG_AMX_ROW
+#undef DG_AMX_TABLE
         }
         _tile_release();
     }
     free(tasks);
 }
 #endif
+
+/* How many tile attention tasks have served rows of several sequences at once (0 without tiles). */
+int64_t dg_shared_attention_tasks(void) {
+#if defined(DG_AMX)
+    return __atomic_load_n(&dg_amx_shared_tasks, __ATOMIC_RELAXED);
+#else
+    return 0;
+#endif
+}
 
 /* Whether a bfloat16 or int8 cache of this geometry is attended on tiles here: heads of 32 or 64
  * values, pages of 32s (a 32-key block stays in its page), at most 16 query heads per K/V head (a
