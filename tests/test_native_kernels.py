@@ -626,6 +626,31 @@ def test_chunk_rows_match_plain_causal_attention_and_decoding_alone(
     assert torch.allclose(got, ref, rtol=tol, atol=tol)
 
 
+def _cache_numbers_only_at(
+    slots: list[tuple[int, int]], int8: bool, pages: int, kvh: int, page_size: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A paged K/V cache (bfloat16, or int8 with float16 scales) holding numbers only at the (page,
+    slot)s given, NaN everywhere else (an int8 cache: NaN scales there), as a reused page may hold."""
+    nan = float("nan")
+    if int8:  # whatever bytes past the ends, NaN scales there
+        kc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
+        vc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
+        ks: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
+        vs: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
+    else:
+        kc = torch.full((pages, kvh, page_size, dim), nan).bfloat16()
+        vc = kc.clone()
+        ks = vs = None
+    for page, slot in slots:
+        if ks is not None and vs is not None:
+            ks[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
+            vs[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
+        else:
+            kc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+            vc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+    return kc, vc, ks, vs
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["bfloat16", "int8"])
 @pytest.mark.parametrize("per_kv", [3, 16, 17])  # 5 rows a tile task, 1, and past the tiles' 16 columns
 def test_tile_attention_matches_the_vectors_and_reads_no_slot_past_a_sequence(
@@ -643,25 +668,12 @@ def test_tile_attention_matches_the_vectors_and_reads_no_slot_past_a_sequence(
     chunks = ((0, 23), (90, 1), (31, 2), (200, 7), (5, 64))  # (cached tokens, new tokens)
     per_seq = 4
     tables = torch.randperm(pages)[: len(chunks) * per_seq].view(len(chunks), per_seq).contiguous()
-    nan = float("nan")
-    if int8:  # whatever bytes past the ends, NaN scales there
-        kc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
-        vc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
-        ks: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
-        vs: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
-    else:
-        kc = torch.full((pages, kvh, page_size, dim), nan).bfloat16()
-        vc = kc.clone()
-        ks = vs = None
-    for i, (cached, new) in enumerate(chunks):  # only each sequence's own slots hold numbers
-        for pos in range(cached + new):
-            page, slot = int(tables[i, pos // page_size]), pos % page_size
-            if ks is not None and vs is not None:
-                ks[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
-                vs[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
-            else:
-                kc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
-                vc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+    own = [
+        (int(tables[i, pos // page_size]), pos % page_size)
+        for i, (c, n) in enumerate(chunks)
+        for pos in range(c + n)
+    ]
+    kc, vc, ks, vs = _cache_numbers_only_at(own, int8, pages, kvh, page_size, dim)
     row_seq = torch.tensor([i for i, (_, n) in enumerate(chunks) for _ in range(n)])
     row_lens = torch.tensor([c + j + 1 for c, n in chunks for j in range(n)])
     q = torch.randn(len(row_lens), heads, dim)
@@ -714,29 +726,13 @@ def test_decode_rows_on_a_shared_prompt_share_tile_tasks_and_get_what_they_get_a
     ]
     max_pages = max(len(t) for t in tables_list)
     tables = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables_list])
-    nan = float("nan")
-    if int8:
-        kc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
-        vc = torch.randint(-127, 128, (pages, kvh, page_size, dim), dtype=torch.int8)
-        ks: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
-        vs: torch.Tensor | None = torch.full((pages, kvh, page_size), nan, dtype=torch.float16)
-    else:
-        kc = torch.full((pages, kvh, page_size, dim), nan).bfloat16()
-        vc = kc.clone()
-        ks = vs = None
-    written: set[tuple[int, int]] = set()
-    for table, (_, keys) in zip(tables_list, plan, strict=True):
-        for pos in range(keys):
-            page, slot = table[pos // page_size], pos % page_size
-            if (page, slot) in written:  # a shared page's slot holds one value for every reader
-                continue
-            written.add((page, slot))
-            if ks is not None and vs is not None:
-                ks[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
-                vs[page, :, slot] = (torch.rand(kvh) / 64 + 1e-3).half()
-            else:
-                kc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
-                vc[page, :, slot] = torch.randn(kvh, dim).bfloat16()
+    # a shared page's slot holds one value for every reader
+    slots = {
+        (t[pos // page_size], pos % page_size)
+        for t, (_, keys) in zip(tables_list, plan, strict=True)
+        for pos in range(keys)
+    }
+    kc, vc, ks, vs = _cache_numbers_only_at(sorted(slots), int8, pages, kvh, page_size, dim)
     decoders = torch.randperm(len(plan) - 1).tolist()  # the decode rows in any order
     verify = len(plan) - 1
     row_seq = torch.tensor(decoders + [verify] * 4)

@@ -2409,6 +2409,7 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
      * the keys they share */
     int64_t *gfirst = gm + B, *gcount = gfirst + B, *gshared = gcount + B;
     dg_amx_lead *lead = (dg_amx_lead *)(gshared + B);
+#define DG_AMX_TABLE(r) (page_tables + (row_seq ? row_seq[r] : (r)) * max_pages)
     int64_t total = 0, ntask = 0, nlead = 0, placed = 0;
     for (int64_t r = 0; r < B; r++) {
         const int64_t seq = row_seq ? row_seq[r] : r;
@@ -2419,15 +2420,16 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
     if (nlead > 1) qsort(lead, (size_t)nlead, sizeof *lead, dg_amx_lead_cmp);
     for (int64_t i = 0, j; i < nlead; i = j) {
         const int64_t r0 = lead[i].row;
-        const int64_t *t0 = page_tables + (row_seq ? row_seq[r0] : r0) * max_pages;
+        const int64_t *t0 = DG_AMX_TABLE(r0);
         int64_t keys = seq_lens[r0] / 32 * 32; /* shared so far: whole 32-key blocks every row sees */
         for (j = i + 1; j < nlead && j - i < group && lead[j].page == lead[i].page; j++) {
             const int64_t r = lead[j].row, len = seq_lens[r] / 32 * 32, upto = len < keys ? len : keys;
-            const int64_t *t = page_tables + (row_seq ? row_seq[r] : r) * max_pages;
+            const int64_t *t = DG_AMX_TABLE(r);
             int64_t c = 0;
             while (c < upto && t[c / page_size] == t0[c / page_size]) c += page_size;
-            if ((c < upto ? c : upto) < DG_AMX_SHARE_MIN) break;
-            keys = c < upto ? c : upto;
+            if (c > upto) c = upto;
+            if (c < DG_AMX_SHARE_MIN) break;
+            keys = c;
         }
         if (j - i < 2) continue;
         gfirst[r0] = placed, gcount[r0] = j - i, gshared[r0] = keys;
@@ -2478,9 +2480,11 @@ static void dg_attention_amx(const float *q, int64_t q_stride, const void *k_cac
             const int64_t shared = tasks[4 * next + 3];
             const int64_t Q = rows * per_kv;
 #define DG_AMX_ROW(f, shared, i) ((shared) < 0 ? (f) + (i) : gm[(f) + (i)])
-#define DG_AMX_TABLE(r) (page_tables + (row_seq ? row_seq[r] : (r)) * max_pages)
             int64_t L = 0;
-            for (int64_t i = 0; i < rows; i++) L = seq_lens[DG_AMX_ROW(f, shared, i)] > L ? seq_lens[DG_AMX_ROW(f, shared, i)] : L;
+            for (int64_t i = 0; i < rows; i++) {
+                const int64_t len = seq_lens[DG_AMX_ROW(f, shared, i)];
+                L = len > L ? len : L;
+            }
             const int64_t lp = (L + 31) / 32 * 32; /* keys in whole 32-key blocks */
             const int64_t *table = DG_AMX_TABLE(DG_AMX_ROW(f, shared, 0));
             /* The next task's keys (its first row's), where they are not this task's. */
