@@ -9,7 +9,8 @@
   keeping its best; each adaptive run's cost;
 - the n-gram drafter's bound on the batch-1 run (drafter_ceiling.py): the trace's outputs replayed
   with an oracle's draft lengths, priced by the adaptive run's learned step costs, beside the ratio
-  the policy got.
+  the policy got, and the served policy replayed over the same outputs and prices
+  (policy_replay.py): what its choices are worth without host noise or drift.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from benchmarks.inprocess.drafter_ceiling import replay
 from benchmarks.inprocess.host_cost import timed_forward
+from benchmarks.inprocess.policy_replay import replay_policy
 from benchmarks.inprocess.throughput import served_kv_cache
 from benchmarks.serving.trace import editing_trace
 from benchmarks.workloads import load_workloads
@@ -113,11 +115,18 @@ def _costs(cost: StepCost) -> str:
     return ", ".join(f"{r}: {s * 1000:.1f}" for r, s in zip(cost.rows, cost.seconds, strict=True))
 
 
-def _bound_lines(specs: Sequence[JobSpec], bests: dict[str, BatchOneRun], cost: StepCost) -> list[str]:
-    """The n-gram drafter's bound on the trace (drafter_ceiling.py) beside what the policy got."""
+def _bound_lines(
+    specs: Sequence[JobSpec], bests: dict[str, BatchOneRun], cost: StepCost, start: StepCost
+) -> list[str]:
+    """The n-gram drafter's bound on the trace (drafter_ceiling.py) beside what the policy got, and
+    the policy replayed over the same outputs and prices (policy_replay.py; its table starting
+    from `start`, the adaptive run's warm-up table)."""
     base, adaptive = bests["none"], bests[ADAPTIVE]
-    reqs = replay([s.prompt_ids for s in specs], base.outputs, cost, MODES[ADAPTIVE])
+    prompts = [s.prompt_ids for s in specs]
+    reqs = replay(prompts, base.outputs, cost, MODES[ADAPTIVE])
+    replayed = replay_policy(prompts, base.outputs, cost, start, MODES[ADAPTIVE])
     plain, oracle = sum(r.plain_seconds for r in reqs), sum(r.seconds for r in reqs)
+    policy = sum(r.seconds for r in replayed)
     first = base.first_token_seconds
     lines = [
         "### The n-gram drafter's bound at batch 1: a policy that verifies exactly the drafts that are kept",
@@ -125,17 +134,19 @@ def _bound_lines(specs: Sequence[JobSpec], bests: dict[str, BatchOneRun], cost: 
         "steps priced by the adaptive run's cost table as its steps left it (whole steps, forward and host "
         f"work; rows: ms) {_costs(cost)}; the requests' prefill (the none run's, {first:.2f} s) added to both sides",
         "",
-        "| request | output tokens | decode tokens a step | decode speedup | measured (adaptive) |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| request | output tokens | decode tokens a step | decode speedup | policy replayed | measured (adaptive) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for i, r in enumerate(reqs):
+    for i, (r, p) in enumerate(zip(reqs, replayed, strict=True)):
         measured = base.decode_seconds[i] / adaptive.decode_seconds[i]
         lines.append(
-            f"| {i} | {r.tokens} | {(r.tokens - 1) / max(r.steps, 1):.2f} | {r.speedup:.2f}x | {measured:.2f}x |"
+            f"| {i} | {r.tokens} | {(r.tokens - 1) / max(r.steps, 1):.2f} | {r.speedup:.2f}x | "
+            f"{p.speedup:.2f}x | {measured:.2f}x |"
         )
     lines += [
         "",
         f"bound: {(plain + first) / (oracle + first):.2f}x end to end ({plain / oracle:.2f}x in decode); "
+        f"policy replayed: {(plain + first) / (policy + first):.2f}x ({plain / policy:.2f}x); "
         f"measured: adaptive {base.seconds / adaptive.seconds:.2f}x end to end",
     ]
     return lines
@@ -157,6 +168,7 @@ def run(workloads: Path | None, requests: int = 12, rounds: int = 2) -> str:
     costs: list[str] = []
     bests: dict[str, BatchOneRun] = {}
     learned: dict[str, StepCost] = {}
+    warm: dict[str, StepCost] = {}  # each adaptive mode's table as warm-up measured it
     # Rounds interleaved, as W1's below: the machine's speed drifts by ~10% over minutes here, and
     # modes run back to back would each meet their own part of it (one run read 2.10x against
     # the 1.82-1.99x of others because its no-draft rounds met a slow spell).
@@ -165,6 +177,7 @@ def run(workloads: Path | None, requests: int = 12, rounds: int = 2) -> str:
             gen = _generator(loaded, speculation, pages=64)
             if gen.speculation.policy is not None and name not in bests:
                 costs.append(_costs(gen.speculation.policy.cost))
+                warm[name] = gen.speculation.policy.cost
             got = _one_at_a_time(gen, edits)
             if name not in bests or got.seconds < bests[name].seconds:
                 bests[name] = got
@@ -186,7 +199,7 @@ def run(workloads: Path | None, requests: int = 12, rounds: int = 2) -> str:
         f"none run's {base.seconds:.2f} s; decode tok/s counts the tokens after each first one",
     ]
     lines += ["", "step cost measured at warm-up (rows: ms): " + "; ".join(costs)]
-    lines += ["", *_bound_lines(edits, bests, learned[ADAPTIVE])]
+    lines += ["", *_bound_lines(edits, bests, learned[ADAPTIVE], warm[ADAPTIVE])]
     w1 = load_workloads(workloads)["W1"]
     prompts = [tuple(loaded.tokenizer.encode_chat([ChatMessage("user", m)])) for m in w1["user_messages"]]
     w1_specs = [JobSpec(p, max_new_tokens=int(w1["max_new_tokens"]), ignore_eos=True) for p in prompts]
