@@ -3,12 +3,16 @@ GPU's memory bandwidth a batch-1 decode step achieves.
 
 `python -m benchmarks gpu` (needs a CUDA device). The bandwidth fraction is the weight bytes a
 decode step streams (every projection's chosen kind at one row, and the head) times the tokens
-per second, over the device's own copy rate (read + write of a 1 GiB buffer): what bounds batch 1.
+per second, over the device's own copy rate (read + write of a 1 GiB buffer): what bounds batch 1
+when the device is busy. Beside it, from torch's profiler over a single stream's decode steps: the
+kernel launches a step makes and the device's busy time a step against the step's time, which
+tell a host-bound step (the device idle between launches) from a device-bound one.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +46,27 @@ def copy_bandwidth(device: torch.device, size: int = 1 << 30) -> float:
     return 2 * size / best
 
 
+@dataclass(frozen=True)
+class StepProfile:
+    launches: float  # kernel launches a decode step
+    busy_ms: float  # the device's kernel time a decode step
+
+
+def step_profile(one: OneJob, steps: int = 32) -> StepProfile:
+    """Launches and device time per decode step of a single stream (its prefill step counted in:
+    one of `steps` + 1)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    one(2)  # warm
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one(steps + 1)
+    events = prof.key_averages()
+    # cudaLaunchKernel (torch's kernels) and cuLaunchKernel / cuLaunchKernelEx (Triton's)
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+    busy_us = sum(e.self_device_time_total for e in events)
+    return StepProfile(launches / (steps + 1), busy_us / 1e3 / (steps + 1))
+
+
 def step_weight_bytes(model: LlamaModel) -> int:
     """Weight bytes one decode step at batch 1 streams."""
 
@@ -65,15 +90,16 @@ def run(workloads: Path | None, new_tokens: int = 128) -> str:
         prompts = [tuple(loaded.tokenizer.encode_chat([ChatMessage("user", m)])) for m in w["user_messages"]]
         one = OneJob(loaded, prompts[0])
         single = decode_rate(one, new_tokens)
+        prof = step_profile(one)
         one.close()
         w1 = run_dyngen(loaded, prompts, w["max_new_tokens"], w["ignore_eos"])
         fraction = step_weight_bytes(loaded.model) * single / peak
         dtype = str(loaded.model.dtype).removeprefix("torch.")
-        rows.append(
-            Row(
-                f"single stream, --quant {mode.value}", dtype, single, "", f"{fraction:.0%} of copy bandwidth"
-            )
+        note = (
+            f"{fraction:.1%} of copy bandwidth; {prof.launches:.0f} launches a step, the device busy "
+            f"{prof.busy_ms:.2f} of {1e3 / single:.2f} ms"
         )
+        rows.append(Row(f"single stream, --quant {mode.value}", dtype, single, "", note))
         rows.append(Row(f"W1, --quant {mode.value}", dtype, w1.tokens_per_second, ""))
         lines.append(f"--quant {mode.value}: {loaded.model.describe()}")
         del loaded
