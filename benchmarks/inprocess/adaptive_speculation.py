@@ -165,7 +165,6 @@ def run(workloads: Path | None, requests: int = 12, rounds: int = 2) -> str:
         "| speculation | tok/s | vs none | decode tok/s | vs none | drafts kept / verified | same tokens as none |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    costs: list[str] = []
     bests: dict[str, BatchOneRun] = {}
     learned: dict[str, StepCost] = {}
     warm: dict[str, StepCost] = {}  # each adaptive mode's table as warm-up measured it
@@ -176,7 +175,6 @@ def run(workloads: Path | None, requests: int = 12, rounds: int = 2) -> str:
         for name, speculation in _turns(MODES, round_):
             gen = _generator(loaded, speculation, pages=64)
             if gen.speculation.policy is not None and name not in bests:
-                costs.append(_costs(gen.speculation.policy.cost))
                 warm[name] = gen.speculation.policy.cost
             got = _one_at_a_time(gen, edits)
             if name not in bests or got.seconds < bests[name].seconds:
@@ -198,7 +196,7 @@ def run(workloads: Path | None, requests: int = 12, rounds: int = 2) -> str:
         f"first tokens (prefill, the same for every mode): {base.first_token_seconds:.2f} s of the "
         f"none run's {base.seconds:.2f} s; decode tok/s counts the tokens after each first one",
     ]
-    lines += ["", "step cost measured at warm-up (rows: ms): " + "; ".join(costs)]
+    lines += ["", "step cost measured at warm-up (rows: ms): " + "; ".join(_costs(c) for c in warm.values())]
     lines += ["", *_bound_lines(edits, bests, learned[ADAPTIVE], warm[ADAPTIVE])]
     w1 = load_workloads(workloads)["W1"]
     prompts = [tuple(loaded.tokenizer.encode_chat([ChatMessage("user", m)])) for m in w1["user_messages"]]

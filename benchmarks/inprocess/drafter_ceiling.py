@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.ids import JobId
 from engine.speculation.draft_policy import StepCost
 from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
 from engine.speculation.speculation_step import make_drafter
-from engine.speculation.speculative import DraftRequest, accept_matching
+from engine.speculation.speculative import Drafter, DraftRequest, accept_matching
 
 
 @dataclass(frozen=True)
@@ -43,37 +44,78 @@ class RequestCeiling:
         return self.plain_seconds / self.seconds if self.seconds > 0 else 1.0
 
 
+class StepRule(Protocol):
+    """How one replayed step of a job chooses what it verifies."""
+
+    def step(
+        self, drafter: Drafter, job: JobId, tokens: Sequence[int], ahead: Sequence[int]
+    ) -> tuple[int, int]:
+        """The step's rows and the draft tokens it keeps, for a job whose accepted `tokens` the
+        output continues with `ahead` (the step's own token first)."""
+        ...
+
+    def finished(self, job: JobId) -> None: ...
+
+
+def replay_requests(
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    cost: StepCost,
+    speculation: SpeculationConfig,
+    rule: StepRule,
+) -> list[RequestCeiling]:
+    """Each request's decode steps under `rule`, in order, through the n-gram drafter `speculation`
+    configures and its corpus of the earlier requests' outputs, priced by `cost`. A request's first
+    output token comes from its prefill; each later step takes its own token and the drafts it kept."""
+    if speculation.kind is not DrafterKind.NGRAM:
+        raise ValueError(f"the replay runs the n-gram drafter, not {speculation.kind.value}")
+    drafter = make_drafter(speculation, None, 0, 0, 0)
+    assert drafter is not None
+    out: list[RequestCeiling] = []
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        job = JobId(f"replay-{i}")
+        tokens = [*prompt, *output[:1]]
+        steps, seconds, j = 0, 0.0, 1
+        while j < len(output):
+            rows, kept = rule.step(drafter, job, tokens, output[j:])
+            tokens.extend(output[j : j + kept + 1])
+            j += kept + 1
+            steps += 1
+            seconds += cost.at(rows)
+        rule.finished(job)
+        drafter.finished("", tokens, len(prompt))
+        drafter.forget(job)
+        out.append(RequestCeiling(len(output), steps, seconds, cost.at(1) * max(len(output) - 1, 0)))
+    return out
+
+
+@dataclass(frozen=True)
+class _Oracle:
+    """Verifies exactly the draft tokens that will be kept, up to the per-job most."""
+
+    most: int
+
+    def step(
+        self, drafter: Drafter, job: JobId, tokens: Sequence[int], ahead: Sequence[int]
+    ) -> tuple[int, int]:
+        most = min(self.most, len(ahead) - 1)
+        proposal: tuple[int, ...] = ()
+        if most > 0:
+            (draft,) = drafter.propose([DraftRequest(job, tokens, (), most)])
+            proposal = draft.tokens
+        kept = accept_matching(ahead[: len(proposal)], proposal)
+        return 1 + kept, kept
+
+    def finished(self, job: JobId) -> None:
+        pass
+
+
 def replay(
     prompts: Sequence[Sequence[int]],
     outputs: Sequence[Sequence[int]],
     cost: StepCost,
     speculation: SpeculationConfig,
 ) -> list[RequestCeiling]:
-    """Each request's best case under the drafter `speculation` configures (an n-gram one), in order.
-
-    A request's first output token comes from its prefill; every later one from a decode step
-    that verifies the drafts the oracle keeps plus the step's own token."""
-    if speculation.kind is not DrafterKind.NGRAM:
-        raise ValueError(f"the ceiling replays the n-gram drafter, not {speculation.kind.value}")
-    drafter = make_drafter(speculation, None, 0, 0, 0)
-    assert drafter is not None
-    out: list[RequestCeiling] = []
-    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        job = JobId(f"ceiling-{i}")
-        tokens = [*prompt, *output[:1]]
-        steps, seconds, j = 0, 0.0, 1
-        while j < len(output):
-            most = min(speculation.num_draft_tokens, len(output) - j - 1)
-            proposal: tuple[int, ...] = ()
-            if most > 0:
-                (draft,) = drafter.propose([DraftRequest(job, tokens, (), most)])
-                proposal = draft.tokens
-            kept = accept_matching(output[j : j + len(proposal)], proposal)
-            tokens.extend(output[j : j + kept + 1])
-            j += kept + 1
-            steps += 1
-            seconds += cost.at(1 + kept)
-        drafter.finished("", tokens, len(prompt))
-        drafter.forget(job)
-        out.append(RequestCeiling(len(output), steps, seconds, cost.at(1) * max(len(output) - 1, 0)))
-    return out
+    """Each request's best case under the drafter `speculation` configures (an n-gram one), in order:
+    every decode step verifies the drafts the oracle keeps plus the step's own token."""
+    return replay_requests(prompts, outputs, cost, speculation, _Oracle(speculation.num_draft_tokens))

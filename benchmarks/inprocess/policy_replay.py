@@ -17,12 +17,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from benchmarks.inprocess.drafter_ceiling import RequestCeiling
+from benchmarks.inprocess.drafter_ceiling import RequestCeiling, replay_requests
 from engine.ids import JobId
 from engine.speculation.draft_policy import DraftPolicy, DraftWant, StepCost
 from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
-from engine.speculation.speculation_step import make_drafter
-from engine.speculation.speculative import DraftRequest, accept_matching
+from engine.speculation.speculative import Drafter, DraftRequest, accept_matching
+
+
+class _Served:
+    """The steps `SpeculationStep` makes for one job decoding alone, priced by `cost`."""
+
+    def __init__(self, policy: DraftPolicy, cost: StepCost) -> None:
+        self.policy = policy
+        self.cost = cost
+
+    def step(
+        self, drafter: Drafter, job: JobId, tokens: Sequence[int], ahead: Sequence[int]
+    ) -> tuple[int, int]:
+        # As SpeculationStep.plan and .draft: the most a job can use leaves room for the step's own
+        # token; a step of one job has one row before its drafts.
+        policy = self.policy
+        budget = policy.budgets([DraftWant(job, len(ahead) - 1)], 1)[job]
+        draft: tuple[int, ...] = ()
+        evidence: tuple[int, ...] = ()
+        if budget > 0:
+            (proposed,) = drafter.propose([DraftRequest(job, tokens, (), budget)])
+            draft = proposed.tokens
+            if proposed.evidence:
+                keep = policy.trim(proposed.evidence, 1)
+                draft, evidence = draft[:keep], proposed.evidence[:keep]
+        kept = accept_matching(ahead[: len(draft)], draft)
+        policy.verified(job, len(draft), kept, evidence)
+        rows = 1 + len(draft)
+        policy.observe(rows, self.cost.at(rows))
+        return rows, kept
+
+    def finished(self, job: JobId) -> None:
+        self.policy.forget(job)
 
 
 def replay_policy(
@@ -36,36 +67,5 @@ def replay_policy(
     in order, its steps priced by `cost`; the policy's table starts as `start`."""
     if speculation.kind is not DrafterKind.NGRAM or not speculation.adaptive:
         raise ValueError("the policy replay runs the adaptive n-gram drafter")
-    drafter = make_drafter(speculation, None, 0, 0, 0)
-    assert drafter is not None
     policy = DraftPolicy(start, speculation.num_draft_tokens, speculation.step_draft_tokens)
-    out: list[RequestCeiling] = []
-    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
-        job = JobId(f"policy-replay-{i}")
-        tokens = [*prompt, *output[:1]]
-        steps, seconds, j = 0, 0.0, 1
-        while j < len(output):
-            # As SpeculationStep.plan and .draft: the most a job can use leaves room for the
-            # step's own token; a step of one job has one row before its drafts.
-            budget = policy.budgets([DraftWant(job, len(output) - j - 1)], 1)[job]
-            draft: tuple[int, ...] = ()
-            evidence: tuple[int, ...] = ()
-            if budget > 0:
-                (proposed,) = drafter.propose([DraftRequest(job, tokens, (), budget)])
-                draft = proposed.tokens
-                if proposed.evidence:
-                    keep = policy.trim(proposed.evidence, 1)
-                    draft, evidence = draft[:keep], proposed.evidence[:keep]
-            kept = accept_matching(output[j : j + len(draft)], draft)
-            policy.verified(job, len(draft), kept, evidence)
-            rows = 1 + len(draft)
-            policy.observe(rows, cost.at(rows))
-            tokens.extend(output[j : j + kept + 1])
-            j += kept + 1
-            steps += 1
-            seconds += cost.at(rows)
-        policy.forget(job)
-        drafter.finished("", tokens, len(prompt))
-        drafter.forget(job)
-        out.append(RequestCeiling(len(output), steps, seconds, cost.at(1) * max(len(output) - 1, 0)))
-    return out
+    return replay_requests(prompts, outputs, cost, speculation, _Served(policy, cost))
