@@ -69,7 +69,7 @@ from engine.sampling.step_sampling import StepSampling, Taken
 from engine.scheduled_chunk import ScheduledChunk
 from engine.scheduler import Scheduler
 from engine.sequence import SequenceState
-from engine.speculation.draft_policy import StepCost
+from engine.speculation.draft_policy import KV_READ_BYTES_PER_SECOND, StepCost
 from engine.speculation.speculation_step import SpeculationStep, make_drafter
 from engine.speculation.speculative import (
     Drafter,
@@ -316,7 +316,11 @@ class DynamicGenerator:
         elif masks is not None:
             masks.result()  # nobody samples after all (failed forwards): let the worker finish
         if decode_only:
-            self.speculation.observe(sum(c.num_tokens for c, _ in staged), time.perf_counter() - started)
+            self.speculation.observe(
+                sum(c.num_tokens for c, _ in staged),
+                time.perf_counter() - started,
+                sum(seq.end_pos for _, seq in staged),  # the keys each sequence's rows read
+            )
         return events
 
     def _stage(self, c: ScheduledChunk, now: float, events: list[JobEvent]) -> SequenceInput:
@@ -439,7 +443,9 @@ class DynamicGenerator:
         """Seconds of a decode step of 1, 2, 4, ... rows up to the batch (or twice the most jobs that
         speculate: the table's last slope goes on past it): the best of four steps each (a single
         step's time on a shared 2-core machine can double), made non-decreasing. None where the
-        queue or the pool holds fewer than two such jobs.
+        queue or the pool holds fewer than two such jobs. Its keys' rate starts at the cache's bytes
+        per token read at KV_READ_BYTES_PER_SECOND (these steps' keys are too few to show it);
+        served steps correct both.
 
         A step of more rows never costs more per row than a smaller one (its weights are read once
         for all rows): a size whose time breaks that was timed while something else held the
@@ -471,7 +477,7 @@ class DynamicGenerator:
                 seconds.append(best)
         finally:
             self.speculation.paused = False
-        return StepCost(tuple(rows), tuple(seconds))
+        return StepCost(tuple(rows), tuple(seconds), self.cache.bytes_per_token / KV_READ_BYTES_PER_SECOND)
 
     def _time_step(self, bos: int, n: int) -> float:
         """The best of four decode steps of n one-token jobs (their prompt step untimed)."""

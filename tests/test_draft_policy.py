@@ -3,6 +3,7 @@ tokens handed out while they raise the step's expected tokens per second."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
 
@@ -174,6 +175,57 @@ def test_a_step_moves_the_two_row_counts_around_it() -> None:
     assert cost.observed(9, 0.012, rate=1.0).seconds[3] == pytest.approx(0.010 + 0.012 - cost.at(9))
     faster = cost.observed(1, 0.0025, rate=1.0)
     assert faster.seconds[0] == pytest.approx(0.0025) and list(faster.seconds) == sorted(faster.seconds)
+
+
+def test_keys_cost_their_rate_and_drafts_add_rows_not_keys() -> None:
+    cost = StepCost((1, 8, 16, 24, 32), (0.004, 0.0055, 0.0085, 0.0115, 0.0145), per_key=1e-6)
+    assert cost.at(24, 12_000) == pytest.approx(0.0115 + 0.012)
+    assert cost.at(24) == pytest.approx(0.0115)  # no keys: the table alone
+    with pytest.raises(ValueError):
+        StepCost((1, 2), (0.004, 0.005), per_key=-1e-9)
+
+
+def test_drafts_pay_among_long_contexts_where_a_row_carries_no_keys() -> None:
+    """24 sequences of 500 keys: a draft row costs the table's slope (0.375 ms), not a sequence's
+    share of the step (~1 ms). Priced as rows alone, with the keys' time folded into the rows (as
+    a table that learnt from steps whose contexts grew), not even a certain draft pays."""
+    rows_and_keys = StepCost((1, 8, 16, 24, 32), (0.004, 0.0055, 0.0085, 0.0115, 0.0145), per_key=1e-6)
+    folded = StepCost((1, 8, 16, 24, 32), (0.0045, 0.0095, 0.0165, 0.0235, 0.0395))
+    wants = [DraftWant(JobId(f"j{i}"), 100) for i in range(24)]
+    for cost in (rows_and_keys, folded):
+        policy = DraftPolicy(cost, 16, 16)
+        for w in wants:
+            for _ in range(20):
+                policy.verified(w.job_id, 4, 4)
+        drafts = sum(policy.budgets(wants, rows=24, keys=24 * 500).values())
+        assert drafts == (16 if cost is rows_and_keys else 0)
+
+
+def _taught(start: float, steps: int = 3000) -> tuple[StepCost, StepCost]:
+    """Steps whose time is a table of rows plus 1 us a key, at 8-24 sequences of 100-1000 keys,
+    observed by a cost whose table was timed 30% fast and whose keys' rate starts at `start` us."""
+    f = StepCost((1, 8, 16, 24, 32), (0.004, 0.0055, 0.0085, 0.0115, 0.0145))
+    cost = StepCost(f.rows, tuple(s * 0.7 for s in f.seconds), start * 1e-6)
+    rng = random.Random(0)
+    for _ in range(steps):
+        rows = rng.choice([8, 16, 24])
+        keys = rows * rng.randint(100, 1000)
+        cost = cost.observed(rows, (f.at(rows) + 1e-6 * keys) * rng.uniform(0.95, 1.05), keys=keys)
+    return cost, f
+
+
+def test_steps_teach_a_low_keys_rate_its_own_and_leave_the_rows_table_its_own() -> None:
+    cost, f = _taught(1 / 3)
+    assert cost.per_key == pytest.approx(1e-6, rel=0.25)
+    for rows in (8, 16, 24):
+        assert cost.at(rows) == pytest.approx(f.at(rows), rel=0.25)
+
+
+def test_a_high_keys_rate_comes_down_toward_the_steps() -> None:
+    """Started high, the rate comes down, though not all the way: the keys grow with the rows, and
+    the split by shares settles with part of the keys' time in a table that stays low."""
+    cost, _ = _taught(2.0)
+    assert 1e-6 < cost.per_key < 1.6e-6
 
 
 def test_observed_steps_correct_a_table_measured_on_a_busy_machine() -> None:

@@ -36,7 +36,7 @@ def verifications(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, i
         verified(self, job_id, drafted, kept, evidence)
 
     monkeypatch.setattr(DraftPolicy, "verified", logged)
-    monkeypatch.setattr(DraftPolicy, "observe", lambda self, rows, seconds: None)
+    monkeypatch.setattr(DraftPolicy, "observe", lambda self, rows, seconds, keys=0: None)
     yield log
 
 

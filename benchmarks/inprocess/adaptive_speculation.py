@@ -112,7 +112,8 @@ def _one_at_a_time(gen: DynamicGenerator, specs: Sequence[JobSpec]) -> BatchOneR
 
 
 def _costs(cost: StepCost) -> str:
-    return ", ".join(f"{r}: {s * 1000:.1f}" for r, s in zip(cost.rows, cost.seconds, strict=True))
+    table = ", ".join(f"{r}: {s * 1000:.1f}" for r, s in zip(cost.rows, cost.seconds, strict=True))
+    return f"{table}; {cost.per_key * 1e9:.0f} ns a key"
 
 
 def _bound_lines(

@@ -78,14 +78,15 @@ def replay_requests(
         steps, seconds, j = 0, 0.0, 1
         while j < len(output):
             rows, kept = rule.step(drafter, job, tokens, output[j:])
+            seconds += cost.at(rows, len(tokens))  # the step's row reads every token so far
             tokens.extend(output[j : j + kept + 1])
             j += kept + 1
             steps += 1
-            seconds += cost.at(rows)
         rule.finished(job)
         drafter.finished("", tokens, len(prompt))
         drafter.forget(job)
-        out.append(RequestCeiling(len(output), steps, seconds, cost.at(1) * max(len(output) - 1, 0)))
+        plain = sum(cost.at(1, len(prompt) + n) for n in range(1, len(output)))  # one token a step
+        out.append(RequestCeiling(len(output), steps, seconds, plain))
     return out
 
 

@@ -35,21 +35,21 @@ class _Served:
         self, drafter: Drafter, job: JobId, tokens: Sequence[int], ahead: Sequence[int]
     ) -> tuple[int, int]:
         # As SpeculationStep.plan and .draft: the most a job can use leaves room for the step's own
-        # token; a step of one job has one row before its drafts.
+        # token; a step of one job has one row before its drafts, and reads every token so far.
         policy = self.policy
-        budget = policy.budgets([DraftWant(job, len(ahead) - 1)], 1)[job]
+        budget = policy.budgets([DraftWant(job, len(ahead) - 1)], 1, len(tokens))[job]
         draft: tuple[int, ...] = ()
         evidence: tuple[int, ...] = ()
         if budget > 0:
             (proposed,) = drafter.propose([DraftRequest(job, tokens, (), budget)])
             draft = proposed.tokens
             if proposed.evidence:
-                keep = policy.trim(proposed.evidence, 1)
+                keep = policy.trim(proposed.evidence, 1, len(tokens))
                 draft, evidence = draft[:keep], proposed.evidence[:keep]
         kept = accept_matching(ahead[: len(draft)], draft)
         policy.verified(job, len(draft), kept, evidence)
         rows = 1 + len(draft)
-        policy.observe(rows, self.cost.at(rows))
+        policy.observe(rows, self.cost.at(rows, len(tokens)), len(tokens))
         return rows, kept
 
     def finished(self, job: JobId) -> None:

@@ -9,12 +9,18 @@ Two measured things decide it:
   verifications fade (`FADE` per verification). A long run of kept drafts raises p at once and one
   rejection lowers it by a single trial, so p rises fast and falls slowly. A new job starts from
   the acceptance of every job so far (`prior`).
-- **The step's cost against its rows** (`StepCost`, measured on this machine at warm-up): on a
-  2-core CPU one row costs about as much as the weights' read up to a few rows, and each row
-  past that adds about its share of a full step. Warm-up times short sequences on whatever load
-  the machine had then; every later decode step's time moves the table toward what steps cost
-  now (`observe`: the error shared by the two row counts around it, `OBSERVE_RATE` of it), so
-  long contexts' attention and a start on a busy machine are corrected by the steps themselves.
+- **The step's cost against its rows and its keys** (`StepCost`): a table of seconds against rows,
+  measured on this machine at warm-up on short sequences (on a 2-core CPU one row costs about as
+  much as the weights' read up to a few rows, and each row past that adds about its share of a
+  full step), plus seconds per cached key the step's sequences read. A draft row adds a row but
+  no keys: it reads its sequence's K/V, which the sequence's own row reads anyway. At 24
+  sequences of 500 tokens (Intel AMX part, int8 cache) 16 draft rows added 0.44 ms each and 16
+  more sequences 0.89 ms each; a table of rows alone, its points learnt from steps whose
+  contexts grew, priced a row past 24 at 2 ms and let no draft through. Every later decode
+  step's time moves both toward what steps cost now (`observe`: the error split between the
+  keys' term and the table by their shares of the prediction, the table's part shared by the
+  two row counts around it, `OBSERVE_RATE` of it), so a start on a busy machine and the
+  memory's real rate are corrected by the steps themselves.
 
 A drafter may also say, per draft token, which class of evidence it has for it (the n-gram
 drafter: how many earlier places continued the matched n-gram and how many of them agree up to
@@ -56,16 +62,22 @@ OBSERVE_RATE = 0.05  # share of a decode step's timing error its neighbouring ta
 PROBE_EVERY = 64  # steps between two probes (a draft token more than pays, for the likeliest job)
 PROBE_RATE = 0.5  # OBSERVE_RATE for a probe's step: its row count is rarely run otherwise
 OUTLIER = 0.5  # the most a step's timing error counts for, as a share of its prediction
+# The rate decode attention reads a cached key's K/V (every layer's, scales included) at first,
+# before steps correct it: ~12 GB/s for an int8 cache's scattered 4 KiB runs on the 2-core Intel
+# AMX part (docs/ARCHITECTURE.md, Serving benchmark).
+KV_READ_BYTES_PER_SECOND = 12e9
 CLASS_FADE = 0.99  # weight of an evidence class's earlier verified tokens at each new one
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds of one step against the rows it carries, from steps timed at warm-up: linear
-    between measured row counts, the last segment's slope past the largest."""
+    """Seconds of one step against the rows it carries (from steps timed at warm-up: linear
+    between measured row counts, the last segment's slope past the largest) and the cached keys
+    its sequences read (`per_key` each: a sequence's rows read its keys once)."""
 
     rows: tuple[int, ...]  # ascending, distinct, >= 1
     seconds: tuple[float, ...]
+    per_key: float = 0.0  # seconds per cached key read (summed over the step's sequences)
 
     def __post_init__(self) -> None:
         if (
@@ -74,24 +86,34 @@ class StepCost:
             or list(self.rows) != sorted(set(self.rows))
         ):
             raise ValueError(f"StepCost needs >= 2 ascending row counts with a time each, got {self.rows}")
+        if not self.per_key >= 0.0:
+            raise ValueError(f"StepCost's seconds per key must be >= 0, got {self.per_key}")
 
-    def at(self, rows: int) -> float:
+    def at(self, rows: int, keys: int = 0) -> float:
+        """Seconds of a step of `rows` rows whose sequences read `keys` cached keys in all."""
         r, s = self.rows, self.seconds
         i = min(max(bisect.bisect_left(r, rows), 1), len(r) - 1)
         slope = max((s[i] - s[i - 1]) / (r[i] - r[i - 1]), 0.0)
-        return max(s[i - 1] + slope * (rows - r[i - 1]), 1e-6)
+        return max(s[i - 1] + slope * (rows - r[i - 1]), 1e-6) + self.per_key * keys
 
-    def observed(self, rows: int, seconds: float, rate: float = OBSERVE_RATE) -> StepCost:
-        """The table after a step of `rows` rows took `seconds`: `rate` of the prediction's error
-        goes to the two row counts around `rows` in proportion to their weight in it (one step of
-        least squares on the interpolation); the times kept non-decreasing."""
+    def observed(self, rows: int, seconds: float, rate: float = OBSERVE_RATE, keys: int = 0) -> StepCost:
+        """The cost after a step of `rows` rows and `keys` keys took `seconds`: `rate` of the
+        prediction's error, split between the keys' term and the table by their shares of the
+        prediction; the table's part goes to the two row counts around `rows` in proportion to
+        their weight in it (one step of least squares on the interpolation), the times kept
+        non-decreasing."""
         r, s = self.rows, list(self.seconds)
         # A step the OS or a garbage collection held up (108 ms for a 6-row step predicted at
         # 5) moves the table no more than one OUTLIER of its prediction off would: unclipped, that
         # one step raised the 4- and 8-row points by 2.5 ms and kept those sizes unrun, and so
         # uncorrected, for the rest of the run.
-        predicted = self.at(rows)
+        predicted = self.at(rows, keys)
         error = min(max(seconds - predicted, -OUTLIER * predicted), OUTLIER * predicted)
+        # A uniformly slower machine scales both terms alike; a keys' rate that is off shows as
+        # errors that grow with the keys, which the keys' share then takes.
+        key_share = self.per_key * keys / predicted
+        per_key = max(self.per_key + rate * error * key_share / keys, 0.0) if keys > 0 else self.per_key
+        error *= 1.0 - key_share
         if rows <= r[0]:
             shares = [(0, 1.0)]
         elif rows >= r[-1]:
@@ -109,7 +131,7 @@ class StepCost:
             s[j] = min(s[j], s[j + 1])
         for j in range(low + 1, len(s)):
             s[j] = max(s[j], s[j - 1])
-        return StepCost(r, tuple(s))
+        return StepCost(r, tuple(s), per_key)
 
 
 @dataclass
@@ -151,9 +173,10 @@ class DraftPolicy:
         self._probing = False  # the last budgets asked for a probe
         self._classes: dict[int, _Acceptance] = {}  # evidence class -> its tokens' kept rate
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A decode step (no prompt tokens) of `rows` rows, drafts included, took `seconds`."""
-        self.cost = self.cost.observed(rows, seconds, PROBE_RATE if self._probing else OBSERVE_RATE)
+    def observe(self, rows: int, seconds: float, keys: int = 0) -> None:
+        """A decode step (no prompt tokens) of `rows` rows, drafts included, whose sequences read
+        `keys` cached keys, took `seconds`."""
+        self.cost = self.cost.observed(rows, seconds, PROBE_RATE if self._probing else OBSERVE_RATE, keys)
         self._probing = False
 
     @property
@@ -164,14 +187,15 @@ class DraftPolicy:
         a = self._jobs.get(job_id)
         return self.prior if a is None else a.p
 
-    def budgets(self, wants: Sequence[DraftWant], rows: int) -> dict[JobId, int]:
-        """Draft tokens per job for a step of `rows` rows before drafts (the running jobs' rows)."""
+    def budgets(self, wants: Sequence[DraftWant], rows: int, keys: int = 0) -> dict[JobId, int]:
+        """Draft tokens per job for a step of `rows` rows before drafts (the running jobs' rows)
+        whose sequences read `keys` cached keys (drafts add rows, not keys)."""
         out = {w.job_id: 0 for w in wants}
         if not wants:
             return out
         base = max(rows, 1)
-        tokens, seconds = float(base), self.cost.at(base)
-        if (tokens + 1) / self.cost.at(base + 1) <= tokens / seconds:
+        tokens, seconds = float(base), self.cost.at(base, keys)
+        if (tokens + 1) / self.cost.at(base + 1, keys) <= tokens / seconds:
             # Not even a certain draft token pays for its row (a full batch): no per-job work.
             return self._probe(wants, out, rows)
         p = {w.job_id: self._relaxed(w.job_id) for w in wants}
@@ -183,7 +207,7 @@ class DraftPolicy:
         while heap and added < bound:
             neg_q, job_id = heapq.heappop(heap)
             q = -neg_q
-            more = self.cost.at(base + added + 1)
+            more = self.cost.at(base + added + 1, keys)
             if (tokens + q) / more <= tokens / seconds:
                 break  # the likeliest draft token left does not pay for its row: none after it does
             tokens, seconds, added = tokens + q, more, added + 1
@@ -192,18 +216,18 @@ class DraftPolicy:
                 heapq.heappush(heap, (-q * p[job_id], job_id))
         return self._probe(wants, out, rows)
 
-    def trim(self, evidence: Sequence[int], rows: int) -> int:
+    def trim(self, evidence: Sequence[int], rows: int, keys: int = 0) -> int:
         """How many leading tokens of a draft whose tokens have these evidence classes are worth
-        verifying in a step of `rows` rows without them (each row a token of its own): the length
-        that makes the step's expected tokens per second highest."""
+        verifying in a step of `rows` rows without them (each row a token of its own) and `keys`
+        keys: the length that makes the step's expected tokens per second highest."""
         base = max(rows, 1)
         tokens = float(base)
-        best, best_rate = 0, tokens / self.cost.at(base)
+        best, best_rate = 0, tokens / self.cost.at(base, keys)
         chance = 1.0
         for i, c in enumerate(evidence):
             chance *= self._class_rate(c)
             tokens += chance
-            rate = tokens / self.cost.at(base + i + 1)
+            rate = tokens / self.cost.at(base + i + 1, keys)
             if rate > best_rate:
                 best, best_rate = i + 1, rate
         for c in evidence[best : best + 1]:  # the class that stopped it: back toward the prior

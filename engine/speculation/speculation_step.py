@@ -95,10 +95,11 @@ class SpeculationStep:
     def learns_cost(self) -> bool:
         return self.policy is not None and not self.paused
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A step of decode rows only (drafts included) took `seconds`: the cost table learns it."""
+    def observe(self, rows: int, seconds: float, keys: int) -> None:
+        """A step of decode rows only (drafts included), whose sequences read `keys` cached keys,
+        took `seconds`: the cost learns it."""
         if self.policy is not None:
-            self.policy.observe(rows, seconds)
+            self.policy.observe(rows, seconds, keys)
 
     def _speculates(self, job: JobState) -> bool:
         s = job.spec.sampling
@@ -144,7 +145,9 @@ class SpeculationStep:
         if self.policy is None:
             budgets = {w.job_id: min(self._config.num_draft_tokens, w.most) for w in wants}
         else:
-            budgets = self.policy.budgets(wants, sum(len(j.rows) for j in running))
+            # Each sequence's next row reads its cached keys and the new one; drafts add no keys.
+            keys = sum(seq.computed + 1 for j in running for seq in j.rows)
+            budgets = self.policy.budgets(wants, sum(len(j.rows) for j in running), keys)
         for job in running:
             self._scheduler.set_draft_budget(job, budgets.get(job.job_id, 0))
 
@@ -180,6 +183,7 @@ class SpeculationStep:
         out = []
         # The step's rows without each job's drafts: what a draft's trim weighs its rows against.
         rows = sum(c.num_tokens for c in chunks) - sum(c.num_tokens - 1 for c in wanting)
+        keys = sum(c.seq.computed + 1 for c in chunks)
         for c in chunks:
             if id(c.job) in failed:
                 continue
@@ -189,7 +193,7 @@ class SpeculationStep:
                 continue
             tokens = draft.tokens
             if self.policy is not None and draft.evidence:
-                kept = self.policy.trim(draft.evidence, rows)
+                kept = self.policy.trim(draft.evidence, rows, keys)
                 tokens = tokens[:kept]
                 if tokens:
                     self._evidence[c.job.job_id] = draft.evidence[:kept]
