@@ -443,9 +443,9 @@ class DynamicGenerator:
         """Seconds of a decode step of 1, 2, 4, ... rows up to the batch (or twice the most jobs that
         speculate: the table's last slope goes on past it): the best of four steps each (a single
         step's time on a shared 2-core machine can double), made non-decreasing. None where the
-        queue or the pool holds fewer than two such jobs. Its keys' rate starts at the cache's bytes
-        per token read at KV_READ_BYTES_PER_SECOND (these steps' keys are too few to show it);
-        served steps correct both.
+        queue or the pool holds fewer than two such jobs. On the CPU its keys' rate starts at the
+        cache's bytes per token read at KV_READ_BYTES_PER_SECOND (these steps' keys are too few to
+        show it); served steps correct both.
 
         A step of more rows never costs more per row than a smaller one (its weights are read once
         for all rows): a size whose time breaks that was timed while something else held the
@@ -477,7 +477,11 @@ class DynamicGenerator:
                 seconds.append(best)
         finally:
             self.speculation.paused = False
-        return StepCost(tuple(rows), tuple(seconds), self.cache.bytes_per_token / KV_READ_BYTES_PER_SECOND)
+        # The rate is a CPU's; on a GPU the keys' term starts at 0 (and so stays there: the split
+        # by shares gives it none of the error) and the table alone prices steps.
+        cpu = self.model.device.type == "cpu"
+        per_key = self.cache.bytes_per_token / KV_READ_BYTES_PER_SECOND if cpu else 0.0
+        return StepCost(tuple(rows), tuple(seconds), per_key)
 
     def _time_step(self, bos: int, n: int) -> float:
         """The best of four decode steps of n one-token jobs (their prompt step untimed)."""
