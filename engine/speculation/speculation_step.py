@@ -142,9 +142,10 @@ class SpeculationStep:
             for j in running
             if active and self._speculates(j)
         ]
+        budgets: dict[JobId, int] = {}  # nobody wants drafts: no pass over the running jobs' rows
         if self.policy is None:
             budgets = {w.job_id: min(self._config.num_draft_tokens, w.most) for w in wants}
-        else:
+        elif wants:
             # Each sequence's next row reads its cached keys and the new one; drafts add no keys.
             keys = sum(seq.computed + 1 for j in running for seq in j.rows)
             budgets = self.policy.budgets(wants, sum(len(j.rows) for j in running), keys)
@@ -183,7 +184,7 @@ class SpeculationStep:
         out = []
         # The step's rows without each job's drafts: what a draft's trim weighs its rows against.
         rows = sum(c.num_tokens for c in chunks) - sum(c.num_tokens - 1 for c in wanting)
-        keys = sum(c.seq.computed + 1 for c in chunks)
+        keys = sum(c.seq.computed + 1 for c in chunks) if self.policy is not None else 0
         for c in chunks:
             if id(c.job) in failed:
                 continue
