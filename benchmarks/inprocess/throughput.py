@@ -21,7 +21,8 @@ from benchmarks.inprocess import roofline
 from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine import defaults
-from engine.cache.kv_cache import KVCacheKind, choose_kv_cache
+from engine.cache.kv_cache import KVCacheKind
+from engine.model.kv_cache_tune import resolve_kv_cache
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec, SamplingSettings
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
@@ -46,10 +47,7 @@ class RunResult:
 
 def served_kv_cache(loaded: LoadedModel) -> KVCacheKind:
     """The KV cache `dyngen serve` runs this model with by default."""
-    model = loaded.model
-    return choose_kv_cache(
-        defaults.KV_CACHE, model.dtype, model.plan.quantized, tiles=model.tile_attention(defaults.PAGE_SIZE)
-    )
+    return resolve_kv_cache(loaded.model, defaults.KV_CACHE, defaults.PAGE_SIZE)
 
 
 class OneJob:

@@ -90,7 +90,9 @@ def choose_kv_cache(setting: str, dtype: torch.dtype, quantized: bool, tiles: bo
     - Elsewhere: float16, 2 bytes a value (half the bytes made W1 ~10% faster, with perplexity,
       KL divergence and top-1 agreement against the float path moved by less than their noise).
       The vector path dequantizes int8 in registers: 100 decode rows of the chat trace's mix took
-      114-120 ms over 30 layers against float16's 85-88 (tiles off, same part).
+      114-120 ms over 30 layers against float16's 85-88 (tiles off, same part). Where the CPU
+      multiplies bfloat16 pairs, engine.model.kv_cache_tune times float16 against bfloat16 on
+      the model and may take bfloat16 instead.
     A float32 model with float linears keeps a float32 cache, so its greedy tokens stay those of
     the float reference; a bfloat16 or float16 model's cache is already 2 bytes a value."""
     if setting != "auto":

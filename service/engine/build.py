@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.adapters.lora_adapter import AdapterLimits
-from engine.cache.kv_cache import choose_kv_cache
+from engine.model.kv_cache_tune import resolve_kv_cache
 from engine.device import resolve_device
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.model.loader import LoadedModel, WeightDtype, load_model
@@ -31,12 +31,7 @@ def build_engine(
         quant=QuantMode(settings.quant),
         device=device,
     )
-    kv_cache = choose_kv_cache(
-        settings.kv_cache,
-        loaded.model.dtype,
-        loaded.model.plan.quantized,
-        tiles=loaded.model.tile_attention(settings.page_size),
-    )
+    kv_cache = resolve_kv_cache(loaded.model, settings.kv_cache, settings.page_size)
     speculation = speculation.resolved(loaded.model.row_invariant(kv_cache, settings.page_size))
     config = GeneratorConfig(
         page_size=settings.page_size,
