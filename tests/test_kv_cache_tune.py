@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import kv_cache_tune
 from engine.cache.kv_cache import KVCacheKind
+from engine.model import kv_cache_tune
 from engine.model.kv_cache_tune import MARGIN, STEPS, pick, resolve_kv_cache, time_steps
 from engine.model.loader import LoadedModel
 from kernels.attention.native_attention import NativePagedAttention

@@ -22,9 +22,9 @@ from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine import defaults
 from engine.cache.kv_cache import KVCacheKind
-from engine.model.kv_cache_tune import resolve_kv_cache
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec, SamplingSettings
+from engine.model.kv_cache_tune import resolve_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
 from engine.model.tokenizer import ChatMessage
 from engine.prompt.guidance import Guidance

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.adapters.lora_adapter import AdapterLimits
-from engine.model.kv_cache_tune import resolve_kv_cache
 from engine.device import resolve_device
 from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.model.kv_cache_tune import resolve_kv_cache
 from engine.model.loader import LoadedModel, WeightDtype, load_model
 from engine.model.quantization import QuantMode
 from engine.sampling.sampler import SamplerMode
