@@ -45,7 +45,7 @@ SAMPLER_MODE = "batched"
 # in the native attention where the CPU has them; int8 = int8 with a float16 scale per token and
 # head. auto, where the linears are quantized and the model computes in float32: int8 where the
 # native attention runs it on AMX tiles, float16 elsewhere, or bfloat16 where the CPU multiplies
-# bfloat16 pairs and it times at least 5% faster on the model; float otherwise
+# bfloat16 pairs and it times faster on the model by kv_cache_tune.MARGIN; float otherwise
 # (engine.cache.kv_cache.choose_kv_cache and engine.model.kv_cache_tune say why).
 KV_CACHE_KINDS = ("auto", "float", "float16", "bfloat16", "int8")
 KV_CACHE = "auto"
