@@ -57,6 +57,8 @@ def test_auto_times_once_then_reads_the_choice_back(
     calls: list[int] = []
     monkeypatch.setattr(kv_cache_tune, "time_steps", _fake_times(calls, B))
     assert resolve_kv_cache(tiny.model, "auto", 16, tmp_path) is B
+    # A later start describes its autotune as cached where the first measured it: the same key.
+    monkeypatch.setattr(tiny.model, "_linears_description", "the autotune's state, another start")
     assert resolve_kv_cache(tiny.model, "auto", 16, tmp_path) is B
     assert calls == [16]  # the second start read the file
     (record,) = tmp_path.iterdir()

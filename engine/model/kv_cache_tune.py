@@ -128,7 +128,7 @@ def resolve_kv_cache(
     key = CacheTuneKey(
         f"{cpu.model_name}|{cpu.torch_capability}|{cpu.threads}|{flags}|{cpu.isa.value}",
         torch.__version__,
-        f"{model.config.name}|{model.describe()}",
+        f"{model.config.name}|{model.dtype}|{model.linear_kinds}",
         page_size,
         source_digest(),
     )

@@ -89,6 +89,7 @@ class LlamaModel:
         self.layers: list[LayerWeights] = w.layers
         self.tuner: LinearTuner | None = w.tuner
         self._linears_description = w.description
+        self.linear_kinds = w.linear_kinds  # what runs, without the autotune's state: a key for timings
         freq_factors = tensors.get("rope_freqs")
         self.rope = RotaryEmbedding(config, dtype, freq_factors)
         self.rope.to(self.device)

@@ -44,6 +44,7 @@ class LlamaWeights:
     layers: list[LayerWeights]
     tuner: LinearTuner | None
     description: str  # each projection's linear kind (and the autotune state), for describe()
+    linear_kinds: str  # each projection's linear kind alone: the same at every start of this plan
 
 
 # Kinds that run a file's own 4-bit blocks as they are stored (not re-quantized).
@@ -187,11 +188,11 @@ def load_weights(
         )
     if packed is not None:
         packed.retain([embed, *packed_tensors([lin for _, lin in built])])
-    description = describe_linears(built)
+    linear_kinds = description = describe_linears(built)
     if tuner is not None:
         tuner.finish()
         state = f"measured {tuner.measured} shapes" if tuner.measured else "cached"
         if tuner.measured and not tuner.kept:
             state += f", not cached: others used {tuner.busy_share:.0%} of the CPU meanwhile"
         description += f" (autotuned per rows 1/8/64, {state}: {tuner.cache.path})"
-    return LlamaWeights(embed, final_norm, lm_head, layers, tuner, description)
+    return LlamaWeights(embed, final_norm, lm_head, layers, tuner, description, linear_kinds)
