@@ -58,6 +58,11 @@ class CpuFeatures:
     def native_bf16(self) -> bool:
         return self.avx512_bf16 or "amx_bf16" in self.flags
 
+    @property
+    def identity(self) -> str:
+        """What timings measured on this CPU depend on: its model, torch's kernels, threads and flags."""
+        return f"{self.model_name}|{self.torch_capability}|{self.threads}|{' '.join(sorted(self.flags))}"
+
     def summary(self) -> str:
         """One line for logs and benchmark tables."""
         marks = ("avx2", "avx512f", "avx512_bf16", "amx", "vnni")

@@ -8,9 +8,9 @@ two crashes, and every other job completes.
 
 The shipped model with the server's defaults (--quant auto: its own quantized linears; --kv-cache
 auto: float16, bfloat16 where it times faster, or int8 on AMX tiles): a token's numbers do not
-depend on what runs beside it or on how its job's tokens were split into steps (the native attention attends each chunk token as a
-decode row; adapter deltas are made a row at a time), so a resumed stream is held to the
-uninterrupted run's tokens exactly. The kill-to-first-resumed-token times are printed (`-s`) for
+depend on what runs beside it or on how its job's tokens were split into steps (the native
+attention attends each chunk token as a decode row; adapter deltas are made a row at a time), so
+a resumed stream is held to the uninterrupted run's tokens exactly. The kill-to-first-resumed-token times are printed (`-s`) for
 the record.
 """
 

@@ -1,8 +1,8 @@
 """A job's tokens do not depend on how its tokens were split into steps, under the server's defaults
 (the shipped model; --quant auto: quantized linears; --kv-cache auto: float16, bfloat16 where it
-times faster, or int8 where the attention runs on AMX tiles): n-gram speculation (drafts verified as chunks) gives the tokens of
-plain greedy decoding, and a job resumed from part of its output (prompt and output prefilled again)
-the tokens of the uninterrupted run. Before chunk steps attended each token as a decode row,
+times faster, or int8 where the attention runs on AMX tiles): n-gram speculation (drafts verified
+as chunks) gives the tokens of plain greedy decoding, and a job resumed from part of its output
+(prompt and output prefilled again) the tokens of the uninterrupted run. Before chunk steps attended each token as a decode row,
 speculation changed 6 of these 7 greedy outputs."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Both store 2 bytes a value. Where the CPU multiplies bfloat16 pairs (AVX512_BF16), the native
 attention scores and sums a bfloat16 cache with half the instructions of a float16 one (no
 conversion of K, two products a lane), at 8 mantissa bits against 11 (`python -m benchmarks
-quality`: KL divergence 0.0041 -> 0.0044 under `--quant auto`). Whether that pays depends on the
+quality` under `--quant auto`: KL divergence 0.0041 -> 0.0044 on a Zen 5, 0.0034 -> 0.0035 on a Zen 4). Whether that pays depends on the
 core, not the flag: on a 2-core Zen 5 a whole step did not move, while on a 2-core Zen 4, whose
 512-bit float32 products issue at half rate, a 17-row verification at 800 keys took 12% less and a
 33-row one 16% less. So the steps whose attention differs are timed on the model itself under
@@ -27,7 +27,7 @@ from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
 from engine.model.llama import LlamaModel
 from kernels.attention.native_attention import NativePagedAttention
-from kernels.cache_dir import default_cache_dir
+from kernels.cache_dir import default_cache_dir, write_json
 from kernels.cpu_features import CpuFeatures, cpu_features
 from kernels.native.native_library import source_digest
 
@@ -38,7 +38,8 @@ CONTEXT = 800  # keys each timed step reads: an editing request's prompt and som
 # (rows, logits wanted): one decode row, a verification of 16 drafts, a prefill chunk beside decoding.
 STEPS = ((1, 1), (17, 17), (128, 1))
 ROUNDS = 3  # timed rounds, the kinds taking turns in each; the best of each (kind, step) counts
-METHOD = "800 random keys; 1/17/128 rows; best of 3; mean ratio; margin 0.05"
+# How the timings are made and read: a change invalidates the choices made the old way.
+METHOD = f"{CONTEXT} random keys; steps {STEPS}; best of {ROUNDS}; mean ratio; margin {MARGIN}"
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,11 @@ def time_steps(model: LlamaModel, page_size: int) -> dict[KVCacheKind, list[floa
     pages = -(-(context + longest) // page_size)
     table = [PageId(i) for i in range(pages)]
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (context + longest,), generator=gen).tolist()
-    device = model.device
+    tokens = torch.randint(0, model.config.vocab_size, (longest,), generator=gen).tolist()
     caches: dict[KVCacheKind, PagedKVCache] = {k: model.new_cache(pages, page_size, k) for k in kinds}
     batches = [
         ForwardBatch.build(
-            [SequenceInput(tokens[context : context + rows], context, table, logit_positions=logits)],
-            page_size,
-            device,
+            [SequenceInput(tokens[:rows], context, table, logit_positions=logits)], page_size, model.device
         )
         for rows, logits in STEPS
     ]
@@ -124,9 +122,8 @@ def resolve_kv_cache(
     cpu = cpu_features()
     if setting != "auto" or kind is not KVCacheKind.FLOAT16 or not eligible(model, cpu):
         return kind
-    flags = " ".join(sorted(cpu.flags))
     key = CacheTuneKey(
-        f"{cpu.model_name}|{cpu.torch_capability}|{cpu.threads}|{flags}|{cpu.isa.value}",
+        cpu.identity,
         torch.__version__,
         f"{model.config.name}|{model.dtype}|{model.linear_kinds}",
         page_size,
@@ -141,9 +138,7 @@ def resolve_kv_cache(
         pass  # absent or unreadable: time again
     times = time_steps(model, page_size)
     kind = pick(times)
-    record = {"key": asdict(key), "kind": kind.value, "seconds": {k.value: v for k, v in times.items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: a concurrent start reads the old file or the new one
+    write_json(
+        path, {"key": asdict(key), "kind": kind.value, "seconds": {k.value: v for k, v in times.items()}}
+    )
     return kind

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cache_dir import default_cache_dir
+from kernels.cache_dir import default_cache_dir, write_json
 from kernels.cpu_features import CpuFeatures
 from kernels.linear.linear_kind import Linear, LinearKind
 from kernels.native.native_library import source_digest
@@ -61,12 +61,9 @@ class TuneKey:
     def make(cpu: CpuFeatures, model: str, kinds: Sequence[LinearKind], gpu: str | None = None) -> TuneKey:
         """`gpu`: the GPU the linears run on (its name and capability), which then keys the timings
         instead of the CPU."""
-        flags = " ".join(sorted(cpu.flags))
         native = bool({LinearKind.INT4_Q8, LinearKind.INT8_Q8} & set(kinds))
         return TuneKey(
-            f"gpu|{gpu}"
-            if gpu is not None
-            else f"{cpu.model_name}|{cpu.torch_capability}|{cpu.threads}|{flags}",
+            f"gpu|{gpu}" if gpu is not None else cpu.identity,
             torch.__version__,
             model,
             tuple(k.value for k in kinds),
@@ -121,10 +118,7 @@ class TuneCache:
             "key": self.key.__dict__ | {"kinds": list(self.key.kinds)},
             "choices": {s: {str(b): k.value for b, k in c.items()} for s, c in self._choices.items()},
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(self.path)  # atomic: a concurrent start reads the old file or the new one
+        write_json(self.path, data)
 
 
 _EVICT_FALLBACK = 64 << 20  # where the OS does not say: more than the caches of the CPUs we run on
