@@ -8,10 +8,13 @@ most of a warm start, begin at once and go on beside the front end's (EarlyEngin
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
+import multiprocessing.util  # its exit hook first, so that ours (below) runs before it
 import shutil
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -28,6 +31,20 @@ class SpawnedEngine:
     started_at: float  # monotonic, at spawn
 
 
+# Engines this process started. An engine ignores SIGTERM (service/engine/process.py), and at exit
+# multiprocessing ends its daemon children with SIGTERM and then waits for them: one still running
+# when the front end exits without stopping it (an error on the way out) is killed first instead.
+_SPAWNED: weakref.WeakSet[BaseProcess] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_left_over() -> None:
+    for process in list(_SPAWNED):
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
 def spawn_engine(config_json: str, runtime_dir: Path, spare: bool) -> SpawnedEngine:
     """A new engine process (a spare: imports done, then waiting for START)."""
     ctx = mp.get_context("spawn")
@@ -40,6 +57,7 @@ def spawn_engine(config_json: str, runtime_dir: Path, spare: bool) -> SpawnedEng
         daemon=True,
     )
     process.start()
+    _SPAWNED.add(process)
     cmd_recv.close()
     evt_send.close()
     return SpawnedEngine(process, cmd_send, evt_recv, time.monotonic())

@@ -280,6 +280,43 @@ def test_a_drain_waits_for_running_jobs_not_for_finished_unstreamed_ones(tiny_mo
         s.stop()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_whole_process_group_drains_with_the_engine_alive(
+    tiny_model: Path, sig: signal.Signals
+) -> None:
+    """Ctrl-C in a terminal, or a service manager's stop, signals every process of the server's
+    group: the engine ignores it and runs the front end's drain. (Killed by it, the engine was
+    restarted in the middle of the drain and its jobs resumed on the new one.)"""
+    s = start_tiny_server(tiny_model, "--speculate", "none")
+    try:
+        with s.client() as client:
+            job = client.enqueue(Request([5, 6, 7], max_new_tokens=3000, ignore_eos=True))
+            events = client.stream(job)
+            first = next(events)
+            os.kill(engine_pid(s), sig)
+            os.kill(s.process.pid, sig)
+            finished = collect([first, *events])
+        assert finished.stop_reason == "max_new_tokens" and len(finished.token_ids) == 3000
+        assert s.process.wait(60) == 0
+        assert log_count(s, "engine_starting") == 1 and log_count(s, "engine_down") == 0
+    finally:
+        s.stop()
+
+
+def test_a_killed_engine_leaves_no_semaphore_behind(tiny_model: Path) -> None:
+    """An engine makes no multiprocessing lock of its own (tqdm makes one even for a disabled
+    bar): a killed engine's would be named on every crash and warned about at the server's exit."""
+    s = start_tiny_server(tiny_model)
+    try:
+        s.kill_engine()
+        s.wait_log("engine_ready", after=len(s.logs))  # the new engine's
+        assert s.stop() == 0
+        raw = [str(r.get("line")) for r in list(s.logs) if r.get("event") == "raw"]
+        assert not [line for line in raw if "leaked semaphore" in line], raw
+    finally:
+        s.stop()
+
+
 def test_a_brief_stall_recovers_without_a_restart(tiny_model: Path) -> None:
     s = start_tiny_server(tiny_model, "--watchdog-seconds", "1", "--hang-seconds", "120")
     try:
@@ -548,3 +585,25 @@ def test_deadlines_passing_before_acceptance_leave_no_job() -> None:
             assert wait_pool_idle(c).pages_used == 0
     finally:
         assert s.stop() == 0
+
+
+def test_an_engine_left_running_at_exit_is_killed_not_waited_on(tmp_path: Path) -> None:
+    """An engine ignores SIGTERM, which multiprocessing ends its daemon children with at exit
+    before waiting for them: a front end that exits without stopping its engine (an error on the
+    way out) kills it instead of waiting forever."""
+    script = (
+        "import sys\n"
+        "from service.engine_config import EngineConfig, EngineSettings\n"
+        "from service.engine_spawn import spawn_engine\n"
+        f"e = spawn_engine(EngineConfig(EngineSettings(model=None)).to_json(), {str(tmp_path)!r}, spare=True)\n"
+        "assert e.events.poll(60)\n"  # its first heartbeat: its signals are set by then
+        "print(e.process.pid, flush=True)\n"
+        "sys.exit(0)\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == 0, child.stderr
+    pid = int(child.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -126,18 +126,25 @@ class LlamaModel:
             if not 1 <= num_layers <= config.num_layers:
                 raise InvalidRequestError(f"num_layers must be in [1, {config.num_layers}], got {num_layers}")
             config = replace(config, num_layers=num_layers)
-        bar = tqdm(
-            total=source.tensor_count(),
-            desc=f"loading {source.path.name}",
-            unit="tensor",
-            disable=not progress,
-            file=sys.stderr,
-            leave=False,
+        # No bar at all without progress: even a disabled one makes tqdm's multiprocessing lock, a
+        # named semaphore that an engine process killed later leaves behind.
+        bar = (
+            tqdm(
+                total=source.tensor_count(),
+                desc=f"loading {source.path.name}",
+                unit="tensor",
+                file=sys.stderr,
+                leave=False,
+            )
+            if progress
+            else None
         )
         lazy = source.tensor_map()
         # The last two kept: a tied head asks for the embedding table right after the lookups did.
         tensors = LazyTensors(
-            list(lazy), functools.lru_cache(maxsize=2)(lazy.__getitem__), lambda _: bar.update()
+            list(lazy),
+            functools.lru_cache(maxsize=2)(lazy.__getitem__),
+            lambda _: None if bar is None else bar.update(),
         )
         stored: Mapping[str, Int4Groups] = {}
         if plan is not None and any(plan.uses(k) for k in FILE_BLOCK_KINDS):
@@ -145,7 +152,8 @@ class LlamaModel:
         try:
             return LlamaModel(config, tensors, dtype, device, attention, plan, stored, tune_dir, packed)
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
 
     def describe(self) -> str:
         """What runs, for logs and GetModelInfo: activations dtype and each projection's linear kind."""

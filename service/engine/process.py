@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -23,6 +24,11 @@ def run(
     loading the model: the front end keeps one such process to replace a dead engine in about the
     model's load time (--spare-engine)."""
     started = time.monotonic()
+    # The front end alone ends this process (QUIT, or its pipe closing; SIGKILL for a hang). A
+    # terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process group: ignored
+    # here, the engine goes on running the front end's drain instead of dying under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = EngineConfig.from_json(config_json)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="engine %(levelname)s %(message)s")
     sender = PipeSender(events)
@@ -60,7 +66,7 @@ def run(
         sys.exit(2)
     try:
         loop.serve(commands)
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+    except (EOFError, BrokenPipeError):
         pass  # the front end went away: nothing left to serve
     finally:
         loop.close()
