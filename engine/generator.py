@@ -31,6 +31,7 @@ from engine.cache.kv_cache import PagedKVCache
 from engine.cache.kv_events import BlockStored, KvEvent
 from engine.cache.pages import PagePool
 from engine.completion import Completion, finished_event, run_to_completion
+from engine.device import describe_device
 from engine.errors import (
     AdapterInUseError,
     DyngenError,
@@ -74,6 +75,7 @@ from engine.speculation.speculation_step import SpeculationStep, make_drafter
 from engine.speculation.speculative import (
     Drafter,
 )
+from engine.speculation.step_cost_store import StepCostKey, read_step_cost, write_step_cost
 from engine.step_failure import StepFailure
 from engine.step_forward import Staged, StepOutput, run_forward
 
@@ -421,9 +423,10 @@ class DynamicGenerator:
         """Run jobs to completion together; results in the specs' order."""
         return run_to_completion([self.enqueue(s) for s in specs], self.iterate)
 
-    def warmup(self) -> None:
+    def warmup(self, step_costs: Path | None = None) -> None:
         """Run a few throwaway forwards so first requests don't pay one-time kernel setup; with
-        adaptive speculation, time plain steps of growing batches for its cost model."""
+        adaptive speculation, time plain steps of growing batches for its cost model, or read the
+        table timed at an earlier start from `step_costs` (a folder; None: always timed)."""
         bos = self.model.config.bos_token_id or 0
         # Throwaway outputs are no text for other jobs' drafts to copy: ~70 runs of BOS tokens
         # in the n-gram drafter's corpus cost every draft request their indexing and matching.
@@ -433,13 +436,13 @@ class DynamicGenerator:
                 spec = JobSpec(prompt_ids=(bos,) * n, max_new_tokens=2, ignore_eos=True)
                 self.generate([spec])
             if self.speculation.wants_cost() and self.scheduler.idle():
-                cost = self._step_cost(bos)
+                cost = self._step_cost(bos, step_costs)
                 if cost is not None:  # else drafts keep their fixed length
                     self.speculation.measured(cost)
         finally:
             self.speculation.keeps_outputs = True
 
-    def _step_cost(self, bos: int) -> StepCost | None:
+    def _step_cost(self, bos: int, folder: Path | None) -> StepCost | None:
         """Seconds of a decode step of 1, 2, 4, ... rows up to the batch (or twice the most jobs that
         speculate: the table's last slope goes on past it): the best of four steps each (a single
         step's time on a shared 2-core machine can double), made non-decreasing. None where the
@@ -460,6 +463,16 @@ class DynamicGenerator:
         if top < 2:
             return None  # no batch to time: a queue or pool this small
         sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= top} | {max(top, 2)})
+        key: StepCostKey | None = None
+        if folder is not None:
+            m, cache = self.model, self.cache
+            model = f"{m.config.name}|{m.dtype}|{m.linear_kinds}"
+            key = StepCostKey.make(
+                model, describe_device(m.device), f"{cache.kind.value}|{cache.dtype}", sizes
+            )
+            kept = read_step_cost(key, folder)
+            if kept is not None:
+                return kept
         rows: list[int] = []
         seconds: list[float] = []
         self.speculation.paused = True  # plain steps only
@@ -481,7 +494,10 @@ class DynamicGenerator:
         # by shares gives it none of the error) and the table alone prices steps.
         cpu = self.model.device.type == "cpu"
         per_key = self.cache.bytes_per_token / KV_READ_BYTES_PER_SECOND if cpu else 0.0
-        return StepCost(tuple(rows), tuple(seconds), per_key)
+        cost = StepCost(tuple(rows), tuple(seconds), per_key)
+        if key is not None:
+            write_step_cost(key, folder, cost)
+        return cost
 
     def _time_step(self, bos: int, n: int) -> float:
         """The best of four decode steps of n one-token jobs (their prompt step untimed)."""

@@ -103,6 +103,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from engine.output.loop_detector import LoopStop
     from engine.prompt.guidance import Guidance
     from engine.startup_objects import freeze_startup_objects
+    from kernels.cache_dir import default_cache_dir
     from service.engine.build import build_engine
     from service.engine_config import engine_settings_from, split_lora_flag
     from service.speculation_flags import speculation_from_args
@@ -118,7 +119,8 @@ def run_generate(args: argparse.Namespace) -> int:
     settings = engine_settings_from(args)
     loaded, generator = build_engine(settings, speculation_from_args(args), progress=not args.quiet)
     if generator.speculation.wants_cost():
-        generator.warmup()  # adaptive draft lengths start from the step's measured cost, as in `serve`
+        # Adaptive draft lengths start from the step's measured cost, kept as `serve` keeps it.
+        generator.warmup(step_costs=default_cache_dir())
     freeze_startup_objects()  # as `serve` does once started
     adapter: str | None = None
     if args.adapter:

@@ -14,8 +14,7 @@ start times nothing.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
 from engine.model.llama import LlamaModel
 from kernels.attention.native_attention import NativePagedAttention
-from kernels.cache_dir import default_cache_dir, write_json
+from kernels.cache_dir import keyed_file, read_keyed, write_json
 from kernels.cpu_features import CpuFeatures, cpu_features
 from kernels.native.native_library import source_digest
 
@@ -53,9 +52,8 @@ class CacheTuneKey:
     native_source: str
     method: str = METHOD
 
-    def path(self, folder: Path) -> Path:
-        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
-        return folder / f"kv-cache-tune-{digest}.json"
+    def path(self, folder: Path | None) -> Path:
+        return keyed_file(folder, "kv-cache-tune", asdict(self))
 
 
 def eligible(model: LlamaModel, cpu: CpuFeatures) -> bool:
@@ -129,13 +127,11 @@ def resolve_kv_cache(
         page_size,
         source_digest(),
     )
-    path = key.path(folder if folder is not None else default_cache_dir())
-    try:
-        data = json.loads(path.read_text())
-        if data.get("key") == asdict(key):
+    path = key.path(folder)
+    data = read_keyed(path, asdict(key))
+    with contextlib.suppress(KeyError, ValueError, TypeError):  # else unreadable: time again
+        if data is not None:
             return KVCacheKind(data["kind"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # absent or unreadable: time again
     times = time_steps(model, page_size)
     kind = pick(times)
     write_json(

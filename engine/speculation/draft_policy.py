@@ -10,7 +10,7 @@ Two measured things decide it:
   rejection lowers it by a single trial, so p rises fast and falls slowly. A new job starts from
   the acceptance of every job so far (`prior`).
 - **The step's cost against its rows and its keys** (`StepCost`): a table of seconds against rows,
-  measured on this machine at warm-up on short sequences (on a 2-core CPU one row costs about as
+  measured on this machine at warm-up on short sequences (at a server's first start, then kept) (on a 2-core CPU one row costs about as
   much as the weights' read up to a few rows, and each row past that adds about its share of a
   full step), plus seconds per cached key the step's sequences read. A draft row adds a row but
   no keys: it reads its sequence's K/V, which the sequence's own row reads anyway. At 24

@@ -29,6 +29,7 @@ from engine.errors import (
 )
 from engine.jobs import JobEvent, JobId
 from engine.startup_objects import freeze_startup_objects
+from kernels.cache_dir import default_cache_dir
 from kernels.cpu_features import cpu_features
 from service.engine.adapter_loads import AdapterLoads
 from service.engine.build import build_engine
@@ -91,7 +92,7 @@ class EngineLoop:
         self.shared_adapters = frozenset(name for name, _ in config.settings.lora_pairs())
         self.loads = AdapterLoads(self.generator.adapters)
         if config.warmup:
-            self.generator.warmup()
+            self.generator.warmup(step_costs=default_cache_dir())  # the step-cost table kept there
         start["warmup"], t = time.monotonic() - t, time.monotonic()
         # The front end tokenizes (so a huge prompt never stalls decoding here): it loads the
         # model's tokenizer from this folder, far faster than parsing the model file again.
