@@ -102,6 +102,7 @@ class Cluster:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=self.replica_stderr,
+            process_group=0,  # signals come from the cluster (stop), not from its terminal's Ctrl-C
         )
 
     def signal_replica(self, i: int, sig: signal.Signals) -> None:
@@ -133,18 +134,28 @@ class Cluster:
         )
         if check.returncode != 0:
             raise ClusterError(f"haproxy refused {cfg}: {check.stderr.strip()}")
-        self.balancer = subprocess.Popen([self.haproxy_bin, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL)
+        # Its own process group, as the replicas': a Ctrl-C in the cluster's terminal reaches the
+        # cluster alone, and `stop` ends HAProxy after the replicas have drained their streams.
+        self.balancer = subprocess.Popen(
+            [self.haproxy_bin, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL, process_group=0
+        )
 
     def start(self) -> None:
-        for i in range(len(self.backends)):
-            self.start_replica(i)
-        if self.gateway_policy is not None:
-            # The gateway reads each worker's model once, when it registers it: a worker still
-            # loading registers as an unknown model that is never routed to (seen on a loaded
-            # 2-core machine, where two replicas took 9 s to start).
+        """Start the replicas and the balancer; whatever started is stopped again if any of it fails
+        or is interrupted (in process groups of their own, nothing else would end them)."""
+        try:
             for i in range(len(self.backends)):
-                self.wait_replica_serving(i, REPLICA_START_SECONDS)
-        self.start_balancer()
+                self.start_replica(i)
+            if self.gateway_policy is not None:
+                # The gateway reads each worker's model once, when it registers it: a worker still
+                # loading registers as an unknown model that is never routed to (seen on a loaded
+                # 2-core machine, where two replicas took 9 s to start).
+                for i in range(len(self.backends)):
+                    self.wait_replica_serving(i, REPLICA_START_SECONDS)
+            self.start_balancer()
+        except BaseException:
+            self.stop()
+            raise
 
     def wait_replica_serving(self, i: int, timeout: float) -> None:
         """Until replica i's gRPC health says SERVING; ClusterError at `timeout` or if it exits."""
@@ -215,8 +226,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    """Start the cluster, restart replicas that die, stop everything on SIGINT/SIGTERM."""
+    """Start the cluster, restart replicas that die, stop everything on SIGINT/SIGTERM/SIGHUP."""
     flags = [f for f in args.serve_flags if f != "--"]
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # while starting: `start` stops what it started
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, interrupt)
     try:
         cluster = Cluster(
             args.replicas,
@@ -232,14 +249,18 @@ def run_cluster(args: argparse.Namespace) -> int:
     except (ClusterError, GatewayError) as exc:
         print(f"dyngen: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     stopping = False
 
     def stop(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    # The replicas and the balancer run in process groups of their own, so these reach only this
+    # process, which stops them in order (a closed terminal's SIGHUP included: else they outlive it).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
     replicas = ", ".join(f"{b.name} {b.host}:{b.port}" for b in cluster.backends)
     front = "HAProxy" if args.gateway is None else f"the SMG gateway ({args.gateway})"
     print(f"dyngen cluster: {front} on {cluster.target} -> {replicas}", file=sys.stderr, flush=True)

@@ -70,7 +70,9 @@ class SmgGateway:
     def start(self) -> None:
         self._log_file = open(self.log, "ab") if self.log is not None else None  # noqa: SIM115 (closed in stop)
         out = self._log_file if self._log_file is not None else subprocess.DEVNULL
-        self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+        # A process group of its own: a Ctrl-C in the terminal of whoever started it (`dyngen
+        # cluster`) reaches the starter alone, which stops the gateway after the replicas drained.
+        self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, process_group=0)
 
     def _get(self, path: str) -> object:
         with urllib.request.urlopen(f"http://{self.host}:{self.port}{path}", timeout=5) as reply:

@@ -8,18 +8,23 @@ replica (as good as one replica), round robin computes each prompt once per repl
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil  # type: ignore[import-untyped, unused-ignore]
 import pytest
 
 from dyngen_client import Chat, Client, ErrorReason, Request, Result, collect, error_details
-from service.cluster import Cluster
+from service.cluster import Cluster, free_port
 from service.haproxy_config import example_config, render
 from tests.service_harness import TINY_SERVER_FLAGS
 from tests.tiny_service_model import write_servable_tiny_gguf
@@ -201,3 +206,45 @@ def test_sigterm_drains_a_replica(cluster: Cluster) -> None:
         assert cluster.wait_replica(victim, 60) == 0
         cluster.start_replica(victim)
         _wait_both_up(cluster)
+
+
+@needs_haproxy
+@pytest.mark.timeout(300)
+def test_ctrl_c_drains_the_replicas_before_the_balancer_stops(tmp_path: Path) -> None:
+    """Ctrl-C in `dyngen cluster`'s terminal signals the foreground process group: the cluster alone
+    (its replicas and HAProxy have groups of their own), which drains the replicas, then stops
+    HAProxy. (With all of them in its group, the stream through HAProxy was cut: UNAVAILABLE,
+    socket closed.)"""
+    model = write_servable_tiny_gguf(tmp_path / "tiny.gguf")
+    port = free_port()
+    command = [
+        *(sys.executable, "-m", "service.cli", "cluster", "--replicas", "1", "--port", str(port)),
+        *("--check-interval-ms", "300", "--", "--model", str(model), *TINY_SERVER_FLAGS),
+        *("--shutdown-grace-seconds", "120"),
+    ]
+    process = subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True)
+    children: list[psutil.Process] = []
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    _generate(client, Request([5, 6, 7], max_new_tokens=1), timeout=10)
+                    break
+                except grpc.RpcError:
+                    assert process.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.3)
+            children = psutil.Process(process.pid).children(recursive=True)
+            events = client.generate(Request([5, 6, 7], max_new_tokens=300, ignore_eos=True), timeout=120)
+            first = next(events)  # the job runs
+            os.killpg(process.pid, signal.SIGINT)
+            result = collect([first, *events])
+        assert len(result.token_ids) == 300
+        assert process.wait(120) == 0
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
