@@ -10,9 +10,10 @@ Two measured things decide it:
   rejection lowers it by a single trial, so p rises fast and falls slowly. A new job starts from
   the acceptance of every job so far (`prior`).
 - **The step's cost against its rows and its keys** (`StepCost`): a table of seconds against rows,
-  measured on this machine at warm-up on short sequences (at a server's first start, then kept) (on a 2-core CPU one row costs about as
-  much as the weights' read up to a few rows, and each row past that adds about its share of a
-  full step), plus seconds per cached key the step's sequences read. A draft row adds a row but
+  measured on this machine at warm-up on short sequences, at a server's first start and kept for
+  later ones (`step_cost_store`; on a 2-core CPU one row costs about as much as the weights' read
+  up to a few rows, and each row past that adds about its share of a full step), plus seconds per
+  cached key the step's sequences read. A draft row adds a row but
   no keys: it reads its sequence's K/V, which the sequence's own row reads anyway. At 24
   sequences of 500 tokens (Intel AMX part, int8 cache) 16 draft rows added 0.44 ms each and 16
   more sequences 0.89 ms each; a table of rows alone, its points learnt from steps whose
