@@ -303,6 +303,26 @@ def test_a_signal_to_the_whole_process_group_drains_with_the_engine_alive(
         s.stop()
 
 
+def test_a_second_signal_cuts_the_drain_short(tiny_model: Path) -> None:
+    """Ctrl-C pressed again: the running job is cancelled at once instead of being given the whole
+    grace period, and its reader still gets its CANCELLED finish."""
+    s = start_tiny_server(tiny_model, "--speculate", "none", "--shutdown-grace-seconds", "300")
+    try:
+        with s.client() as client:
+            job = client.enqueue(Request([5, 6, 7], max_new_tokens=3500, ignore_eos=True))
+            events = client.stream(job)
+            first = next(events)
+            s.process.send_signal(signal.SIGINT)
+            s.wait_log("draining")
+            s.process.send_signal(signal.SIGINT)
+            finished = collect([first, *events])
+        assert finished.stop_reason == "cancelled" and len(finished.token_ids) < 3500
+        assert s.process.wait(30) == 0
+        assert log_count(s, "drain_cut_short") == 1
+    finally:
+        s.stop()
+
+
 def test_a_killed_engine_leaves_no_semaphore_behind(tiny_model: Path) -> None:
     """An engine makes no multiprocessing lock of its own (tqdm makes one even for a disabled
     bar): a killed engine's would be named on every crash and warned about at the server's exit."""

@@ -2,12 +2,14 @@
 
 Health is SERVING only while the engine process is up with its model loaded and warmed up.
 SIGTERM (or SIGINT): stop admitting (health NOT_SERVING, new jobs UNAVAILABLE), give running
-jobs `shutdown_grace_seconds` to finish, cancel the rest, stop the engine, return 0.
+jobs `shutdown_grace_seconds` to finish (a second signal ends the wait), cancel the rest, stop
+the engine, return 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import socket
 import time
@@ -158,8 +160,17 @@ async def serve(
     if config.metrics_port:
         metrics.serve(config.metrics_host or config.host, config.metrics_port)
 
+    # A second SIGTERM/SIGINT (Ctrl-C pressed again) cuts the drain short: what still runs is
+    # cancelled at once, its readers still getting their CANCELLED finish.
+    hurry = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            hurry.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
     engine.start()
     await server.start()
@@ -201,15 +212,18 @@ async def serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.drain_delay_seconds > 0:
         log.info("leaving", delay_seconds=config.drain_delay_seconds)
-        await asyncio.sleep(config.drain_delay_seconds)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hurry.wait(), config.drain_delay_seconds)
     # Drain: admit nothing new, let running jobs finish within the grace period, cancel the rest.
     service.draining = True
     # Finished jobs whose events wait for a Stream call are not waited for: they run nothing, and a
     # cancelled Enqueue'd job had held every drain for the whole grace period.
     log.info("draining", open_jobs=engine.unfinished_jobs(), grace_seconds=config.shutdown_grace_seconds)
     deadline = time.monotonic() + config.shutdown_grace_seconds
-    while engine.unfinished_jobs() and time.monotonic() < deadline:
+    while engine.unfinished_jobs() and time.monotonic() < deadline and not hurry.is_set():
         await asyncio.sleep(0.05)
+    if hurry.is_set():
+        log.info("drain_cut_short", open_jobs=engine.unfinished_jobs())
     cancelled = engine.unfinished_jobs()
     engine.cancel_all()
     # The cancelled jobs' JobFinished events still reach their readers before the server stops.
