@@ -255,6 +255,9 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     def stop(signum: int, frame: object) -> None:
         nonlocal stopping
+        if stopping:  # a second one (Ctrl-C again): each replica's second SIGTERM ends its drain
+            for i in range(len(cluster.backends)):
+                cluster.signal_replica(i, signal.SIGTERM)
         stopping = True
 
     # The replicas and the balancer run in process groups of their own, so these reach only this

@@ -210,11 +210,13 @@ def test_sigterm_drains_a_replica(cluster: Cluster) -> None:
 
 @needs_haproxy
 @pytest.mark.timeout(300)
-def test_ctrl_c_drains_the_replicas_before_the_balancer_stops(tmp_path: Path) -> None:
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_drains_the_replicas_before_the_balancer_stops(tmp_path: Path, presses: int) -> None:
     """Ctrl-C in `dyngen cluster`'s terminal signals the foreground process group: the cluster alone
     (its replicas and HAProxy have groups of their own), which drains the replicas, then stops
     HAProxy. (With all of them in its group, the stream through HAProxy was cut: UNAVAILABLE,
-    socket closed.)"""
+    socket closed.) Pressed twice, it ends the replicas' drains: the job's reader gets its
+    CANCELLED finish through HAProxy."""
     model = write_servable_tiny_gguf(tmp_path / "tiny.gguf")
     port = free_port()
     command = [
@@ -224,6 +226,7 @@ def test_ctrl_c_drains_the_replicas_before_the_balancer_stops(tmp_path: Path) ->
     ]
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True)
     children: list[psutil.Process] = []
+    tokens = 300 if presses == 1 else 3500  # the second press cuts the long one short
     try:
         with Client(f"127.0.0.1:{port}") as client:
             deadline = time.monotonic() + 120
@@ -235,11 +238,16 @@ def test_ctrl_c_drains_the_replicas_before_the_balancer_stops(tmp_path: Path) ->
                     assert process.poll() is None and time.monotonic() < deadline
                     time.sleep(0.3)
             children = psutil.Process(process.pid).children(recursive=True)
-            events = client.generate(Request([5, 6, 7], max_new_tokens=300, ignore_eos=True), timeout=120)
+            events = client.generate(Request([5, 6, 7], max_new_tokens=tokens, ignore_eos=True), timeout=120)
             first = next(events)  # the job runs
-            os.killpg(process.pid, signal.SIGINT)
+            for _ in range(presses):
+                os.killpg(process.pid, signal.SIGINT)
+                time.sleep(0.5)
             result = collect([first, *events])
-        assert len(result.token_ids) == 300
+        if presses == 1:
+            assert len(result.token_ids) == tokens
+        else:
+            assert result.stop_reason == "cancelled" and len(result.token_ids) < tokens
         assert process.wait(120) == 0
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     finally:
