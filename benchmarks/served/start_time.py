@@ -31,6 +31,7 @@ from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
+from benchmarks.peers.process import stop as stop_process
 from benchmarks.served.service_load import START_TIMEOUT, wait_serving
 from benchmarks.served.soak import cpu_line, engine_process
 from dyngen_client import Chat, Client, Request
@@ -122,12 +123,7 @@ class _Server:
         return time.monotonic() - self.started
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
+        stop_process(self.process, 60.0)
 
 
 def restarts(server: _Server, kills: int) -> list[Restart]:
