@@ -466,9 +466,8 @@ class DynamicGenerator:
         key: StepCostKey | None = None
         if folder is not None:
             m, cache = self.model, self.cache
-            model = f"{m.config.name}|{m.dtype}|{m.linear_kinds}"
             key = StepCostKey.make(
-                model, describe_device(m.device), f"{cache.kind.value}|{cache.dtype}", sizes
+                m.timing_key, describe_device(m.device), f"{cache.kind.value}|{cache.dtype}", sizes
             )
             kept = read_step_cost(key, folder)
             if kept is not None:

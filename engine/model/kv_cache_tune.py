@@ -123,7 +123,7 @@ def resolve_kv_cache(
     key = CacheTuneKey(
         cpu.identity,
         torch.__version__,
-        f"{model.config.name}|{model.dtype}|{model.linear_kinds}",
+        model.timing_key,
         page_size,
         source_digest(),
     )

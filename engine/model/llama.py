@@ -89,7 +89,9 @@ class LlamaModel:
         self.layers: list[LayerWeights] = w.layers
         self.tuner: LinearTuner | None = w.tuner
         self._linears_description = w.description
-        self.linear_kinds = w.linear_kinds  # what runs, without the autotune's state: a key for timings
+        # What runs (name, activations' dtype, each projection's kind), without the autotune's
+        # state: the same at every start of this plan, so it keys timings kept between starts.
+        self.timing_key = f"{config.name}|{dtype}|{w.linear_kinds}"
         freq_factors = tensors.get("rope_freqs")
         self.rope = RotaryEmbedding(config, dtype, freq_factors)
         self.rope.to(self.device)

@@ -18,8 +18,6 @@ second start measures nothing.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import resource
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cache_dir import default_cache_dir, write_json
+from kernels.cache_dir import keyed_file, read_keyed, write_json
 from kernels.cpu_features import CpuFeatures
 from kernels.linear.linear_kind import Linear, LinearKind
 from kernels.native.native_library import source_digest
@@ -70,9 +68,11 @@ class TuneKey:
             native_source=_native_source_digest() if native else "",
         )
 
+    def path(self, folder: Path | None) -> Path:
+        return keyed_file(folder, "linear-autotune", self.__dict__)
+
     def file_name(self) -> str:
-        digest = hashlib.sha256(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:16]
-        return f"linear-autotune-{digest}.json"
+        return self.path(Path()).name
 
 
 def _native_source_digest() -> str:
@@ -88,19 +88,20 @@ class TuneCache:
 
     def __init__(self, key: TuneKey, folder: Path | None = None) -> None:
         self.key = key
-        self.path = (folder if folder is not None else default_cache_dir()) / key.file_name()
+        self.path = key.path(folder)
         self.hit = False
         self._choices: dict[str, Choice] = {}
+        data = read_keyed(self.path, key.__dict__)
+        choices = data.get("choices") if data is not None else None
         try:
-            data = json.loads(self.path.read_text())
-            if data.get("key") == key.__dict__ | {"kinds": list(key.kinds)}:
+            if isinstance(choices, dict):
                 self._choices = {
                     shape: {int(b): LinearKind(k) for b, k in by_bucket.items()}
-                    for shape, by_bucket in data["choices"].items()
+                    for shape, by_bucket in choices.items()
                 }
                 self.hit = True
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass  # absent or unreadable: measure again
+        except (ValueError, TypeError, AttributeError):
+            pass  # unreadable: measure again
 
     @staticmethod
     def shape_name(out_features: int, in_features: int, kinds: Sequence[LinearKind]) -> str:
@@ -115,7 +116,7 @@ class TuneCache:
 
     def save(self) -> None:
         data = {
-            "key": self.key.__dict__ | {"kinds": list(self.key.kinds)},
+            "key": self.key.__dict__,
             "choices": {s: {str(b): k.value for b, k in c.items()} for s, c in self._choices.items()},
         }
         write_json(self.path, data)
