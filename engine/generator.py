@@ -62,6 +62,15 @@ from engine.model.llama import LlamaModel
 from engine.model.tokenizer import Tokenizer
 from engine.output.token_healing import TokenHealer
 from engine.output.token_intake import Outcome, TokenIntake
+from engine.prompt_depth_cost import PromptDepthCost
+from engine.prompt_depth_timing import (
+    DEPTH,
+    SLICE,
+    read_prompt_depth,
+    time_prompt_depth,
+    write_prompt_depth,
+)
+from engine.prompt_depth_timing import METHOD as PROMPT_DEPTH_METHOD
 from engine.runner import ModelRunner
 from engine.sampling.sampler import (
     Sampler,
@@ -75,9 +84,10 @@ from engine.speculation.speculation_step import SpeculationStep, make_drafter
 from engine.speculation.speculative import (
     Drafter,
 )
-from engine.speculation.step_cost_store import StepCostKey, read_step_cost, write_step_cost
+from engine.speculation.step_cost_store import StepCostKey, read_step_cost, step_cost_what, write_step_cost
 from engine.step_failure import StepFailure
 from engine.step_forward import Staged, StepOutput, run_forward
+from engine.timing_key import TimingKey
 
 __all__ = ["Completion", "DynamicGenerator", "GeneratorConfig", "GeneratorStats"]
 
@@ -424,9 +434,10 @@ class DynamicGenerator:
         return run_to_completion([self.enqueue(s) for s in specs], self.iterate)
 
     def warmup(self, step_costs: Path | None = None) -> None:
-        """Run a few throwaway forwards so first requests don't pay one-time kernel setup; with
-        adaptive speculation, time plain steps of growing batches for its cost model, or read the
-        table timed at an earlier start from `step_costs` (a folder; None: always timed)."""
+        """Run a few throwaway forwards so first requests don't pay one-time kernel setup; time
+        prompt slices by depth for the scheduler's price of them and, with adaptive speculation,
+        plain steps of growing batches for its cost model, or read what an earlier start timed
+        from `step_costs` (a folder; None: always timed)."""
         bos = self.model.config.bos_token_id or 0
         # Throwaway outputs are no text for other jobs' drafts to copy: ~70 runs of BOS tokens
         # in the n-gram drafter's corpus cost every draft request their indexing and matching.
@@ -435,12 +446,47 @@ class DynamicGenerator:
             for n in (1, 8):
                 spec = JobSpec(prompt_ids=(bos,) * n, max_new_tokens=2, ignore_eos=True)
                 self.generate([spec])
+            depth_cost = self._prompt_depth_cost(step_costs)
+            if depth_cost is not None:
+                self.scheduler.price_prompts(depth_cost)
             if self.speculation.wants_cost() and self.scheduler.idle():
                 cost = self._step_cost(bos, step_costs)
                 if cost is not None:  # else drafts keep their fixed length
                     self.speculation.measured(cost)
         finally:
             self.speculation.keeps_outputs = True
+
+    def _timing_key(self, what: str) -> TimingKey:
+        m, cache = self.model, self.cache
+        return TimingKey.make(
+            what, m.timing_key, describe_device(m.device), f"{cache.kind.value}|{cache.dtype}"
+        )
+
+    def _prompt_depth_cost(self, folder: Path | None) -> PromptDepthCost | None:
+        """The price of prompt slices by depth (engine/prompt_depth_timing.py): read back from
+        `folder`, else timed. None where it cannot be timed: a busy generator, no prefix cache, a
+        pool, context or forward too small for the slices."""
+        page = self.config.page_size
+        needed = -(-DEPTH // page) * page + SLICE + 1
+        if (
+            not self.scheduler.idle()
+            or not self.scheduler.config.prefix_cache
+            or self.scheduler.config.max_chunk_size < SLICE
+            or self.max_seq_len < needed
+            or self.pool.num_pages * page < needed + page
+        ):
+            return None
+        key = self._timing_key(PROMPT_DEPTH_METHOD) if folder is not None else None
+        if key is not None:
+            kept = read_prompt_depth(key, folder)
+            if kept is not None:
+                return kept
+        cost = time_prompt_depth(
+            self.enqueue, self.iterate, self.has_work, self.model.config.vocab_size, page
+        )
+        if key is not None:
+            write_prompt_depth(key, folder, cost)
+        return cost
 
     def _step_cost(self, bos: int, folder: Path | None) -> StepCost | None:
         """Seconds of a decode step of 1, 2, 4, ... rows up to the batch (or twice the most jobs that
@@ -465,10 +511,7 @@ class DynamicGenerator:
         sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= top} | {max(top, 2)})
         key: StepCostKey | None = None
         if folder is not None:
-            m, cache = self.model, self.cache
-            key = StepCostKey.make(
-                m.timing_key, describe_device(m.device), f"{cache.kind.value}|{cache.dtype}", sizes
-            )
+            key = StepCostKey(self._timing_key(step_cost_what(sizes)), tuple(sizes))
             kept = read_step_cost(key, folder)
             if kept is not None:
                 return kept

@@ -6,8 +6,10 @@ tokens it wants there (the prompt, then each sampled token), and each iteration 
 out a token budget (`max_chunk_size`) so the first catches up with the second. Decode
 tokens of running jobs come first (one each, cheap, latency-critical), then prefill
 chunks of running jobs, then new jobs admitted from the queue in turn. A forward that carries
-decode steps carries at most `prefill_while_decoding` prompt tokens beside them, so a long
-arriving prompt stalls the running streams a slice at a time, not for its whole prefill. The scheduler alone
+decode steps carries prompt slices worth at most `prefill_while_decoding` prompt tokens at depth 0
+beside them, a deeper token counting for more (its attention reads more keys:
+engine/prompt_depth_cost.py), so a long arriving prompt stalls the running streams a bounded slice
+at a time, not for its whole prefill, and its last slices no longer than its first. The scheduler alone
 writes a job's progress (`computed`, `stage`, `order`, `preemptions`, `draft_budget`).
 
 When the pool runs dry, a running job is preempted: its pages go back (full ones stay
@@ -31,6 +33,7 @@ from __future__ import annotations
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig"]
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from engine.cache.cache_manager import CacheManager, CopyPrefix
 from engine.cache.pages import PagePool
@@ -38,6 +41,7 @@ from engine.fair_queue import FairQueue
 from engine.job_state import JobState
 from engine.jobs import JobStage
 from engine.preemption import displaced_by, first_victim, rows
+from engine.prompt_depth_cost import PromptDepthCost
 from engine.scheduled_chunk import ScheduledChunk
 from engine.scheduler_config import SchedulerConfig
 from engine.sequence import SequenceState
@@ -50,6 +54,14 @@ class Scheduler:
         self.queue = FairQueue(config.priority_aging, dict(config.tenant_weights))
         self.running: list[JobState] = []
         self._admitted = 0
+        self.prompt_cost = PromptDepthCost()  # depth free until the warm-up times it
+
+    def price_prompts(self, cost: PromptDepthCost) -> None:
+        """Price prompt slices beside decode steps by their depth (the warm-up's timing)."""
+        self.prompt_cost = cost
+
+    def describe_slices(self) -> str:
+        return self.prompt_cost.describe(self.config.prefill_while_decoding)
 
     def submit(self, job: JobState) -> None:
         self.queue.enter(job, self.config.max_q_size, self.config.max_q_per_tenant)
@@ -110,7 +122,7 @@ class Scheduler:
 
     def schedule(self, on_preempt: Callable[[JobState], None]) -> list[ScheduledChunk]:
         """The next forward's chunks. Jobs preempted to make room are reported to `on_preempt`."""
-        budget = self.config.max_chunk_size
+        budget = _Budget(self.config.max_chunk_size, None, self.prompt_cost)
         chunks: list[ScheduledChunk] = []
         for job in self.running:
             for seq in job.rows:
@@ -123,18 +135,18 @@ class Scheduler:
         #    A speculating job asks for room for its drafts too (verified in the same step).
         decoding = (j for j in self.running if self._decoding(j))
         for job in sorted(decoding, key=lambda j: (-j.spec.priority, j.order)):
-            if budget < 1 or job.stage is JobStage.QUEUED:  # preempted for an older job's page
+            if budget.left < 1 or job.stage is JobStage.QUEUED:  # preempted for an older job's page
                 continue
             negative = job.negative
             if negative is None:
-                take = min(1 + job.draft_budget, budget)
+                take = min(1 + job.draft_budget, budget.left)
                 if not self._ensure_pages(job, job, job.computed + take, on_preempt):
                     continue
                 chunks.append(ScheduledChunk(job, take))
                 self.queue.charge(job.spec.tenant, take)
-                budget -= take
+                budget.left -= take
                 continue
-            if budget < 2:  # both rows or neither
+            if budget.left < 2:  # both rows or neither
                 continue
             if not (
                 self._ensure_pages(job, job, job.computed + 1, on_preempt)
@@ -143,20 +155,20 @@ class Scheduler:
                 continue
             chunks += (ScheduledChunk(job, 1), ScheduledChunk(job, 1, negative=True))
             self.queue.charge(job.spec.tenant, 2)
-            budget -= 2
-        if chunks:  # streams are decoding: prompts go in slices beside them
-            budget = min(budget, self.config.prefill_while_decoding)
+            budget.left -= 2
+        if chunks:  # streams are decoding: prompts go in slices beside them, priced by depth
+            budget.stall = float(self.config.prefill_while_decoding)
         # 2. Prefill chunks of running jobs (their prompt pages were taken at admission).
         for job in self.running:
-            if budget < 1:
+            if not budget.open():
                 break
             if self._decoding(job):  # scheduled above (budget allowing)
                 continue
-            budget = self._add_chunks(job, budget, chunks)
+            self._add_chunks(job, budget, chunks)
         # 3. Admit queued jobs, in turn (engine/fair_queue.py), while the budget, the batch and the
         #    pool allow.
         waiting: list[JobState] = []
-        while budget >= 1 and self._rows() < self.config.max_batch_size:
+        while budget.open() and self._rows() < self.config.max_batch_size:
             head = self.queue.peek(rows(self.running))
             if head is None:
                 break
@@ -183,7 +195,7 @@ class Scheduler:
                 job.skips += 1
                 job = passer
             self.queue.remove(job)
-            budget = self._add_chunks(job, budget, chunks)
+            self._add_chunks(job, budget, chunks)
         for job in waiting:
             self.queue.push(job)
         return chunks
@@ -197,26 +209,29 @@ class Scheduler:
         """Batch rows the running jobs hold (a guided job holds two)."""
         return sum(len(j.rows) for j in self.running)
 
-    def _add_chunks(self, job: JobState, budget: int, chunks: list[ScheduledChunk]) -> int:
-        """Add the prefill chunk(s) of a running job within `budget` (charged to its tenant); returns
-        the budget left."""
+    def _add_chunks(self, job: JobState, budget: _Budget, chunks: list[ScheduledChunk]) -> None:
+        """Add the prefill chunk(s) of a running job within `budget` (charged to its tenant)."""
         negative = job.negative
         if negative is None:
-            take = min(job.pending, budget)
+            take = min(job.pending, budget.room(job.computed))
             chunks.append(ScheduledChunk(job, take))
             self.queue.charge(job.spec.tenant, take)
-            return budget - take
+            budget.spend(take, job.computed)
+            return
         own, neg = job.pending, negative.pending
-        if own + neg > budget:
+        n_neg = min(neg, budget.room(negative.computed))
+        n_own = min(own, budget.after(n_neg, negative.computed).room(job.computed))
+        if n_neg < neg or n_own < own:
             # The job samples from both rows' logits after the same forward: until both fit, each
             # computes all but its last token.
-            neg = min(neg - 1, budget)
-            own = min(own - 1, budget - neg)
-        for is_negative, take in ((False, own), (True, neg)):
+            n_neg = min(n_neg, neg - 1)
+            n_own = min(own - 1, budget.after(n_neg, negative.computed).room(job.computed))
+        for is_negative, take in ((False, n_own), (True, n_neg)):
             if take > 0:
                 chunks.append(ScheduledChunk(job, take, negative=is_negative))
-        self.queue.charge(job.spec.tenant, own + neg)
-        return budget - own - neg
+        self.queue.charge(job.spec.tenant, n_own + n_neg)
+        budget.spend(n_neg, negative.computed)
+        budget.spend(n_own, job.computed)
 
     def _victim(self) -> JobState | None:
         return first_victim(self.running, self.queue, self.config.max_batch_size)
@@ -300,3 +315,37 @@ class Scheduler:
     def _release(self, seq: SequenceState) -> None:
         self.cache.free(seq)
         seq.computed = 0
+
+
+@dataclass
+class _Budget:
+    """One forward's room: tokens (max_chunk_size), and beside decode steps a stall budget in
+    prompt tokens at depth 0 that each prompt slice spends by its depth's price."""
+
+    left: int  # tokens the forward may still take (max_chunk_size less what is scheduled)
+    stall: float | None  # None: no stream decodes in this forward
+    price: PromptDepthCost
+
+    def open(self) -> bool:
+        return self.left >= 1 and (self.stall is None or self.stall >= 1)
+
+    def room(self, depth: int) -> int:
+        """Prompt tokens from `depth` on that fit; at least one while the stall budget has one
+        depth-0 token left, so a prompt at any depth moves on beside decoding streams."""
+        if self.stall is None:
+            return max(self.left, 0)
+        n = self.price.tokens_within(self.stall, depth)
+        if n < 1 and self.stall >= 1:
+            n = 1
+        return max(min(n, self.left), 0)
+
+    def spend(self, tokens: int, depth: int) -> None:
+        self.left -= tokens
+        if self.stall is not None and tokens > 0:
+            self.stall -= self.price.slice_cost(tokens, depth)
+
+    def after(self, tokens: int, depth: int) -> _Budget:
+        """This budget once `tokens` from `depth` are spent (a trial; this one is unchanged)."""
+        trial = replace(self)
+        trial.spend(tokens, depth)
+        return trial

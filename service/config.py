@@ -233,7 +233,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "prefill_while_decoding",
         int,
         d.prefill_while_decoding,
-        "prompt tokens per forward while other jobs decode in it (bounds their inter-token stall)",
+        "prompt tokens per forward while other jobs decode in it, counted at depth 0: a deeper token "
+        "counts for more (its attention reads more keys); bounds their inter-token stall",
     )
     opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size (threaded sampler mode)")
     opt(

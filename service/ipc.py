@@ -249,6 +249,7 @@ class Ready:
     hidden_size: int  # the model's embedding width (the front end checks prompt embeddings' rows)
     device: str  # where the model runs (engine/device.py describe_device)
     page_size: int  # the KV cache's page size in tokens (a job's fit is counted in pages)
+    prompt_slices: str  # how prompt slices beside decode steps are priced (PromptDepthCost.describe)
     # Seconds each part of the start took in the engine process (imports, model, warmup, tokenizer, collect).
     start_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -270,6 +271,7 @@ class Ready:
             int(obj["hidden_size"]),
             str(obj["device"]),
             int(obj["page_size"]),
+            str(obj["prompt_slices"]),
             {str(k): float(v) for k, v in dict(obj.get("start_seconds", {})).items()},
         )
 

@@ -2,63 +2,46 @@
 
 Timing plain steps of 1 to 32 rows is most of a warm engine's warm-up (0.25 s on a 2-core Zen 4,
 0.4-0.9 s on its AVX2-only paths), and a restarted engine's streams wait for it. What the table
-depends on is fixed for a machine and a model: the CPU (its threads and flags), torch, the model
-and its linear kinds, the cache's kind, the row counts timed, the native kernels' source and the
-OpenMP waiting. Each start still corrects the table from its own decode steps (`StepCost.observed`),
-as it does a freshly timed one.
+depends on is fixed for a machine and a model (engine/timing_key.py), and the row counts timed.
+Each start still corrects the table from its own decode steps (`StepCost.observed`), as it does a
+freshly timed one.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from engine.speculation.draft_policy import StepCost
-from kernels.cache_dir import keyed_file, read_keyed, write_json
-from kernels.cpu_features import cpu_features
-from kernels.native.native_library import source_digest
+from engine.timing_key import TimingKey
 
 # How the table is made: a change invalidates the tables made the old way.
 METHOD = "plain decode steps of one-token jobs; best of 4; retimed when a size costs more per row"
+PREFIX = "step-cost"
 
 
 @dataclass(frozen=True)
 class StepCostKey:
-    cpu: str
-    torch_version: str
-    model: str  # name, activations' dtype and linear kinds
-    device: str
-    cache: str  # the KV cache's kind and dtype
+    timing: TimingKey
     rows: tuple[int, ...]
-    native_source: str
-    omp: str  # OpenMP's waiting: spinning workers make small steps cheaper
-    method: str = METHOD
 
     @staticmethod
     def make(model: str, device: str, cache: str, rows: Sequence[int]) -> StepCostKey:
-        omp = f"{os.environ.get('OMP_WAIT_POLICY', '')}|{os.environ.get('GOMP_SPINCOUNT', '')}"
-        return StepCostKey(
-            cpu_features().identity,
-            torch.__version__,
-            model,
-            device,
-            cache,
-            tuple(rows),
-            source_digest(),
-            omp,
-        )
+        return StepCostKey(TimingKey.make(step_cost_what(rows), model, device, cache), tuple(rows))
 
     def path(self, folder: Path | None) -> Path:
-        return keyed_file(folder, "step-cost", asdict(self))
+        return self.timing.path(folder, PREFIX)
+
+
+def step_cost_what(rows: Sequence[int]) -> str:
+    """The timing key's `what` of a table of these row counts."""
+    return f"{METHOD}; rows {','.join(str(n) for n in rows)}"
 
 
 def read_step_cost(key: StepCostKey, folder: Path | None) -> StepCost | None:
     """The table kept for `key`, or None (none yet, or unreadable)."""
-    data = read_keyed(key.path(folder), asdict(key))
+    data = key.timing.read(folder, PREFIX)
     if data is None:
         return None
     try:
@@ -71,4 +54,4 @@ def read_step_cost(key: StepCostKey, folder: Path | None) -> StepCost | None:
 
 
 def write_step_cost(key: StepCostKey, folder: Path | None, cost: StepCost) -> None:
-    write_json(key.path(folder), {"key": asdict(key), "seconds": list(cost.seconds), "per_key": cost.per_key})
+    key.timing.write(folder, PREFIX, {"seconds": list(cost.seconds), "per_key": cost.per_key})

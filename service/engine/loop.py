@@ -118,6 +118,7 @@ class EngineLoop:
             loaded.model.config.hidden_size,
             describe_device(loaded.model.device),
             self.generator.pool.page_size,
+            self.generator.scheduler.describe_slices(),
             {k: round(v, 3) for k, v in start.items()},
         )
         self._send(Tag.READY, 0, ready.to_bytes())

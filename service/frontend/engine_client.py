@@ -447,6 +447,7 @@ class EngineClient:
             device=ready.device,
             linears=ready.linears,
             kv_cache=ready.kv_cache,
+            prompt_slices=ready.prompt_slices,
             cpu=ready.cpu,
         )
         if self._first_ready.done() and self.adapter_loads:
