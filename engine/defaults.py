@@ -19,7 +19,7 @@ MAX_CHUNK_SIZE = 2048  # tokens per forward: decode tokens plus prefill chunks
 # Prompt tokens a forward may carry while other jobs decode in it (`--prefill-while-decoding`): each
 # prompt token stalls every running stream's next token (~0.75 ms each on a 2-core Zen 5), so a long
 # arriving prompt is fed in slices; with no job decoding, prefill takes the whole MAX_CHUNK_SIZE.
-# Counted at depth 0: a deeper token costs more (engine/prompt_depth_cost.py).
+# Both budgets are counted from depth 0: a deeper token costs more (engine/prompt_depth_cost.py).
 # 128 by `python -m benchmarks serving` (Zen 5): at 256 the editing trace's p99 inter-token latency
 # was 302 ms at 1 request/s, at 128 it was 191 ms, within a 200 ms SLO, up to 1.41 requests/s.
 PREFILL_WHILE_DECODING = 128

@@ -6,7 +6,9 @@ before it: a slice of n prompt tokens starting at depth d costs n * (a + b * (d 
 depth 7400, so a slice bounded in tokens alone stalled the running streams 5.6x longer at the end
 of a long prompt than at its start. Priced in depth-0 tokens, a slice costs
 n * (1 + (d + n / 2) / parity), where parity = a / b is the depth at which a token's attention
-costs as much as the rest of its forward (timed at warm-up: engine/prompt_depth_timing.py).
+costs as much as the rest of its forward (timed at warm-up: engine/prompt_depth_timing.py). The
+scheduler lets no slice beside decode steps cost more than `prefill_while_decoding` tokens from
+depth 0, and no forward more than `max_chunk_size` tokens from depth 0.
 """
 
 from __future__ import annotations
@@ -40,12 +42,19 @@ class PromptDepthCost:
             n -= 1
         return n
 
-    def describe(self, budget: int) -> str:
-        """How `budget` depth-0 tokens slice a prompt beside decode steps, for logs."""
+    def describe(self, beside_decoding: int, chunk: int) -> str:
+        """How prompts are sliced beside decode steps and chunked alone, for logs."""
         if math.isinf(self.parity):
-            return f"{budget} prompt tokens a forward beside decode steps, at any depth"
-        deep = ", ".join(f"{self.tokens_within(budget, d)} at depth {d}" for d in (1024, 4096))
+            return (
+                f"{beside_decoding} prompt tokens a forward beside decode steps, {chunk} alone, at any depth"
+            )
+
+        def at(tokens: int) -> str:
+            units = self.slice_cost(tokens, 0)
+            deep = ", ".join(f"{self.tokens_within(units, d)} from depth {d}" for d in (1024, 4096))
+            return f"{tokens} from depth 0 ({deep})"
+
         return (
-            f"{budget} prompt tokens at depth 0 a forward beside decode steps; a token at depth d "
-            f"counts 1 + d/{self.parity:.0f} ({deep})"
+            f"prompt tokens a forward beside decode steps: {at(beside_decoding)}; alone: {at(chunk)}; "
+            f"a token at depth d costs 1 + d/{self.parity:.0f} of one at depth 0"
         )

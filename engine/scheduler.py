@@ -6,10 +6,11 @@ tokens it wants there (the prompt, then each sampled token), and each iteration 
 out a token budget (`max_chunk_size`) so the first catches up with the second. Decode
 tokens of running jobs come first (one each, cheap, latency-critical), then prefill
 chunks of running jobs, then new jobs admitted from the queue in turn. A forward that carries
-decode steps carries prompt slices worth at most `prefill_while_decoding` prompt tokens at depth 0
-beside them, a deeper token counting for more (its attention reads more keys:
+decode steps carries prompt slices costing at most what `prefill_while_decoding` prompt tokens from
+depth 0 cost, a deeper token costing more (its attention reads more keys:
 engine/prompt_depth_cost.py), so a long arriving prompt stalls the running streams a bounded slice
-at a time, not for its whole prefill, and its last slices no longer than its first. The scheduler alone
+at a time, not for its whole prefill, and its last slices no longer than its first; and no forward
+costs more than `max_chunk_size` prompt tokens from depth 0. The scheduler alone
 writes a job's progress (`computed`, `stage`, `order`, `preemptions`, `draft_budget`).
 
 When the pool runs dry, a running job is preempted: its pages go back (full ones stay
@@ -61,7 +62,7 @@ class Scheduler:
         self.prompt_cost = cost
 
     def describe_slices(self) -> str:
-        return self.prompt_cost.describe(self.config.prefill_while_decoding)
+        return self.prompt_cost.describe(self.config.prefill_while_decoding, self.config.max_chunk_size)
 
     def submit(self, job: JobState) -> None:
         self.queue.enter(job, self.config.max_q_size, self.config.max_q_per_tenant)
@@ -122,7 +123,7 @@ class Scheduler:
 
     def schedule(self, on_preempt: Callable[[JobState], None]) -> list[ScheduledChunk]:
         """The next forward's chunks. Jobs preempted to make room are reported to `on_preempt`."""
-        budget = _Budget(self.config.max_chunk_size, None, self.prompt_cost)
+        budget = _Budget.of(self.config.max_chunk_size, self.prompt_cost)
         chunks: list[ScheduledChunk] = []
         for job in self.running:
             for seq in job.rows:
@@ -144,7 +145,7 @@ class Scheduler:
                     continue
                 chunks.append(ScheduledChunk(job, take))
                 self.queue.charge(job.spec.tenant, take)
-                budget.left -= take
+                budget.decode(take)
                 continue
             if budget.left < 2:  # both rows or neither
                 continue
@@ -155,9 +156,9 @@ class Scheduler:
                 continue
             chunks += (ScheduledChunk(job, 1), ScheduledChunk(job, 1, negative=True))
             self.queue.charge(job.spec.tenant, 2)
-            budget.left -= 2
+            budget.decode(2)
         if chunks:  # streams are decoding: prompts go in slices beside them, priced by depth
-            budget.stall = float(self.config.prefill_while_decoding)
+            budget.beside_decoding(self.config.prefill_while_decoding)
         # 2. Prefill chunks of running jobs (their prompt pages were taken at admission).
         for job in self.running:
             if not budget.open():
@@ -319,30 +320,48 @@ class Scheduler:
 
 @dataclass
 class _Budget:
-    """One forward's room: tokens (max_chunk_size), and beside decode steps a stall budget in
-    prompt tokens at depth 0 that each prompt slice spends by its depth's price."""
+    """One forward's room. `left`: tokens (max_chunk_size). `work`: what max_chunk_size prompt
+    tokens from depth 0 cost, so no forward costs more than that chunk, however deep its prompt
+    tokens are. `stall`, beside decode steps: what prefill_while_decoding prompt tokens from depth
+    0 cost. Prompt slices spend `work` and `stall` at their depth's price (decode tokens one each)."""
 
-    left: int  # tokens the forward may still take (max_chunk_size less what is scheduled)
+    left: int
+    work: float
     stall: float | None  # None: no stream decodes in this forward
     price: PromptDepthCost
 
+    @staticmethod
+    def of(max_chunk_size: int, price: PromptDepthCost) -> _Budget:
+        return _Budget(max_chunk_size, price.slice_cost(max_chunk_size, 0), None, price)
+
+    def beside_decoding(self, prompt_tokens: int) -> None:
+        self.stall = self.price.slice_cost(prompt_tokens, 0)
+
     def open(self) -> bool:
-        return self.left >= 1 and (self.stall is None or self.stall >= 1)
+        return self.left >= 1 and self.work >= 1 and (self.stall is None or self.stall >= 1)
 
     def room(self, depth: int) -> int:
-        """Prompt tokens from `depth` on that fit; at least one while the stall budget has one
-        depth-0 token left, so a prompt at any depth moves on beside decoding streams."""
-        if self.stall is None:
-            return max(self.left, 0)
-        n = self.price.tokens_within(self.stall, depth)
-        if n < 1 and self.stall >= 1:
-            n = 1
-        return max(min(n, self.left), 0)
+        """Prompt tokens from `depth` on that fit; at least one while the budget is open, so a
+        prompt at any depth moves on."""
+        if not self.open():
+            return 0
+        n = self.price.tokens_within(self.work, depth)
+        if self.stall is not None:
+            n = min(n, self.price.tokens_within(self.stall, depth))
+        return min(max(n, 1), self.left)
+
+    def decode(self, tokens: int) -> None:
+        self.left -= tokens
+        self.work -= tokens
 
     def spend(self, tokens: int, depth: int) -> None:
+        if tokens <= 0:
+            return
+        cost = self.price.slice_cost(tokens, depth)
         self.left -= tokens
-        if self.stall is not None and tokens > 0:
-            self.stall -= self.price.slice_cost(tokens, depth)
+        self.work -= cost
+        if self.stall is not None:
+            self.stall -= cost
 
     def after(self, tokens: int, depth: int) -> _Budget:
         """This budget once `tokens` from `depth` are spent (a trial; this one is unchanged)."""

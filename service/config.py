@@ -228,13 +228,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="a tenant's weight in fair shares (default 1: a tenant of weight 2 is served twice the "
         "tokens when both wait); repeatable [DYNGEN_TENANT_WEIGHT: comma-separated]",
     )
-    opt("chunk_size", int, d.chunk_size, "tokens per forward")
+    opt(
+        "chunk_size",
+        int,
+        d.chunk_size,
+        "tokens per forward, counted from depth 0 (a deeper prompt token costs more)",
+    )
     opt(
         "prefill_while_decoding",
         int,
         d.prefill_while_decoding,
-        "prompt tokens per forward while other jobs decode in it, counted at depth 0: a deeper token "
-        "counts for more (its attention reads more keys); bounds their inter-token stall",
+        "prompt tokens per forward while other jobs decode in it, counted from depth 0: a deeper token "
+        "costs more (its attention reads more keys); bounds their inter-token stall",
     )
     opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size (threaded sampler mode)")
     opt(

@@ -57,11 +57,11 @@ def test_the_parity_comes_back_from_the_two_slices_times() -> None:
     assert parity_from(flat, flat * 50, DEPTH).parity == MIN_PARITY  # a spoiled timing
 
 
-def tiny_gen(tiny: LoadedModel, **scheduler: object) -> DynamicGenerator:
+def tiny_gen(tiny: LoadedModel, chunk: int = 2048, **scheduler: object) -> DynamicGenerator:
     config = GeneratorConfig(
         page_size=16,
         num_pages=256,
-        scheduler=SchedulerConfig(max_batch_size=8, max_chunk_size=2048, **scheduler),  # type: ignore[arg-type]
+        scheduler=SchedulerConfig(max_batch_size=8, max_chunk_size=chunk, **scheduler),  # type: ignore[arg-type]
     )
     return DynamicGenerator(tiny.model, tiny.tokenizer, config)
 
@@ -97,10 +97,27 @@ def test_deeper_slices_are_shorter_and_each_stays_within_the_budget(tiny: Loaded
         pytest.fail("the long prompt never finished its prefill")
     slices = [(a, b - a) for a, b in itertools.pairwise(done)]
     assert all(n >= 1 for _, n in slices)  # every forward moved the prompt on
-    assert all(price.slice_cost(n, depth) <= BUDGET for depth, n in slices)
+    assert slices[0] == (0, BUDGET)  # from depth 0, the setting's own count
+    assert all(price.slice_cost(n, depth) <= price.slice_cost(BUDGET, 0) for depth, n in slices)
     assert slices[0][1] > 2 * slices[-1][1]  # the first slice (depth 0) against the last
     # Unpriced, the same budget takes BUDGET tokens a forward at every depth.
     assert len(slices) + 1 > math.ceil(PROMPT / BUDGET)
+    finish(gen)
+
+
+def test_alone_a_deep_chunk_costs_no_more_than_a_whole_chunk_from_depth_0(tiny: LoadedModel) -> None:
+    chunk = 256
+    gen = tiny_gen(tiny, chunk)
+    price = PromptDepthCost(200.0)
+    gen.scheduler.price_prompts(price)
+    job = gen.enqueue(JobSpec(long_prompt(4, 1000), 2, ignore_eos=True))
+    done = [0]
+    while not any(isinstance(e, TokensGenerated) for e in gen.iterate()):
+        done.append(gen.jobs[job].computed)
+    slices = [(a, b - a) for a, b in itertools.pairwise(done)]
+    assert slices[0] == (0, chunk)
+    assert all(price.slice_cost(n, depth) <= price.slice_cost(chunk, 0) for depth, n in slices)
+    assert slices[-1][1] < chunk / 2
     finish(gen)
 
 
@@ -138,7 +155,7 @@ def test_a_guided_pair_prefills_in_priced_slices(tiny: LoadedModel) -> None:
         if guided not in gen.jobs:
             break
     assert len(tokens) == 3
-    assert len(costs) > 10 and max(costs) <= BUDGET
+    assert len(costs) > 10 and max(costs) <= price.slice_cost(BUDGET, 0)
     assert gen.jobs[stream].new_tokens > 10  # it went on decoding beside the pair's slices
     gen.cancel(stream)
     finish(gen)
