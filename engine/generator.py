@@ -63,14 +63,13 @@ from engine.model.tokenizer import Tokenizer
 from engine.output.token_healing import TokenHealer
 from engine.output.token_intake import Outcome, TokenIntake
 from engine.prompt_depth_cost import PromptDepthCost
+from engine.prompt_depth_timing import METHOD as PROMPT_DEPTH_METHOD
 from engine.prompt_depth_timing import (
-    DEPTH,
-    SLICE,
+    can_time,
     read_prompt_depth,
     time_prompt_depth,
     write_prompt_depth,
 )
-from engine.prompt_depth_timing import METHOD as PROMPT_DEPTH_METHOD
 from engine.runner import ModelRunner
 from engine.sampling.sampler import (
     Sampler,
@@ -466,14 +465,11 @@ class DynamicGenerator:
         """The price of prompt slices by depth (engine/prompt_depth_timing.py): read back from
         `folder`, else timed. None where it cannot be timed: a busy generator, no prefix cache, a
         pool, context or forward too small for the slices."""
-        page = self.config.page_size
-        needed = -(-DEPTH // page) * page + SLICE + 1
-        if (
-            not self.scheduler.idle()
-            or not self.scheduler.config.prefix_cache
-            or self.scheduler.config.max_chunk_size < SLICE
-            or self.max_seq_len < needed
-            or self.pool.num_pages * page < needed + page
+        page, scheduling = self.config.page_size, self.scheduler.config
+        if not (
+            self.scheduler.idle()
+            and scheduling.prefix_cache
+            and can_time(page, self.max_seq_len, self.pool.num_pages * page, scheduling.max_chunk_size)
         ):
             return None
         key = self._timing_key(PROMPT_DEPTH_METHOD) if folder is not None else None

@@ -24,10 +24,22 @@ from engine.timing_key import TimingKey
 SLICE = 128  # tokens of the timed slice: the default prefill_while_decoding
 DEPTH = 512  # keys before the deep slice (rounded up to whole pages)
 ROUNDS = 3
-MIN_PARITY = 64.0  # a floor against a timing a busy machine spoiled: slices stay >= ~8 tokens deep in
+MIN_PARITY = 64.0  # a floor against a timing a busy machine spoiled (a deep slice's time inflated)
 METHOD = f"a {SLICE}-token slice at depth 0 and after a {DEPTH}-token prefix hit; best of {ROUNDS}"
 PREFIX = "prompt-depth"
 SALT = "dyngen-warmup-prompt-depth"
+
+
+def _depth(page_size: int) -> int:
+    """DEPTH rounded up to whole pages: the prefix the deep slices hit entirely."""
+    return -(-DEPTH // page_size) * page_size
+
+
+def can_time(page_size: int, max_seq_len: int, pool_tokens: int, max_chunk_size: int) -> bool:
+    """Whether a generator of these sizes has room for the timing: the prefix and a slice in one
+    sequence (and a page to spare in the pool), and a whole slice in one forward."""
+    needed = _depth(page_size) + SLICE + 1
+    return max_chunk_size >= SLICE and max_seq_len >= needed and pool_tokens >= needed + page_size
 
 
 def parity_from(flat: float, deep: float, depth: int) -> PromptDepthCost:
@@ -46,9 +58,9 @@ def time_prompt_depth(
     vocab_size: int,
     page_size: int,
 ) -> PromptDepthCost:
-    """Time the slices through the generator (idle, prefix cache on, room for DEPTH + SLICE
-    tokens and a SLICE-token forward: the caller checks)."""
-    depth = -(-DEPTH // page_size) * page_size
+    """Time the slices through the generator (idle, prefix cache on, and `can_time`: the caller
+    checks)."""
+    depth = _depth(page_size)
     span = vocab_size - 1
 
     def ids(start: int, n: int, shift: int = 0) -> tuple[int, ...]:
@@ -85,7 +97,7 @@ def read_prompt_depth(key: TimingKey, folder: Path | None) -> PromptDepthCost | 
     if data is None:
         return None
     parity = data.get("parity")
-    if isinstance(parity, str) and parity == "inf":
+    if parity == "inf":
         return PromptDepthCost()
     if not isinstance(parity, float | int) or not parity > 0:
         return None

@@ -14,7 +14,7 @@ from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobId, JobSpec, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.scheduler import SchedulerConfig
-from tests.tiny_generator import all_pages_idle
+from tests.tiny_generator import finish, long_prompt
 
 PROMPT = 300
 
@@ -30,23 +30,12 @@ def tiny_gen(tiny: LoadedModel, prefill_while_decoding: int) -> DynamicGenerator
     return DynamicGenerator(tiny.model, tiny.tokenizer, config)
 
 
-def long_prompt(seed: int) -> tuple[int, ...]:
-    return tuple(3 + (seed * 7 + i * 13) % 200 for i in range(PROMPT))
-
-
-def finish(gen: DynamicGenerator) -> None:
-    while gen.has_work():
-        gen.iterate()
-    assert all_pages_idle(gen)
-    gen.close()
-
-
 @pytest.mark.parametrize("slice_", [32, 100])
 def test_a_long_prompt_goes_in_slices_while_a_stream_decodes(tiny: LoadedModel, slice_: int) -> None:
     gen = tiny_gen(tiny, slice_)
     stream = gen.enqueue(JobSpec((5, 6, 7), 60, ignore_eos=True))
     gen.iterate()  # the stream's prompt, then it decodes
-    late = gen.enqueue(JobSpec(long_prompt(1), 4, ignore_eos=True))
+    late = gen.enqueue(JobSpec(long_prompt(1, PROMPT), 4, ignore_eos=True))
     done = [0]
     steps_without_stream_token = 0
     first_token_step = None
@@ -70,7 +59,7 @@ def test_a_long_prompt_goes_in_slices_while_a_stream_decodes(tiny: LoadedModel, 
 
 def test_with_nobody_decoding_a_prompt_takes_the_whole_chunk(tiny: LoadedModel) -> None:
     gen = tiny_gen(tiny, 32)
-    job = gen.enqueue(JobSpec(long_prompt(2), 4, ignore_eos=True))
+    job = gen.enqueue(JobSpec(long_prompt(2, PROMPT), 4, ignore_eos=True))
     events = gen.iterate()
     assert any(isinstance(e, TokensGenerated) and e.job_id == job for e in events)
     finish(gen)

@@ -20,7 +20,7 @@ from engine.prompt.guidance import Guidance
 from engine.prompt_depth_cost import PromptDepthCost
 from engine.prompt_depth_timing import DEPTH, MIN_PARITY, SLICE, parity_from
 from engine.scheduler import SchedulerConfig
-from tests.tiny_generator import all_pages_idle
+from tests.tiny_generator import all_pages_idle, finish, long_prompt
 
 PROMPT = 600
 BUDGET = 64
@@ -66,24 +66,13 @@ def tiny_gen(tiny: LoadedModel, chunk: int = 2048, **scheduler: object) -> Dynam
     return DynamicGenerator(tiny.model, tiny.tokenizer, config)
 
 
-def long_prompt(seed: int, n: int = PROMPT) -> tuple[int, ...]:
-    return tuple(3 + (seed * 7 + i * 13) % 200 for i in range(n))
-
-
-def finish(gen: DynamicGenerator) -> None:
-    while gen.has_work():
-        gen.iterate()
-    assert all_pages_idle(gen)
-    gen.close()
-
-
 def test_deeper_slices_are_shorter_and_each_stays_within_the_budget(tiny: LoadedModel) -> None:
     gen = tiny_gen(tiny, prefill_while_decoding=BUDGET)
     price = PromptDepthCost(200.0)
     gen.scheduler.price_prompts(price)
     stream = gen.enqueue(JobSpec((5, 6, 7), 200, ignore_eos=True))
     gen.iterate()  # the stream's prompt, then it decodes
-    late = gen.enqueue(JobSpec(long_prompt(1), 4, ignore_eos=True))
+    late = gen.enqueue(JobSpec(long_prompt(1, PROMPT), 4, ignore_eos=True))
     done = [0]
     for _ in range(200):
         events = gen.iterate()

@@ -30,3 +30,16 @@ def loaded_tiny_model() -> LoadedModel:
 def all_pages_idle(gen: DynamicGenerator) -> bool:
     s = gen.stats()
     return s.pages_used == 0 and s.pages_free + s.pages_cached == gen.pool.num_pages
+
+
+def long_prompt(seed: int, n: int) -> tuple[int, ...]:
+    """`n` prompt ids for the tiny model, a different sequence per seed (no prefix shared)."""
+    return tuple(3 + (seed * 7 + i * 13) % 200 for i in range(n))
+
+
+def finish(gen: DynamicGenerator) -> None:
+    """Run what is left, check every page went back, and close the generator."""
+    while gen.has_work():
+        gen.iterate()
+    assert all_pages_idle(gen)
+    gen.close()
