@@ -16,12 +16,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from engine import defaults
 from engine.ids import JobId
 from engine.jobs import JobSpec
 from engine.prompt_depth_cost import PromptDepthCost
 from engine.timing_key import TimingKey
 
-SLICE = 128  # tokens of the timed slice: the default prefill_while_decoding
+SLICE = (
+    defaults.PREFILL_WHILE_DECODING
+)  # tokens of the timed slice: what the default lets beside decode steps
 DEPTH = 512  # keys before the deep slice (rounded up to whole pages)
 ROUNDS = 3
 MIN_PARITY = 64.0  # a floor against a timing a busy machine spoiled (a deep slice's time inflated)
