@@ -23,6 +23,10 @@ MAX_CHUNK_SIZE = 2048  # tokens per forward: decode tokens plus prefill chunks
 # 128 by `python -m benchmarks serving` (Zen 5): at 256 the editing trace's p99 inter-token latency
 # was 302 ms at 1 request/s, at 128 it was 191 ms, within a 200 ms SLO, up to 1.41 requests/s.
 PREFILL_WHILE_DECODING = 128
+# The share of a forward's prompt budget that a prompt not finishing in it leaves to the prompts behind
+# it (running or queued), so a short request does not wait out another's long prefill; what they do
+# not use, it takes back.
+PROMPT_RESERVE = 0.25
 MAX_QUEUE = 1024  # jobs waiting for admission
 # KV events the page pool keeps for replay (engine/cache/kv_events.py): at 64-token pages, 4096 events
 # cover the registrations and evictions of a few full turns of the default 512-page cache.

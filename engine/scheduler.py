@@ -10,7 +10,14 @@ decode steps carries prompt slices costing at most what `prefill_while_decoding`
 depth 0 cost, a deeper token costing more (its attention reads more keys:
 engine/prompt_depth_cost.py), so a long arriving prompt stalls the running streams a bounded slice
 at a time, not for its whole prefill, and its last slices no longer than its first; and no forward
-costs more than `max_chunk_size` prompt tokens from depth 0. The scheduler alone
+costs more than `max_chunk_size` prompt tokens from depth 0. The first prompt that will not finish
+in a forward (in arrival order) takes at most all but `prompt_reserve` of its budget, leaving that
+share to the prompts behind it that have fewer tokens left than it will have, shortest first
+(running ones, and the queue's head in turn), so a short request starts beside a long prefill
+rather than after it. What they leave, it takes back, so alone it loses nothing; a prompt no shorter
+waits for it as in arrival order (a queued one is not admitted meanwhile, so long prompts do not
+pile up part-computed, holding pages, and shorter ones after it in the queue may pass it), and the
+oldest unfinished prompt always keeps its share, so none starves. The scheduler alone
 writes a job's progress (`computed`, `stage`, `order`, `preemptions`, `draft_budget`).
 
 When the pool runs dry, a running job is preempted: its pages go back (full ones stay
@@ -47,6 +54,9 @@ from engine.scheduled_chunk import ScheduledChunk
 from engine.scheduler_config import SchedulerConfig
 from engine.sequence import SequenceState
 
+# Queued prompts no shorter than the held-back one that one forward looks past for a shorter one.
+_PASS_AT_MOST = 8
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
@@ -62,7 +72,15 @@ class Scheduler:
         self.prompt_cost = cost
 
     def describe_slices(self) -> str:
-        return self.prompt_cost.describe(self.config.prefill_while_decoding, self.config.max_chunk_size)
+        reserve = self.config.prompt_reserve
+        held = (
+            f"; an unfinished prompt leaves {reserve:.0%} of each to shorter ones behind it"
+            if reserve
+            else ""
+        )
+        return (
+            self.prompt_cost.describe(self.config.prefill_while_decoding, self.config.max_chunk_size) + held
+        )
 
     def submit(self, job: JobState) -> None:
         self.queue.enter(job, self.config.max_q_size, self.config.max_q_per_tenant)
@@ -159,16 +177,31 @@ class Scheduler:
             budget.decode(2)
         if chunks:  # streams are decoding: prompts go in slices beside them, priced by depth
             budget.beside_decoding(self.config.prefill_while_decoding)
-        # 2. Prefill chunks of running jobs (their prompt pages were taken at admission).
+        # 2. Prefill chunks of running jobs (their prompt pages were taken at admission), in arrival
+        #    order. The first prompt that will not finish in this forward leaves a share of the budget
+        #    (prompt_reserve) to the prompts behind it with fewer tokens left than it will have, shortest
+        #    first, running or queued; a longer one waits for it, as in arrival order. What they leave,
+        #    it takes back (4.).
+        held: JobState | None = None
+        held_left = 0  # prompt tokens the held-back job has left after this forward
+        behind: list[JobState] = []
         for job in self.running:
-            if not budget.open():
-                break
             if self._decoding(job):  # scheduled above (budget allowing)
                 continue
-            self._add_chunks(job, budget, chunks)
+            if held is not None:
+                if self._prompt_left(job) < held_left:
+                    behind.append(job)
+                continue
+            if not budget.open():
+                break
+            if self._add_chunks(job, budget, chunks, hold=True):
+                held, held_left = job, self._left_after(job, chunks)
+        behind.sort(key=self._prompt_left)
         # 3. Admit queued jobs, in turn (engine/fair_queue.py), while the budget, the batch and the
-        #    pool allow.
+        #    pool allow; a running prompt behind the held one that is shorter than the queue's head
+        #    goes first.
         waiting: list[JobState] = []
+        passed = 0
         while budget.open() and self._rows() < self.config.max_batch_size:
             head = self.queue.peek(rows(self.running))
             if head is None:
@@ -177,6 +210,18 @@ class Scheduler:
             if self.cache.awaits_inflight(job):
                 self.queue.remove(job)
                 waiting.append(job)
+                continue
+            if behind and self._prompt_left(behind[0]) <= self._prompt_left(job):
+                self._add_chunks(behind.pop(0), budget, chunks)
+                continue
+            if held is not None and self._prompt_left(job) >= held_left:
+                # Not shorter than the held-back prompt: it waits for it, holding no pages meanwhile,
+                # and a shorter job after it may take the reserve (it could not start before anyway).
+                self.queue.remove(job)
+                waiting.append(job)
+                passed += 1
+                if passed >= _PASS_AT_MOST:
+                    break
                 continue
             if not self._admit_unit(job):
                 if job.skips >= self.config.max_skips:
@@ -187,7 +232,9 @@ class Scheduler:
                     (
                         j
                         for j in self.queue.of_tenant(job.spec.tenant)[1:]
-                        if j.spec.priority == p and self._admit_unit(j)
+                        if j.spec.priority == p
+                        and (held is None or self._prompt_left(j) < held_left)
+                        and self._admit_unit(j)
                     ),
                     None,
                 )
@@ -196,9 +243,17 @@ class Scheduler:
                 job.skips += 1
                 job = passer
             self.queue.remove(job)
+            if self._add_chunks(job, budget, chunks, hold=held is None):
+                held, held_left = job, self._left_after(job, chunks)
+        for job in behind:
+            if not budget.open():
+                break
             self._add_chunks(job, budget, chunks)
         for job in waiting:
             self.queue.push(job)
+        # 4. What the prompts behind it left, the held-back prompt takes back.
+        if held is not None and budget.open():
+            self._take_back(held, budget, chunks)
         return chunks
 
     @staticmethod
@@ -206,19 +261,50 @@ class Scheduler:
         """Whether the job (each of its rows) takes a plain decode step."""
         return job.decoding and (job.negative is None or job.negative.decoding)
 
+    @staticmethod
+    def _prompt_left(job: JobState) -> int:
+        """Tokens the job's rows have yet to compute (a queued job: all of them, before prefix hits)."""
+        return sum(seq.pending for seq in job.rows)
+
+    def _left_after(self, job: JobState, chunks: list[ScheduledChunk]) -> int:
+        """What the job has left to compute once this forward's chunks have run."""
+        return self._prompt_left(job) - sum(c.num_tokens for c in chunks if c.job is job)
+
     def _rows(self) -> int:
         """Batch rows the running jobs hold (a guided job holds two)."""
         return sum(len(j.rows) for j in self.running)
 
-    def _add_chunks(self, job: JobState, budget: _Budget, chunks: list[ScheduledChunk]) -> None:
-        """Add the prefill chunk(s) of a running job within `budget` (charged to its tenant)."""
+    def _add_chunks(
+        self,
+        job: JobState,
+        budget: _Budget,
+        chunks: list[ScheduledChunk],
+        at: int | None = None,
+        hold: bool = False,
+    ) -> bool:
+        """Add the prefill chunk(s) of a running job within `budget` (charged to its tenant), at
+        position `at` of `chunks` (None: at the end). With `hold`, a prompt that does not finish
+        within the budget takes at most all but `prompt_reserve` of it; returns whether it did."""
+        own, neg = self._takes(job, budget)
+        finishes = own == job.pending and (job.negative is None or neg == job.negative.pending)
+        if hold and not finishes:
+            own, neg = self._takes(job, budget.holding(self.config.prompt_reserve))
+        new = [ScheduledChunk(job, n, negative=is_neg) for is_neg, n in ((False, own), (True, neg)) if n > 0]
+        i = len(chunks) if at is None else at
+        chunks[i:i] = new
+        self.queue.charge(job.spec.tenant, own + neg)
+        if job.negative is not None:
+            budget.spend(neg, job.negative.computed)
+        budget.spend(own, job.computed)
+        return hold and not finishes
+
+    @staticmethod
+    def _takes(job: JobState, budget: _Budget) -> tuple[int, int]:
+        """The prompt tokens of the job's own row and of its negative row (0 without one) that
+        fit in `budget`."""
         negative = job.negative
         if negative is None:
-            take = min(job.pending, budget.room(job.computed))
-            chunks.append(ScheduledChunk(job, take))
-            self.queue.charge(job.spec.tenant, take)
-            budget.spend(take, job.computed)
-            return
+            return min(job.pending, budget.room(job.computed)), 0
         own, neg = job.pending, negative.pending
         n_neg = min(neg, budget.room(negative.computed))
         n_own = min(own, budget.after(n_neg, negative.computed).room(job.computed))
@@ -227,12 +313,18 @@ class Scheduler:
             # computes all but its last token.
             n_neg = min(n_neg, neg - 1)
             n_own = min(own - 1, budget.after(n_neg, negative.computed).room(job.computed))
-        for is_negative, take in ((False, n_own), (True, n_neg)):
-            if take > 0:
-                chunks.append(ScheduledChunk(job, take, negative=is_negative))
-        self.queue.charge(job.spec.tenant, n_own + n_neg)
-        budget.spend(n_neg, negative.computed)
-        budget.spend(n_own, job.computed)
+        return n_own, n_neg
+
+    def _take_back(self, job: JobState, budget: _Budget, chunks: list[ScheduledChunk]) -> None:
+        """Re-plan a held-back prompt's chunks, in their place, with what the budget has left once
+        they are refunded."""
+        mine = [c for c in chunks if c.job is job]
+        at = chunks.index(mine[0]) if mine else None  # its held share may have been no token
+        for c in mine:
+            chunks.remove(c)
+            budget.refund(c.num_tokens, c.seq.computed)
+            self.queue.charge(job.spec.tenant, -c.num_tokens)
+        self._add_chunks(job, budget, chunks, at)
 
     def _victim(self) -> JobState | None:
         return first_victim(self.running, self.queue, self.config.max_batch_size)
@@ -362,6 +454,26 @@ class _Budget:
         self.work -= cost
         if self.stall is not None:
             self.stall -= cost
+
+    def refund(self, tokens: int, depth: int) -> None:
+        """Undo `spend(tokens, depth)`."""
+        if tokens <= 0:
+            return
+        cost = self.price.slice_cost(tokens, depth)
+        self.left += tokens
+        self.work += cost
+        if self.stall is not None:
+            self.stall += cost
+
+    def holding(self, reserve: float) -> _Budget:
+        """This budget less the share `reserve` of what it has left (a trial; this one is unchanged)."""
+        keep = 1.0 - reserve
+        return replace(
+            self,
+            left=int(self.left * keep),
+            work=self.work * keep,
+            stall=None if self.stall is None else self.stall * keep,
+        )
 
     def after(self, tokens: int, depth: int) -> _Budget:
         """This budget once `tokens` from `depth` are spent (a trial; this one is unchanged)."""

@@ -14,6 +14,7 @@ class SchedulerConfig:
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     max_chunk_size: int = defaults.MAX_CHUNK_SIZE
     prefill_while_decoding: int = defaults.PREFILL_WHILE_DECODING  # prompt tokens beside decode steps
+    prompt_reserve: float = defaults.PROMPT_RESERVE  # budget share a long prompt leaves to those behind
     max_q_size: int = defaults.MAX_QUEUE
     max_skips: int = 4
     prefix_cache: bool = True  # reuse full pages across jobs (off: every job computes its whole prompt)
@@ -34,6 +35,8 @@ class SchedulerConfig:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_skips < 0:
             raise InvalidRequestError(f"max_skips must be >= 0, got {self.max_skips}")
+        if not 0.0 <= self.prompt_reserve < 1.0:
+            raise InvalidRequestError(f"prompt_reserve must be in [0, 1), got {self.prompt_reserve}")
         if self.priority_aging < 0 or not math.isfinite(self.priority_aging):
             raise InvalidRequestError(f"priority_aging must be >= 0, got {self.priority_aging}")
         for tenant, weight in self.tenant_weights:

@@ -44,6 +44,7 @@ class ServiceConfig:
     tenant_weight: tuple[str, ...] = ()  # NAME=W, a tenant's weight in fair shares
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     prefill_while_decoding: int = defaults.PREFILL_WHILE_DECODING
+    prompt_reserve: float = defaults.PROMPT_RESERVE
     sampling_threads: int = defaults.SAMPLING_THREADS
     sampler_mode: str = defaults.SAMPLER_MODE
     lora: tuple[str, ...] = ()  # NAME=PATH, loaded at start and shared by every tenant
@@ -241,6 +242,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt tokens per forward while other jobs decode in it, counted from depth 0: a deeper token "
         "costs more (its attention reads more keys); bounds their inter-token stall",
     )
+    opt(
+        "prompt_reserve",
+        _fraction,
+        d.prompt_reserve,
+        "the share of a forward's prompt tokens that a prompt not finishing in it leaves to the prompts "
+        "behind it, so a short request need not wait out a long prefill (0 = arrival order)",
+    )
     opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size (threaded sampler mode)")
     opt(
         "sampler_mode",
@@ -377,6 +385,13 @@ def _aging(text: str) -> float:
     value = float(text)
     if not (0 <= value < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
     return value
 
 

@@ -30,6 +30,7 @@ class EngineSettings:
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     prefill_while_decoding: int = defaults.PREFILL_WHILE_DECODING
+    prompt_reserve: float = defaults.PROMPT_RESERVE  # the share a long prompt leaves to those behind
     max_queue: int = defaults.MAX_QUEUE
     max_queue_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
     priority_aging: float = defaults.PRIORITY_AGING

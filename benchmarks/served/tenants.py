@@ -7,6 +7,9 @@ with the shipped model on 127.0.0.1.
 2. A flood: tenant A enqueues 200 W1 jobs; tenant B's single request's TTFT and the engine
    iterations it waited, against B's TTFT on the idle server, and against the same request from A
    itself (one tenant: arrival order, what every tenant got before fair shares).
+3. A long prompt: tenant A sends a 7600-token prompt; 1 s later tenant B's single chat request:
+   B's TTFT and A's, with the default `--prompt-reserve` and with 0 (arrival order: B waits out A's
+   whole prefill).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from benchmarks.inprocess.lora_throughput import write_adapter
 from benchmarks.served.service_load import percentile, wait_serving
 from benchmarks.workloads import load_workloads
 from dyngen_client import AsyncClient, Chat, Request
+from engine import defaults
 from engine.model.gguf_source import GGUFSource
 from engine.model.loader import default_model_path
 from kernels.cpu_features import cpu_features
 from service.cluster import free_port
 
+LONG_PROMPT = 7600
 EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STREAMS = 32
 ALICE, BOB = "alice-benchmark-token-0123", "bob-benchmark-token-456789"
@@ -142,13 +147,17 @@ async def _flood(target: str, prompts: list[str], question: str) -> list[str]:
             f"{statistics.median(n for _, n in idle):.0f} |"
         )
         for who, client in (("B, beside A's flood (fair shares)", b), ("A itself, behind its own flood", a)):
-            jobs = [
-                await a.enqueue(
-                    Request(Chat.user(prompts[i % len(prompts)]), max_new_tokens=128, ignore_eos=True)
+            jobs = await asyncio.gather(
+                *(
+                    a.enqueue(
+                        Request(Chat.user(prompts[i % len(prompts)]), max_new_tokens=128, ignore_eos=True)
+                    )
+                    for i in range(200)
                 )
-                for i in range(200)
-            ]
-            while (info := await a.model_info()).running_jobs < info.max_batch_size:
+            )
+            # Until A's jobs fill the batch; on a part too fast for that, until none waits (no flood left
+            # to wait for).
+            while (info := await a.model_info()).running_jobs < info.max_batch_size and info.queued_jobs:
                 await asyncio.sleep(0.05)
             ttft, steps = await _ttft(client, question)
             rows.append(f"| {who} | {ttft * 1000:.0f} | {steps} |")
@@ -158,6 +167,38 @@ async def _flood(target: str, prompts: list[str], question: str) -> list[str]:
             while (info := await a.model_info()).running_jobs or info.queued_jobs:
                 await asyncio.sleep(0.1)
     return rows
+
+
+async def _first_token(client: AsyncClient, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    async for event in client.generate(Request(prompt, max_new_tokens=4, ignore_eos=True), timeout=600):
+        if event.HasField("delta"):
+            return time.perf_counter() - start
+    raise RuntimeError("no token")
+
+
+async def _behind_long(target: str, long: list[int], question: str) -> tuple[float, float, int]:
+    """(A's long prompt's TTFT, B's TTFT when it arrives 1 s into A's prefill, B's iterations waited)."""
+    async with AsyncClient(target, token=ALICE) as a, AsyncClient(target, token=BOB) as b:
+        await _ttft(b, question)  # its template's pages cached, as in the idle rows
+        task = asyncio.create_task(_first_token(a, long))
+        await asyncio.sleep(1.0)
+        ttft, steps = await _ttft(b, question)
+        return await task, ttft, steps
+
+
+def _long_prompt(messages: list[str], start: int) -> list[int]:
+    """LONG_PROMPT token ids of W1's messages, one after another from the `start`-th (a prompt
+    whose pages no earlier round cached)."""
+    from engine.model.tokenizer import HFTokenizer
+
+    tokenizer = HFTokenizer(default_model_path())
+    ids: list[int] = []
+    for i in itertools.count(start):
+        ids += tokenizer.encode(f"{messages[i % len(messages)]} ({i})\n", add_special_tokens=False)
+        if len(ids) >= LONG_PROMPT:
+            return ids[:LONG_PROMPT]
+    raise AssertionError("unreachable")
 
 
 def run(workloads: Path | None) -> str:
@@ -201,6 +242,29 @@ def run(workloads: Path | None) -> str:
             "| request | TTFT ms | engine iterations waited |",
             "| --- | ---: | ---: |",
             *flood,
+            "",
+        ]
+        rounds = itertools.count(1)
+        rows = []
+        for reserve in (str(defaults.PROMPT_RESERVE), "0"):
+            port = free_port()
+            server = _serve(port, "--auth-tokens-file", str(tokens), "--prompt-reserve", reserve)
+            try:
+                wait_serving(f"127.0.0.1:{port}", server, 180)
+                for _ in range(2):
+                    long = _long_prompt(prompts, next(rounds))
+                    a, b, steps = asyncio.run(
+                        _behind_long(f"127.0.0.1:{port}", long, "What is the capital of France?")
+                    )
+                    rows.append(f"| {reserve} | {a:.2f} | {b * 1000:.0f} | {steps} |")
+            finally:
+                _stop(server)
+        out += [
+            f"Tenant A sends one {LONG_PROMPT}-token prompt (4 new tokens); 1 s later tenant B one chat request:",
+            "",
+            "| --prompt-reserve | A's TTFT s | B's TTFT ms | engine iterations B waited |",
+            "| --- | ---: | ---: | ---: |",
+            *rows,
             "",
             f"CPU: {cpu_features().summary()}",
         ]

@@ -42,6 +42,7 @@ def build_engine(
             max_batch_size=settings.max_batch_size,
             max_chunk_size=settings.chunk_size,
             prefill_while_decoding=settings.prefill_while_decoding,
+            prompt_reserve=settings.prompt_reserve,
             max_q_size=settings.max_queue,
             max_q_per_tenant=settings.max_queue_per_tenant,
             priority_aging=settings.priority_aging,
