@@ -12,8 +12,8 @@ engine/prompt_depth_cost.py), so a long arriving prompt stalls the running strea
 at a time, not for its whole prefill, and its last slices no longer than its first; and no forward
 costs more than `max_chunk_size` prompt tokens from depth 0. The first prompt that will not finish
 in a forward (in arrival order) takes at most all but `prompt_reserve` of its budget, leaving that
-share to the prompts behind it that have fewer tokens left than it will have, shortest first
-(running ones, and the queue's head in turn), so a short request starts beside a long prefill
+share to the prompts behind it that have fewer tokens left than it will have (a queued one less its
+prefix hits), shortest first (running ones, and the queue's head in turn), so a short request starts beside a long prefill
 rather than after it. What they leave, it takes back, so alone it loses nothing; a prompt no shorter
 waits for it as in arrival order (a queued one is not admitted meanwhile, so long prompts do not
 pile up part-computed, holding pages, and shorter ones after it in the queue may pass it), and the
@@ -211,10 +211,10 @@ class Scheduler:
                 self.queue.remove(job)
                 waiting.append(job)
                 continue
-            if behind and self._prompt_left(behind[0]) <= self._prompt_left(job):
+            if behind and self._prompt_left(behind[0]) <= self._queued_left(job):
                 self._add_chunks(behind.pop(0), budget, chunks)
                 continue
-            if held is not None and self._prompt_left(job) >= held_left:
+            if held is not None and self._queued_left(job) >= held_left:
                 # Not shorter than the held-back prompt: it waits for it, holding no pages meanwhile,
                 # and a shorter job after it may take the reserve (it could not start before anyway).
                 self.queue.remove(job)
@@ -233,7 +233,7 @@ class Scheduler:
                         j
                         for j in self.queue.of_tenant(job.spec.tenant)[1:]
                         if j.spec.priority == p
-                        and (held is None or self._prompt_left(j) < held_left)
+                        and (held is None or self._queued_left(j) < held_left)
                         and self._admit_unit(j)
                     ),
                     None,
@@ -263,8 +263,12 @@ class Scheduler:
 
     @staticmethod
     def _prompt_left(job: JobState) -> int:
-        """Tokens the job's rows have yet to compute (a queued job: all of them, before prefix hits)."""
+        """Tokens a running job's rows have yet to compute."""
         return sum(seq.pending for seq in job.rows)
+
+    def _queued_left(self, job: JobState) -> int:
+        """Tokens a queued job's rows would have to compute if admitted now (less their prefix hits)."""
+        return sum(seq.pending - self.cache.hits(seq) for seq in job.rows)
 
     def _left_after(self, job: JobState, chunks: list[ScheduledChunk]) -> int:
         """What the job has left to compute once this forward's chunks have run."""

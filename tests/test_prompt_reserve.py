@@ -136,6 +136,21 @@ def test_the_reserve_goes_to_the_shortest_prompt_first(tiny: LoadedModel) -> Non
     finish(gen)
 
 
+def test_a_queued_prompt_is_as_long_as_what_its_prefix_hits_leave(tiny: LoadedModel) -> None:
+    gen = tiny_gen(tiny, 0.25)
+    cached = long_prompt(17, LONG)
+    gen.enqueue(JobSpec(cached, 1, ignore_eos=True))
+    while gen.has_work():
+        gen.iterate()
+    long = gen.enqueue(JobSpec(long_prompt(18, LONG), 2, ignore_eos=True, tenant="a"))
+    gen.iterate()
+    # 920 tokens, all but the last few pages' worth cached: shorter than what the long one has left.
+    follow_up = gen.enqueue(JobSpec((*cached, *long_prompt(19, 20)), 2, ignore_eos=True, tenant="b"))
+    firsts = first_tokens(gen, [follow_up, long])
+    assert firsts[follow_up] == 1
+    finish(gen)
+
+
 def test_beside_decode_steps_the_reserve_is_a_share_of_the_stall_budget(tiny: LoadedModel) -> None:
     budget = 64
     gen = tiny_gen(tiny, 0.25, prefill_while_decoding=budget)

@@ -97,6 +97,17 @@ class CacheManager:
                 return True
         return False
 
+    def hits(self, seq: SequenceState) -> int:
+        """Leading tokens of a waiting sequence its admission would now find cached (whole pages; it
+        may copy part of one more), taking nothing and counting no lookup."""
+        if not self.prefix_cache:
+            return 0
+        query = max(len(seq.tokens) - KEEP_COMPUTED, 0)
+        found = self.pool.find_prefix(
+            seq.tokens, query, salt=seq.prefix_salt, hashes=self._full_page_hashes(seq)
+        )
+        return len(found) * self.pool.page_size
+
     # -- writes ----------------------------------------------------------------------------------
 
     def admit(self, seq: SequenceState) -> int | None:
