@@ -13,11 +13,12 @@ at a time, not for its whole prefill, and its last slices no longer than its fir
 costs more than `max_chunk_size` prompt tokens from depth 0. The first prompt that will not finish
 in a forward (in arrival order) takes at most all but `prompt_reserve` of its budget, leaving that
 share to the prompts behind it that have fewer tokens left than it will have (a queued one less its
-prefix hits), shortest first (running ones, and the queue's head in turn), so a short request starts beside a long prefill
-rather than after it. What they leave, it takes back, so alone it loses nothing; a prompt no shorter
-waits for it as in arrival order (a queued one is not admitted meanwhile, so long prompts do not
-pile up part-computed, holding pages, and shorter ones after it in the queue may pass it), and the
-oldest unfinished prompt always keeps its share, so none starves. The scheduler alone
+prefix hits), shortest first (running ones, and the queue's head in turn), so a short request
+starts beside a long prefill rather than after it. What they leave, it takes back, so alone it
+loses nothing; a prompt no shorter waits for it as in arrival order (a queued one is not admitted
+meanwhile, so long prompts do not pile up part-computed, holding pages, and shorter ones after it
+in the queue may pass it), and the oldest unfinished prompt always keeps its share, so none
+starves. The scheduler alone
 writes a job's progress (`computed`, `stage`, `order`, `preemptions`, `draft_budget`).
 
 When the pool runs dry, a running job is preempted: its pages go back (full ones stay
@@ -211,10 +212,11 @@ class Scheduler:
                 self.queue.remove(job)
                 waiting.append(job)
                 continue
-            if behind and self._prompt_left(behind[0]) <= self._queued_left(job):
+            queued_left = self._queued_left(job) if held is not None else 0  # a prefix lookup: once
+            if behind and self._prompt_left(behind[0]) <= queued_left:
                 self._add_chunks(behind.pop(0), budget, chunks)
                 continue
-            if held is not None and self._queued_left(job) >= held_left:
+            if held is not None and queued_left >= held_left:
                 # Not shorter than the held-back prompt: it waits for it, holding no pages meanwhile,
                 # and a shorter job after it may take the reserve (it could not start before anyway).
                 self.queue.remove(job)
@@ -326,7 +328,7 @@ class Scheduler:
         at = chunks.index(mine[0]) if mine else None  # its held share may have been no token
         for c in mine:
             chunks.remove(c)
-            budget.refund(c.num_tokens, c.seq.computed)
+            budget.spend(c.num_tokens, c.seq.computed, sign=-1)
             self.queue.charge(job.spec.tenant, -c.num_tokens)
         self._add_chunks(job, budget, chunks, at)
 
@@ -450,24 +452,15 @@ class _Budget:
         self.left -= tokens
         self.work -= tokens
 
-    def spend(self, tokens: int, depth: int) -> None:
+    def spend(self, tokens: int, depth: int, sign: int = 1) -> None:
+        """Take `tokens` prompt tokens from `depth` on out of the budget (sign -1: give them back)."""
         if tokens <= 0:
             return
-        cost = self.price.slice_cost(tokens, depth)
-        self.left -= tokens
+        cost = sign * self.price.slice_cost(tokens, depth)
+        self.left -= sign * tokens
         self.work -= cost
         if self.stall is not None:
             self.stall -= cost
-
-    def refund(self, tokens: int, depth: int) -> None:
-        """Undo `spend(tokens, depth)`."""
-        if tokens <= 0:
-            return
-        cost = self.price.slice_cost(tokens, depth)
-        self.left += tokens
-        self.work += cost
-        if self.stall is not None:
-            self.stall += cost
 
     def holding(self, reserve: float) -> _Budget:
         """This budget less the share `reserve` of what it has left (a trial; this one is unchanged)."""

@@ -7,7 +7,7 @@ with the shipped model on 127.0.0.1.
 2. A flood: tenant A enqueues 200 W1 jobs; tenant B's single request's TTFT and the engine
    iterations it waited, against B's TTFT on the idle server, and against the same request from A
    itself (one tenant: arrival order, what every tenant got before fair shares).
-3. A long prompt: tenant A sends a 7600-token prompt; 1 s later tenant B's single chat request:
+3. A long prompt: tenant A sends a 7600-token prompt (8 new tokens); 1 s later tenant B's single chat request:
    B's TTFT and A's, with the default `--prompt-reserve` and with 0 (arrival order: B waits out A's
    whole prefill).
 """
@@ -124,13 +124,15 @@ async def _adapter_loads(target: str, prompts: list[str]) -> tuple[list[str], li
     return rows, notes
 
 
-async def _ttft(client: AsyncClient, prompt: str) -> tuple[float, int]:
-    """(TTFT in seconds, engine iterations from before the call to its first token)."""
+async def _ttft(client: AsyncClient, prompt: str | list[int]) -> tuple[float, int]:
+    """(TTFT in seconds, engine iterations from before the call to its first token) of a chat
+    message, or of token ids."""
     before = (await client.model_info()).iterations
     start = time.perf_counter()
-    async for event in client.generate(
-        Request(Chat.user(prompt), max_new_tokens=8, ignore_eos=True), timeout=600
-    ):
+    request = Request(
+        Chat.user(prompt) if isinstance(prompt, str) else prompt, max_new_tokens=8, ignore_eos=True
+    )
+    async for event in client.generate(request, timeout=600):
         if event.HasField("delta"):
             ttft = time.perf_counter() - start
             after = (await client.model_info()).iterations
@@ -169,36 +171,36 @@ async def _flood(target: str, prompts: list[str], question: str) -> list[str]:
     return rows
 
 
-async def _first_token(client: AsyncClient, prompt: list[int]) -> float:
-    start = time.perf_counter()
-    async for event in client.generate(Request(prompt, max_new_tokens=4, ignore_eos=True), timeout=600):
-        if event.HasField("delta"):
-            return time.perf_counter() - start
-    raise RuntimeError("no token")
-
-
 async def _behind_long(target: str, long: list[int], question: str) -> tuple[float, float, int]:
     """(A's long prompt's TTFT, B's TTFT when it arrives 1 s into A's prefill, B's iterations waited)."""
     async with AsyncClient(target, token=ALICE) as a, AsyncClient(target, token=BOB) as b:
         await _ttft(b, question)  # its template's pages cached, as in the idle rows
-        task = asyncio.create_task(_first_token(a, long))
+        task = asyncio.create_task(_ttft(a, long))
         await asyncio.sleep(1.0)
         ttft, steps = await _ttft(b, question)
-        return await task, ttft, steps
+        return (await task)[0], ttft, steps
 
 
-def _long_prompt(messages: list[str], start: int) -> list[int]:
-    """LONG_PROMPT token ids of W1's messages, one after another from the `start`-th (a prompt
-    whose pages no earlier round cached)."""
+def _long_prompts(messages: list[str], count: int) -> list[list[int]]:
+    """`count` prompts of LONG_PROMPT token ids of W1's messages one after another, the k-th from the
+    k-th message on (none shares a first page with another, so no round hits an earlier one's pages)."""
     from engine.model.tokenizer import HFTokenizer
 
     tokenizer = HFTokenizer(default_model_path())
-    ids: list[int] = []
-    for i in itertools.count(start):
-        ids += tokenizer.encode(f"{messages[i % len(messages)]} ({i})\n", add_special_tokens=False)
-        if len(ids) >= LONG_PROMPT:
-            return ids[:LONG_PROMPT]
-    raise AssertionError("unreachable")
+    pieces: list[list[int]] = []
+    for i, m in enumerate(itertools.cycle(messages)):  # until the last prompt has its tokens
+        pieces.append(tokenizer.encode(f"{m} ({i})\n", add_special_tokens=False))
+        if sum(len(p) for p in pieces[count - 1 :]) >= LONG_PROMPT:
+            break
+    prompts: list[list[int]] = []
+    for k in range(count):
+        ids: list[int] = []
+        for piece in pieces[k:]:
+            ids += piece
+            if len(ids) >= LONG_PROMPT:
+                break
+        prompts.append(ids[:LONG_PROMPT])
+    return prompts
 
 
 def run(workloads: Path | None) -> str:
@@ -244,7 +246,7 @@ def run(workloads: Path | None) -> str:
             *flood,
             "",
         ]
-        rounds = itertools.count(1)
+        longs = iter(_long_prompts(prompts, 4))
         rows = []
         for reserve in (str(defaults.PROMPT_RESERVE), "0"):
             port = free_port()
@@ -252,15 +254,14 @@ def run(workloads: Path | None) -> str:
             try:
                 wait_serving(f"127.0.0.1:{port}", server, 180)
                 for _ in range(2):
-                    long = _long_prompt(prompts, next(rounds))
                     a, b, steps = asyncio.run(
-                        _behind_long(f"127.0.0.1:{port}", long, "What is the capital of France?")
+                        _behind_long(f"127.0.0.1:{port}", next(longs), "What is the capital of France?")
                     )
                     rows.append(f"| {reserve} | {a:.2f} | {b * 1000:.0f} | {steps} |")
             finally:
                 _stop(server)
         out += [
-            f"Tenant A sends one {LONG_PROMPT}-token prompt (4 new tokens); 1 s later tenant B one chat request:",
+            f"Tenant A sends one {LONG_PROMPT}-token prompt (8 new tokens); 1 s later tenant B one chat request:",
             "",
             "| --prompt-reserve | A's TTFT s | B's TTFT ms | engine iterations B waited |",
             "| --- | ---: | ---: | ---: |",
