@@ -27,6 +27,12 @@ PREFILL_WHILE_DECODING = 128
 # it (running or queued), so a short request does not wait out another's long prefill; what they do
 # not use, it takes back.
 PROMPT_RESERVE = 0.25
+# The prompt work a forward with no decode step may carry, in milliseconds by the warm-up's timing of a
+# depth-0 prompt token (`--prefill-alone-ms`; never fewer tokens than PREFILL_WHILE_DECODING, nor more
+# than MAX_CHUNK_SIZE): a request arriving beside a long prefill waits for this forward, then for its
+# own. A 7600-token prompt took as long in forwards of 256 to 2048 tokens (2-core Zen 4), so a short
+# forward costs its prefill nothing; on a fast device, MAX_CHUNK_SIZE takes less than this.
+PREFILL_ALONE_MS = 250.0
 MAX_QUEUE = 1024  # jobs waiting for admission
 # KV events the page pool keeps for replay (engine/cache/kv_events.py): at 64-token pages, 4096 events
 # cover the registrations and evictions of a few full turns of the default 512-page cache.

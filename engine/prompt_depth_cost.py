@@ -9,6 +9,9 @@ n * (1 + (d + n / 2) / parity), where parity = a / b is the depth at which a tok
 costs as much as the rest of its forward (timed at warm-up: engine/prompt_depth_timing.py). The
 scheduler lets no slice beside decode steps cost more than `prefill_while_decoding` tokens from
 depth 0, and no forward more than `max_chunk_size` tokens from depth 0.
+
+The same timing gives a depth-0 prompt token's seconds (`token_seconds`), by which a forward with no
+decode step is held to `prefill_alone_ms` of prompt work (`alone_tokens`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,20 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PromptDepthCost:
     parity: float = math.inf  # keys; inf: depth is free (not timed)
+    token_seconds: float | None = None  # a depth-0 prompt token's seconds in a timed slice; None: not timed
 
     def __post_init__(self) -> None:
         if not self.parity > 0:
             raise ValueError(f"a parity depth must be > 0, got {self.parity}")
+        if self.token_seconds is not None and not (0 < self.token_seconds < math.inf):
+            raise ValueError(f"a token's seconds must be > 0, got {self.token_seconds}")
+
+    def alone_tokens(self, milliseconds: float, at_least: int, at_most: int) -> int:
+        """Depth-0 prompt tokens a forward with no decode step may carry: what `milliseconds` of
+        them take (0, or untimed: `at_most`), within [at_least, at_most]."""
+        if milliseconds <= 0 or self.token_seconds is None:
+            return at_most
+        return max(at_least, min(at_most, math.floor(milliseconds / 1000 / self.token_seconds)))
 
     def slice_cost(self, tokens: int, depth: int) -> float:
         """Depth-0 tokens that `tokens` prompt tokens starting at `depth` cost."""
@@ -42,11 +55,11 @@ class PromptDepthCost:
             n -= 1
         return n
 
-    def describe(self, beside_decoding: int, chunk: int) -> str:
+    def describe(self, beside_decoding: int, alone: int) -> str:
         """How prompts are sliced beside decode steps and chunked alone, for logs."""
         if math.isinf(self.parity):
             return (
-                f"{beside_decoding} prompt tokens a forward beside decode steps, {chunk} alone, at any depth"
+                f"{beside_decoding} prompt tokens a forward beside decode steps, {alone} alone, at any depth"
             )
 
         def at(tokens: int) -> str:
@@ -55,6 +68,6 @@ class PromptDepthCost:
             return f"{tokens} from depth 0 ({deep})"
 
         return (
-            f"prompt tokens a forward beside decode steps: {at(beside_decoding)}; alone: {at(chunk)}; "
+            f"prompt tokens a forward beside decode steps: {at(beside_decoding)}; alone: {at(alone)}; "
             f"a token at depth d costs 1 + d/{self.parity:.0f} of one at depth 0"
         )

@@ -3,7 +3,8 @@
 A slice of SLICE prompt tokens is timed right after a DEPTH-token prefix (a prefix-cache hit, so
 only the slice is computed) and alone at depth 0, ROUNDS times each, taking turns, best of each.
 Their difference is the slice's attention over DEPTH more keys: parity = a / b from
-t_flat = SLICE * a + b * SLICE^2 / 2 and t_deep - t_flat = b * SLICE * DEPTH. The jobs run under a
+t_flat = SLICE * a + b * SLICE^2 / 2 and t_deep - t_flat = b * SLICE * DEPTH; a depth-0 token's
+seconds are t_flat / SLICE (the forward's fixed cost shared out: a slice alone is no cheaper). The jobs run under a
 cache salt of their own, so their pages are never another request's hits, nor a router's KV
 events. About 0.5 s on a 2-core Zen 4 at a first start; later starts read the result back
 (engine/timing_key.py).
@@ -47,11 +48,12 @@ def can_time(page_size: int, max_seq_len: int, pool_tokens: int, max_chunk_size:
 
 def parity_from(flat: float, deep: float, depth: int) -> PromptDepthCost:
     """The price from a SLICE-token slice's seconds at depth 0 and at `depth`."""
+    seconds = flat / SLICE
     if not deep > flat:  # depth looked free
-        return PromptDepthCost()
+        return PromptDepthCost(token_seconds=seconds)
     per_key = (deep - flat) / (SLICE * depth)  # b: a prompt token's seconds per key
     per_token = max(flat - per_key * SLICE * SLICE / 2, 0.0) / SLICE  # a
-    return PromptDepthCost(max(per_token / per_key, MIN_PARITY))
+    return PromptDepthCost(max(per_token / per_key, MIN_PARITY), seconds)
 
 
 def time_prompt_depth(
@@ -96,16 +98,20 @@ def time_prompt_depth(
 
 
 def read_prompt_depth(key: TimingKey, folder: Path | None) -> PromptDepthCost | None:
+    """A kept price; None where there is none, or it lacks a part (timed again then)."""
     data = key.read(folder, PREFIX)
     if data is None:
         return None
-    parity = data.get("parity")
+    parity, seconds = data.get("parity"), data.get("token_seconds")
+    if not isinstance(seconds, float) or not 0 < seconds < math.inf:
+        return None
     if parity == "inf":
-        return PromptDepthCost()
+        return PromptDepthCost(token_seconds=seconds)
     if not isinstance(parity, float | int) or not parity > 0:
         return None
-    return PromptDepthCost(float(parity))
+    return PromptDepthCost(float(parity), seconds)
 
 
 def write_prompt_depth(key: TimingKey, folder: Path | None, cost: PromptDepthCost) -> None:
-    key.write(folder, PREFIX, {"parity": "inf" if math.isinf(cost.parity) else cost.parity})
+    parity = "inf" if math.isinf(cost.parity) else cost.parity
+    key.write(folder, PREFIX, {"parity": parity, "token_seconds": cost.token_seconds})

@@ -9,8 +9,10 @@ chunks of running jobs, then new jobs admitted from the queue in turn. A forward
 decode steps carries prompt slices costing at most what `prefill_while_decoding` prompt tokens from
 depth 0 cost, a deeper token costing more (its attention reads more keys:
 engine/prompt_depth_cost.py), so a long arriving prompt stalls the running streams a bounded slice
-at a time, not for its whole prefill, and its last slices no longer than its first; and no forward
-costs more than `max_chunk_size` prompt tokens from depth 0. The first prompt that will not finish
+at a time, not for its whole prefill, and its last slices no longer than its first; a forward with no
+decode step carries prompt work the warm-up timed at `prefill_alone_ms` (so a request arriving beside a
+long prefill waits for a short forward); and no forward costs more than `max_chunk_size` prompt tokens
+from depth 0. The first prompt that will not finish
 in a forward (in arrival order) takes at most all but `prompt_reserve` of its budget, leaving that
 share to the prompts behind it that have fewer tokens left than it will have (a queued one less its
 prefix hits), shortest first (running ones, and the queue's head in turn), so a short request
@@ -67,10 +69,14 @@ class Scheduler:
         self.running: list[JobState] = []
         self._admitted = 0
         self.prompt_cost = PromptDepthCost()  # depth free until the warm-up times it
+        self.alone_tokens = config.max_chunk_size  # a forward's prompt budget with no decode step
 
     def price_prompts(self, cost: PromptDepthCost) -> None:
-        """Price prompt slices beside decode steps by their depth (the warm-up's timing)."""
+        """Price prompt slices by their depth, and bound a forward with no decode step by their time
+        (the warm-up's timing)."""
+        c = self.config
         self.prompt_cost = cost
+        self.alone_tokens = cost.alone_tokens(c.prefill_alone_ms, c.prefill_while_decoding, c.max_chunk_size)
 
     def describe_slices(self) -> str:
         reserve = self.config.prompt_reserve
@@ -79,9 +85,7 @@ class Scheduler:
             if reserve
             else ""
         )
-        return (
-            self.prompt_cost.describe(self.config.prefill_while_decoding, self.config.max_chunk_size) + held
-        )
+        return self.prompt_cost.describe(self.config.prefill_while_decoding, self.alone_tokens) + held
 
     def submit(self, job: JobState) -> None:
         self.queue.enter(job, self.config.max_q_size, self.config.max_q_per_tenant)
@@ -142,7 +146,7 @@ class Scheduler:
 
     def schedule(self, on_preempt: Callable[[JobState], None]) -> list[ScheduledChunk]:
         """The next forward's chunks. Jobs preempted to make room are reported to `on_preempt`."""
-        budget = _Budget.of(self.config.max_chunk_size, self.prompt_cost)
+        budget = _Budget.of(self.config.max_chunk_size, self.alone_tokens, self.prompt_cost)
         chunks: list[ScheduledChunk] = []
         for job in self.running:
             for seq in job.rows:
@@ -420,32 +424,33 @@ class Scheduler:
 class _Budget:
     """One forward's room. `left`: tokens (max_chunk_size). `work`: what max_chunk_size prompt
     tokens from depth 0 cost, so no forward costs more than that chunk, however deep its prompt
-    tokens are. `stall`, beside decode steps: what prefill_while_decoding prompt tokens from depth
-    0 cost. Prompt slices spend `work` and `stall` at their depth's price (decode tokens one each)."""
+    tokens are. `prompt`: what the forward's prompt tokens may cost: alone_tokens from depth 0, or
+    beside decode steps prefill_while_decoding (their stall). Prompt slices spend `work` and `prompt`
+    at their depth's price, decode tokens `work` one each."""
 
     left: int
     work: float
-    stall: float | None  # None: no stream decodes in this forward
+    prompt: float
     price: PromptDepthCost
 
     @staticmethod
-    def of(max_chunk_size: int, price: PromptDepthCost) -> _Budget:
-        return _Budget(max_chunk_size, price.slice_cost(max_chunk_size, 0), None, price)
+    def of(max_chunk_size: int, alone_tokens: int, price: PromptDepthCost) -> _Budget:
+        return _Budget(
+            max_chunk_size, price.slice_cost(max_chunk_size, 0), price.slice_cost(alone_tokens, 0), price
+        )
 
     def beside_decoding(self, prompt_tokens: int) -> None:
-        self.stall = self.price.slice_cost(prompt_tokens, 0)
+        self.prompt = min(self.prompt, self.price.slice_cost(prompt_tokens, 0))
 
     def open(self) -> bool:
-        return self.left >= 1 and self.work >= 1 and (self.stall is None or self.stall >= 1)
+        return self.left >= 1 and self.work >= 1 and self.prompt >= 1
 
     def room(self, depth: int) -> int:
         """Prompt tokens from `depth` on that fit; at least one while the budget is open, so a
         prompt at any depth moves on."""
         if not self.open():
             return 0
-        n = self.price.tokens_within(self.work, depth)
-        if self.stall is not None:
-            n = min(n, self.price.tokens_within(self.stall, depth))
+        n = self.price.tokens_within(min(self.work, self.prompt), depth)
         return min(max(n, 1), self.left)
 
     def decode(self, tokens: int) -> None:
@@ -459,8 +464,7 @@ class _Budget:
         cost = sign * self.price.slice_cost(tokens, depth)
         self.left -= sign * tokens
         self.work -= cost
-        if self.stall is not None:
-            self.stall -= cost
+        self.prompt -= cost
 
     def holding(self, reserve: float) -> _Budget:
         """This budget less the share `reserve` of what it has left (a trial; this one is unchanged)."""
@@ -469,7 +473,7 @@ class _Budget:
             self,
             left=int(self.left * keep),
             work=self.work * keep,
-            stall=None if self.stall is None else self.stall * keep,
+            prompt=self.prompt * keep,
         )
 
     def after(self, tokens: int, depth: int) -> _Budget:

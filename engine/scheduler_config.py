@@ -15,6 +15,7 @@ class SchedulerConfig:
     max_chunk_size: int = defaults.MAX_CHUNK_SIZE
     prefill_while_decoding: int = defaults.PREFILL_WHILE_DECODING  # prompt tokens beside decode steps
     prompt_reserve: float = defaults.PROMPT_RESERVE  # budget share a long prompt leaves to those behind
+    prefill_alone_ms: float = defaults.PREFILL_ALONE_MS  # prompt work of a forward no decode step is in
     max_q_size: int = defaults.MAX_QUEUE
     max_skips: int = 4
     prefix_cache: bool = True  # reuse full pages across jobs (off: every job computes its whole prompt)
@@ -37,6 +38,8 @@ class SchedulerConfig:
             raise InvalidRequestError(f"max_skips must be >= 0, got {self.max_skips}")
         if not 0.0 <= self.prompt_reserve < 1.0:
             raise InvalidRequestError(f"prompt_reserve must be in [0, 1), got {self.prompt_reserve}")
+        if self.prefill_alone_ms < 0 or not math.isfinite(self.prefill_alone_ms):
+            raise InvalidRequestError(f"prefill_alone_ms must be >= 0, got {self.prefill_alone_ms}")
         if self.priority_aging < 0 or not math.isfinite(self.priority_aging):
             raise InvalidRequestError(f"priority_aging must be >= 0, got {self.priority_aging}")
         for tenant, weight in self.tenant_weights:

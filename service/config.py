@@ -45,6 +45,7 @@ class ServiceConfig:
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     prefill_while_decoding: int = defaults.PREFILL_WHILE_DECODING
     prompt_reserve: float = defaults.PROMPT_RESERVE
+    prefill_alone_ms: float = defaults.PREFILL_ALONE_MS
     sampling_threads: int = defaults.SAMPLING_THREADS
     sampler_mode: str = defaults.SAMPLER_MODE
     lora: tuple[str, ...] = ()  # NAME=PATH, loaded at start and shared by every tenant
@@ -214,7 +215,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opt(
         "priority_aging",
-        _aging,
+        _non_negative,
         d.priority_aging,
         "priority levels a waiting job gains per second (priority p = a head start of p/rate seconds; "
         "0 = none)",
@@ -248,6 +249,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         d.prompt_reserve,
         "the share of a forward's prompt tokens that a prompt not finishing in it leaves to the prompts "
         "behind it, so a short request need not wait out a long prefill (0 = arrival order)",
+    )
+    opt(
+        "prefill_alone_ms",
+        _non_negative,
+        d.prefill_alone_ms,
+        "the prompt work of a forward no stream decodes in, in milliseconds by the warm-up's timing "
+        "(within --prefill-while-decoding and --chunk-size tokens from depth 0): how long a request "
+        "arriving beside a long prefill waits for the forward in flight (0 = --chunk-size)",
     )
     opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size (threaded sampler mode)")
     opt(
@@ -381,7 +390,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _aging(text: str) -> float:
+def _non_negative(text: str) -> float:
     value = float(text)
     if not (0 <= value < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")

@@ -31,6 +31,7 @@ class EngineSettings:
     chunk_size: int = defaults.MAX_CHUNK_SIZE
     prefill_while_decoding: int = defaults.PREFILL_WHILE_DECODING
     prompt_reserve: float = defaults.PROMPT_RESERVE  # the share a long prompt leaves to those behind
+    prefill_alone_ms: float = defaults.PREFILL_ALONE_MS  # prompt work of a forward no stream decodes in
     max_queue: int = defaults.MAX_QUEUE
     max_queue_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
     priority_aging: float = defaults.PRIORITY_AGING

@@ -8,8 +8,9 @@ with the shipped model on 127.0.0.1.
    iterations it waited, against B's TTFT on the idle server, and against the same request from A
    itself (one tenant: arrival order, what every tenant got before fair shares).
 3. A long prompt: tenant A sends a 7600-token prompt (8 new tokens); 1 s later tenant B's single chat request:
-   B's TTFT and A's, with the default `--prompt-reserve` and with 0 (arrival order: B waits out A's
-   whole prefill).
+   B's TTFT and A's, with the default `--prompt-reserve` and `--prefill-alone-ms`, with forwards
+   alone of the whole `--chunk-size` (B waits for the forward in flight), and with neither (arrival
+   order: B waits out A's whole prefill).
 """
 
 from __future__ import annotations
@@ -203,6 +204,49 @@ def _long_prompts(messages: list[str], count: int) -> list[list[int]]:
     return prompts
 
 
+# (--prompt-reserve, --prefill-alone-ms) of the long-prompt table: the defaults; a forward alone the
+# whole --chunk-size; and arrival order with it (the scheduler before either).
+BEHIND_LONG = (
+    (defaults.PROMPT_RESERVE, defaults.PREFILL_ALONE_MS),
+    (defaults.PROMPT_RESERVE, 0.0),
+    (0.0, 0.0),
+)
+
+
+def _behind_long_table(tokens: Path, prompts: list[str]) -> list[str]:
+    """Tenant A's long prompt and tenant B's chat request 1 s after it, two rounds per setting of
+    BEHIND_LONG, each round with a long prompt of its own (no prefix hits)."""
+    longs = iter(_long_prompts(prompts, 2 * len(BEHIND_LONG)))
+    rows = []
+    for reserve, alone_ms in BEHIND_LONG:
+        port = free_port()
+        server = _serve(
+            port,
+            "--auth-tokens-file",
+            str(tokens),
+            "--prompt-reserve",
+            str(reserve),
+            "--prefill-alone-ms",
+            str(alone_ms),
+        )
+        try:
+            wait_serving(f"127.0.0.1:{port}", server, 180)
+            for _ in range(2):
+                a, b, steps = asyncio.run(
+                    _behind_long(f"127.0.0.1:{port}", next(longs), "What is the capital of France?")
+                )
+                rows.append(f"| {reserve} | {alone_ms:g} | {a:.2f} | {b * 1000:.0f} | {steps} |")
+        finally:
+            _stop(server)
+    return [
+        f"Tenant A sends one {LONG_PROMPT}-token prompt (8 new tokens); 1 s later tenant B one chat request:",
+        "",
+        "| --prompt-reserve | --prefill-alone-ms | A's TTFT s | B's TTFT ms | engine iterations B waited |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *rows,
+    ]
+
+
 def run(workloads: Path | None) -> str:
     w1 = load_workloads(workloads)["W1"]
     prompts = [str(m) for m in w1["user_messages"]]
@@ -246,27 +290,5 @@ def run(workloads: Path | None) -> str:
             *flood,
             "",
         ]
-        longs = iter(_long_prompts(prompts, 4))
-        rows = []
-        for reserve in (str(defaults.PROMPT_RESERVE), "0"):
-            port = free_port()
-            server = _serve(port, "--auth-tokens-file", str(tokens), "--prompt-reserve", reserve)
-            try:
-                wait_serving(f"127.0.0.1:{port}", server, 180)
-                for _ in range(2):
-                    a, b, steps = asyncio.run(
-                        _behind_long(f"127.0.0.1:{port}", next(longs), "What is the capital of France?")
-                    )
-                    rows.append(f"| {reserve} | {a:.2f} | {b * 1000:.0f} | {steps} |")
-            finally:
-                _stop(server)
-        out += [
-            f"Tenant A sends one {LONG_PROMPT}-token prompt (8 new tokens); 1 s later tenant B one chat request:",
-            "",
-            "| --prompt-reserve | A's TTFT s | B's TTFT ms | engine iterations B waited |",
-            "| --- | ---: | ---: | ---: |",
-            *rows,
-            "",
-            f"CPU: {cpu_features().summary()}",
-        ]
+        out += [*_behind_long_table(tokens, prompts), "", f"CPU: {cpu_features().summary()}"]
     return "\n".join(out)

@@ -241,8 +241,10 @@ def report(board: Board, traces: dict[str, Trace], options: Options) -> str:
         f"torch {torch.__version__}; dyngen serve flags: {shlex.join(options.serve_args) or '(defaults)'}",
         f"dyngen's step budget (defaults, unless the flags above set them): --chunk-size "
         f"{defaults.MAX_CHUNK_SIZE} tokens per forward, --prefill-while-decoding "
-        f"{defaults.PREFILL_WHILE_DECODING} prompt tokens in a forward with decode steps, both counted "
-        "from depth 0 (a token at depth d costs 1 + d/P of one at depth 0, P timed at the server's start)",
+        f"{defaults.PREFILL_WHILE_DECODING} prompt tokens in a forward with decode steps, --prefill-alone-ms "
+        f"{defaults.PREFILL_ALONE_MS:g} of prompt work in one without, all counted from depth 0 (a token at "
+        "depth d costs 1 + d/P of one at depth 0, P and a token's time timed at the server's start); "
+        f"--prompt-reserve {defaults.PROMPT_RESERVE:g} of it left to shorter prompts",
         f"SLO: {options.slo.describe()}; inter-token = the gap between streamed chunks carrying tokens",
         f"rates double from {options.first_rate:g}/s until one misses the SLO, then {KNEE_STEPS} bisect the "
         "knee (geometric means of the highest pass and lowest miss); "

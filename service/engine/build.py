@@ -43,6 +43,7 @@ def build_engine(
             max_chunk_size=settings.chunk_size,
             prefill_while_decoding=settings.prefill_while_decoding,
             prompt_reserve=settings.prompt_reserve,
+            prefill_alone_ms=settings.prefill_alone_ms,
             max_q_size=settings.max_queue,
             max_q_per_tenant=settings.max_queue_per_tenant,
             priority_aging=settings.priority_aging,
