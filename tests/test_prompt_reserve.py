@@ -191,11 +191,17 @@ def test_a_guided_pair_held_back_keeps_its_rows_together(tiny: LoadedModel) -> N
         st.tuples(st.integers(0, 6), st.integers(1, 700), st.integers(1, 6)), min_size=1, max_size=6
     ),
     reserve=st.sampled_from([0.0, 0.25, 0.5]),
+    alone=st.sampled_from([None, 48]),
 )
 def test_any_arrivals_stay_within_the_budget_and_all_finish(
-    tiny: LoadedModel, arrivals: list[tuple[int, int, int]], reserve: float
+    tiny: LoadedModel, arrivals: list[tuple[int, int, int]], reserve: float, alone: int | None
 ) -> None:
-    gen = tiny_gen(tiny, reserve)
+    gen = tiny_gen(tiny, reserve) if alone is None else tiny_gen(tiny, reserve, prefill_while_decoding=16)
+    if alone is not None:  # a forward with no decode step held to `alone` tokens (prefill_alone_ms)
+        gen.scheduler.price_prompts(
+            PromptDepthCost(token_seconds=gen.scheduler.config.prefill_alone_ms / 1000 / alone)
+        )
+        assert gen.scheduler.alone_tokens == alone
     pending = sorted(arrivals)
     jobs: list[JobId] = []
     step = 0
@@ -208,6 +214,7 @@ def test_any_arrivals_stay_within_the_budget_and_all_finish(
         gen.check_invariants()
         moved = sum(gen.jobs[j].computed - c for j, c in before.items() if j in gen.jobs)
         assert moved <= CHUNK
+        assert moved <= gen.scheduler.alone_tokens + 8  # prompt tokens, and a decode token a row
         step += 1
         assert step < 200
     finish(gen)
