@@ -33,10 +33,10 @@ class PromptDepthCost:
 
     def alone_tokens(self, milliseconds: float, at_least: int, at_most: int) -> int:
         """Depth-0 prompt tokens a forward with no decode step may carry: what `milliseconds` of
-        them take (0, or untimed: `at_most`), within [at_least, at_most]."""
+        them take (0, or untimed: `at_most`), at least `at_least`, and never more than `at_most`."""
         if milliseconds <= 0 or self.token_seconds is None:
             return at_most
-        return max(at_least, min(at_most, math.floor(milliseconds / 1000 / self.token_seconds)))
+        return min(at_most, max(at_least, math.floor(milliseconds / 1000 / self.token_seconds)))
 
     def slice_cost(self, tokens: int, depth: int) -> float:
         """Depth-0 tokens that `tokens` prompt tokens starting at `depth` cost."""

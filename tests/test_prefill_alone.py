@@ -107,6 +107,12 @@ def test_the_timed_budget_stays_within_the_slice_and_the_chunk(
     finish(gen)
 
 
+def test_the_chunk_bounds_the_budget_alone_before_the_slice_beside_decoding() -> None:
+    timed = PromptDepthCost(token_seconds=TOKEN_SECONDS)
+    assert timed.alone_tokens(100.0, at_least=32, at_most=512) == 100
+    assert timed.alone_tokens(100.0, at_least=256, at_most=200) == 200  # a chunk below the slice
+
+
 def test_beside_decode_steps_the_smaller_slice_bounds_the_prompt(tiny: LoadedModel) -> None:
     gen = tiny_gen(tiny, alone_ms=100.0)
     gen.scheduler.price_prompts(PromptDepthCost(token_seconds=TOKEN_SECONDS))
