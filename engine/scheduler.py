@@ -69,14 +69,17 @@ class Scheduler:
         self.running: list[JobState] = []
         self._admitted = 0
         self.prompt_cost = PromptDepthCost()  # depth free until the warm-up times it
-        self.alone_tokens = config.max_chunk_size  # a forward's prompt budget with no decode step
 
     def price_prompts(self, cost: PromptDepthCost) -> None:
         """Price prompt slices by their depth, and bound a forward with no decode step by their time
         (the warm-up's timing)."""
-        c = self.config
         self.prompt_cost = cost
-        self.alone_tokens = cost.alone_tokens(c.prefill_alone_ms, c.prefill_while_decoding, c.max_chunk_size)
+
+    @property
+    def alone_tokens(self) -> int:
+        """A forward's prompt budget with no decode step, in depth-0 tokens (prefill_alone_ms of them)."""
+        c = self.config
+        return self.prompt_cost.alone_tokens(c.prefill_alone_ms, c.prefill_while_decoding, c.max_chunk_size)
 
     def describe_slices(self) -> str:
         reserve = self.config.prompt_reserve

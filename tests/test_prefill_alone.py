@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import InvalidRequestError
-from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.generator import DynamicGenerator
 from engine.jobs import JobId, JobSpec, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.prompt_depth_cost import PromptDepthCost
@@ -21,7 +21,7 @@ from engine.prompt_depth_timing import SLICE, parity_from, read_prompt_depth, wr
 from engine.scheduler import SchedulerConfig
 from engine.timing_key import TimingKey
 from service.config import add_serve_arguments
-from tests.tiny_generator import finish, long_prompt
+from tests.tiny_generator import finish, long_prompt, scheduled_gen
 
 CHUNK = 512
 BESIDE = 32
@@ -29,19 +29,11 @@ LONG = 1000
 TOKEN_SECONDS = 0.001  # a depth-0 prompt token's time, as if the warm-up had timed it
 
 
-def tiny_gen(tiny: LoadedModel, alone_ms: float, reserve: float = 0.25) -> DynamicGenerator:
-    config = GeneratorConfig(
-        page_size=16,
-        num_pages=320,
-        scheduler=SchedulerConfig(
-            max_batch_size=8,
-            max_chunk_size=CHUNK,
-            prefill_while_decoding=BESIDE,
-            prompt_reserve=reserve,
-            prefill_alone_ms=alone_ms,
-        ),
+def tiny_gen(tiny: LoadedModel, alone_ms: float) -> DynamicGenerator:
+    config = SchedulerConfig(
+        max_batch_size=8, max_chunk_size=CHUNK, prefill_while_decoding=BESIDE, prefill_alone_ms=alone_ms
     )
-    return DynamicGenerator(tiny.model, tiny.tokenizer, config)
+    return scheduled_gen(tiny, config)
 
 
 def prefill_slices(gen: DynamicGenerator, job: JobId) -> list[tuple[int, int]]:

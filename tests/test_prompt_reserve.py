@@ -10,30 +10,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.generator import DynamicGenerator, GeneratorConfig
+from engine.generator import DynamicGenerator
 from engine.jobs import JobId, JobSpec, TokensGenerated
 from engine.model.loader import LoadedModel
 from engine.prompt.guidance import Guidance
 from engine.prompt_depth_cost import PromptDepthCost
 from engine.scheduler import SchedulerConfig
-from tests.tiny_generator import finish, long_prompt
+from tests.tiny_generator import finish, long_prompt, scheduled_gen
 
 CHUNK = 128
 LONG = 900
 
 
 def tiny_gen(tiny: LoadedModel, reserve: float, **scheduler: object) -> DynamicGenerator:
-    config = GeneratorConfig(
-        page_size=16,
-        num_pages=320,
-        scheduler=SchedulerConfig(
-            max_batch_size=8,
-            max_chunk_size=CHUNK,
-            prompt_reserve=reserve,
-            **scheduler,  # type: ignore[arg-type]
-        ),
-    )
-    return DynamicGenerator(tiny.model, tiny.tokenizer, config)
+    config = SchedulerConfig(max_batch_size=8, max_chunk_size=CHUNK, prompt_reserve=reserve, **scheduler)  # type: ignore[arg-type]
+    return scheduled_gen(tiny, config)
 
 
 def first_tokens(gen: DynamicGenerator, jobs: list[JobId], limit: int = 100) -> dict[JobId, int]:

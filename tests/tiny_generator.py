@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.generator import DynamicGenerator
+from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.model.loader import LoadedModel, load_model
+from engine.scheduler import SchedulerConfig
 from tests.tiny_llama import save_tiny_llama
 
 _TINY: LoadedModel | None = None
@@ -25,6 +26,11 @@ def loaded_tiny_model() -> LoadedModel:
     """The shared tiny model, once a test's fixture has loaded it."""
     assert _TINY is not None, "load it first (the `tiny` fixture)"
     return _TINY
+
+
+def scheduled_gen(tiny: LoadedModel, scheduler: SchedulerConfig, num_pages: int = 320) -> DynamicGenerator:
+    """A generator of the tiny model with 16-token pages and these scheduler settings."""
+    return DynamicGenerator(tiny.model, tiny.tokenizer, GeneratorConfig(16, num_pages, scheduler=scheduler))
 
 
 def all_pages_idle(gen: DynamicGenerator) -> bool:
