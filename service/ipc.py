@@ -250,7 +250,7 @@ class Ready:
     device: str  # where the model runs (engine/device.py describe_device)
     page_size: int  # the KV cache's page size in tokens (a job's fit is counted in pages)
     prompt_slices: str  # how prompt slices beside decode steps are priced (PromptDepthCost.describe)
-    # Seconds each part of the start took in the engine process (imports, model, warmup, tokenizer, collect).
+    # Seconds each part of the start took in the engine process (imports, model, warmup, tokenizer).
     start_seconds: dict[str, float] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:

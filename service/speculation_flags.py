@@ -47,7 +47,8 @@ class SpeculationOptions:
     ) -> LlamaModel | None:
         if self.config.kind is not DrafterKind.DRAFT_MODEL:
             return None
-        from engine.model.loader import default_model_path, load_model
+        from engine.model.loader import load_model
+        from engine.model.shipped_model import default_model_path
 
         path = self.draft_model or target or default_model_path()
         return load_model(

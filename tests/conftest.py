@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import settings
 
-from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from engine.model.loader import LoadedModel, WeightDtype, load_model
+from engine.model.shipped_model import default_model_path
 from tests.tiny_generator import tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -35,7 +35,7 @@ from dyngen_client.errors import ErrorReason, error_details
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from dyngen_client.request import Chat, Guidance, JsonSchema, Request, Sampling
 from engine.model.gguf_source import GGUFSource
-from engine.model.loader import default_model_path
+from engine.model.shipped_model import default_model_path
 from tests.service_harness import ServerProcess, log_count, start_server
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,9 @@ import pytest
 from benchmarks.inprocess.throughput import run_dyngen
 from benchmarks.peers.prompts import SAMPLED_TEMPERATURE, SAMPLED_TOP_P, PeerPrompts, Workload
 from engine.jobs import SamplingSettings
-from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from engine.model.loader import LoadedModel, WeightDtype, load_model
 from engine.model.quantization import QuantMode
+from engine.model.shipped_model import default_model_path
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import torch
 
 from benchmarks.inprocess.roofline import Roofline, decode_gflop_per_token, peak_gemm_gflops
 from engine.model.gguf_source import GGUFSource
-from engine.model.loader import default_model_path
+from engine.model.shipped_model import default_model_path
 
 
 def test_decode_flops_of_the_shipped_model() -> None:

@@ -14,7 +14,7 @@ from benchmarks.serving import trace
 from benchmarks.serving.servers import Send
 from benchmarks.serving.sweep import RateResult, Slo, goodput, knee, percentile, requests_needed, sweep
 from benchmarks.serving.timing import RequestTiming
-from engine.model.loader import default_model_path
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import HFTokenizer
 
 SLO = Slo(ttft_p99=2.0, itl_p99=0.2)

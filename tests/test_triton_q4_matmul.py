@@ -178,8 +178,9 @@ def test_the_model_with_triton_q4_linears_gives_the_float_models_greedy_tokens()
     file's own Q4_1 blocks, against the same blocks dequantized into float32 linears: the same
     greedy tokens for prompts run together (prefill rows and decode rows)."""
     from engine.model.llama import LlamaModel
-    from engine.model.loader import default_model_path, open_weight_source
+    from engine.model.loader import open_weight_source
     from engine.model.quantization import LinearPlan
+    from engine.model.shipped_model import default_model_path
     from tests.reference_generate import GenerationSettings, generate_batch
 
     source = open_weight_source(default_model_path())

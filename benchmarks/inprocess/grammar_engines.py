@@ -22,7 +22,7 @@ import llguidance
 import torch
 
 from engine.grammar.constraints import _JSON_LAYOUT, mask_words
-from engine.model.loader import default_model_path
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import HFTokenizer
 from kernels.cpu_features import cpu_features
 

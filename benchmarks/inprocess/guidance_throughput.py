@@ -17,8 +17,9 @@ from benchmarks.inprocess.throughput import RunResult, run_dyngen
 from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine import defaults
-from engine.model.loader import WeightDtype, default_model_path, load_model
+from engine.model.loader import WeightDtype, load_model
 from engine.model.quantization import QuantMode
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import ChatMessage
 from engine.prompt.guidance import Guidance
 from kernels.cpu_features import cpu_features

@@ -32,7 +32,8 @@ from engine.forward_batch import ForwardBatch
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec, SamplingSettings
 from engine.model.llama import LlamaModel
-from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from engine.model.loader import LoadedModel, WeightDtype, load_model
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
 from kernels.cpu_features import cpu_features

@@ -23,8 +23,9 @@ from benchmarks.table import Row, render
 from benchmarks.workloads import load_workloads
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
-from engine.model.loader import WeightDtype, default_model_path, load_model
+from engine.model.loader import WeightDtype, load_model
 from engine.model.quantization import LinearPlan, QuantMode
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import ChatMessage
 from kernels.cpu_features import cpu_features
 from kernels.linear.int4_groups import Int4Groups

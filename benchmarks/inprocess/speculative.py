@@ -17,7 +17,8 @@ import torch
 from benchmarks.workloads import load_workloads
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec
-from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from engine.model.loader import LoadedModel, WeightDtype, load_model
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import ChatMessage
 from engine.speculation.speculative import DrafterKind, SpeculationConfig
 

@@ -22,8 +22,9 @@ from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.grammar import constraints
 from engine.grammar.constraints import MaskOverlap, ResponseFormat
 from engine.jobs import JobSpec
-from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from engine.model.loader import LoadedModel, WeightDtype, load_model
 from engine.model.quantization import QuantMode
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import ChatMessage
 from engine.scheduler import SchedulerConfig
 from kernels.cpu_features import cpu_features

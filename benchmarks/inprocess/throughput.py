@@ -25,7 +25,8 @@ from engine.cache.kv_cache import KVCacheKind
 from engine.generator import DynamicGenerator, GeneratorConfig
 from engine.jobs import JobSpec, SamplingSettings
 from engine.model.kv_cache_tune import resolve_kv_cache
-from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from engine.model.loader import LoadedModel, WeightDtype, load_model
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import ChatMessage
 from engine.prompt.guidance import Guidance
 from engine.scheduler import SchedulerConfig

@@ -17,8 +17,9 @@ from benchmarks.inprocess.throughput import OneJob, run_dyngen
 from benchmarks.peers.process import answer_parts
 from benchmarks.peers.prompts import PeerPrompts, Workload
 from engine.jobs import SamplingSettings
-from engine.model.loader import LoadedModel, WeightDtype, default_model_path, load_model
+from engine.model.loader import LoadedModel, WeightDtype, load_model
 from engine.model.quantization import QuantMode
+from engine.model.shipped_model import default_model_path
 from kernels.cpu_features import cpu_features
 
 

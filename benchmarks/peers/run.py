@@ -264,7 +264,7 @@ def report(board: Board, prompts: PeerPrompts, options: Options, setup: dict[str
 
 
 def run(options: Options) -> str:
-    from engine.model.loader import default_model_path
+    from engine.model.shipped_model import default_model_path
 
     gguf = default_model_path()
     cache = options.cache_dir

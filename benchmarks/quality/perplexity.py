@@ -31,8 +31,8 @@ from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.ids import PageId
 from engine.model.gguf_source import GGUFSource
 from engine.model.llama import LlamaModel
-from engine.model.loader import default_model_path
 from engine.model.quantization import LinearPlan, QuantMode, plan_for
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import HFTokenizer
 from kernels.cpu_features import cpu_features
 from kernels.linear.int4_groups import Int4Groups

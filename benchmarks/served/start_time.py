@@ -41,7 +41,7 @@ from service.health_probe import health_status
 
 KILLS = 3
 STREAM_TOKENS = 4000  # longer than three restarts take at a single stream's rate
-PART_NAMES = ("imports", "model", "warmup", "tokenizer", "collect")
+PART_NAMES = ("imports", "model", "warmup", "tokenizer")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -52,7 +52,7 @@ class StartRun:
     first: bool  # an empty cache folder
     to_serving: float  # spawn of `dyngen serve` -> health SERVING
     engine_start: float  # the front end's `start_seconds`: engine spawn -> READY handled
-    parts: dict[str, float]  # the engine's own: imports, model, warmup, tokenizer, collect
+    parts: dict[str, float]  # the engine's own: imports, model, warmup, tokenizer
     kv_cache: str
 
 

@@ -36,7 +36,7 @@ from benchmarks.workloads import load_workloads
 from dyngen_client import AsyncClient, Chat, Request
 from engine import defaults
 from engine.model.gguf_source import GGUFSource
-from engine.model.loader import default_model_path
+from engine.model.shipped_model import default_model_path
 from kernels.cpu_features import cpu_features
 from service.cluster import free_port
 

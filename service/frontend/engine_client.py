@@ -42,7 +42,6 @@ import structlog
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.ids import new_job_id
 from engine.jobs import JobSpec, StopReason
-from engine.model.tokenizer import preload_tokenizer_code
 from service.config import ServiceConfig
 from service.engine_spawn import EarlyEngine, new_runtime_dir, spawn_engine
 from service.frontend.codec import adapter_info, event_to_proto, model_info
@@ -53,6 +52,7 @@ from service.frontend.kv_event_relay import KvEventRelay
 from service.frontend.limits import ModelBounds
 from service.frontend.prompts import PromptTokenizer
 from service.frontend.restart_policy import RestartPolicy, RestartTracker
+from service.frontend.tokenizer_preload import TokenizerPreload
 from service.ipc import (
     Accepted,
     AdapterCommand,
@@ -124,6 +124,7 @@ class EngineClient:
         # The model's vocabulary, context, cache and embedding sizes, from the engine's READY (None before).
         self.bounds: ModelBounds | None = None
         self.prompts: PromptTokenizer | None = None
+        self._preload: TokenizerPreload | None = None  # the first engine's tokenizer, loading beside it
         self.ready = False
         self.failed = False  # gave up restarting (crash loop)
         self.stats: EngineStats | None = None
@@ -171,8 +172,8 @@ class EngineClient:
 
     def start(self) -> None:
         self._generation += 1
-        if self._generation == 1:  # the engine loads for seconds; the front end's tokenizer code meanwhile
-            threading.Thread(target=preload_tokenizer_code, name="tokenizer-preload", daemon=True).start()
+        if self._generation == 1:  # the engine loads for seconds; the front end's tokenizer meanwhile
+            self._preload = TokenizerPreload(self.config.model_path)
         spare, self._spare = self._spare, None
         if spare is not None and spare.process.is_alive():
             # Its imports are done: it only loads the model (--spare-engine).
@@ -422,9 +423,9 @@ class EngineClient:
         proc = self._proc
         if self.prompts is None:
             try:
-                self.prompts = await self.loop.run_in_executor(
-                    None, PromptTokenizer.load, Path(ready.tokenizer_dir)
-                )
+                # Used once: a restarted engine's READY finds the tokenizer loaded.
+                preload, self._preload = self._preload or TokenizerPreload(None, load=False), None
+                self.prompts = await preload.take(Path(ready.tokenizer_dir))
             except Exception as exc:
                 log.error("tokenizer_failed", error=str(exc))
                 if proc is not None:
@@ -443,7 +444,7 @@ class EngineClient:
             model=self.model_name,
             pid=self.pid,
             start_seconds=round(proc.ready_at - proc.started_at, 3),  # from spawn to READY handled
-            start_parts=ready.start_seconds,  # in the engine: imports, model, warmup, tokenizer, collect
+            start_parts=ready.start_seconds,  # in the engine: imports, model, warmup, tokenizer
             device=ready.device,
             linears=ready.linears,
             kv_cache=ready.kv_cache,

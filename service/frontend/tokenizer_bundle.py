@@ -2,7 +2,7 @@
 
 The worker contract's GetTokenizer streams the zip in chunks with the SHA-256 of the whole zip on
 the last one. The folder is the one the engine saved and the front end tokenizes from
-(service/engine/tokenizer_folder.py), so the gateway's ids are the engine's. Its ids of note
+(service/tokenizer_folder.py), so the gateway's ids are the engine's. Its ids of note
 (end of sequence, beginning of sequence, padding) are read from the same files, for GetModelInfo.
 """
 
