@@ -28,7 +28,7 @@ from service.cli import build_parser
 build_parser("serve").parse_args(["serve", "--port", "0"])
 import service.config, service.frontend.server, service.frontend.servicer, service.frontend.engine_client, service.frontend.prompts
 import service.frontend.limits, service.frontend.auth, service.frontend.metrics, service.ipc, service.frontend.event_buffer
-import service.engine.process  # the spawn target is imported by the parent too; it imports torch in run()
+import service.engine.process  # the engine's entry (imported in the spawned child); it imports torch in run()
 print(json.dumps({
     "engine_only": sorted({m.split(".")[0] for m in sys.modules} & {"torch", "llguidance", "transformers"}),
     "client": sorted(m for m in sys.modules if m.startswith("dyngen_client")),
