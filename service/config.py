@@ -215,7 +215,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opt(
         "priority_aging",
-        _non_negative,
+        non_negative_flag,
         d.priority_aging,
         "priority levels a waiting job gains per second (priority p = a head start of p/rate seconds; "
         "0 = none)",
@@ -245,14 +245,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opt(
         "prompt_reserve",
-        _fraction,
+        fraction_flag,
         d.prompt_reserve,
         "the share of a forward's prompt tokens that a prompt not finishing in it leaves to the prompts "
         "behind it, so a short request need not wait out a long prefill (0 = arrival order)",
     )
     opt(
         "prefill_alone_ms",
-        _non_negative,
+        non_negative_flag,
         d.prefill_alone_ms,
         "the prompt work of a forward no stream decodes in, in milliseconds by the warm-up's timing "
         "(within --prefill-while-decoding and --chunk-size tokens from depth 0): how long a request "
@@ -390,14 +390,14 @@ def _positive(text: str) -> int:
     return value
 
 
-def _non_negative(text: str) -> float:
+def non_negative_flag(text: str) -> float:
     value = float(text)
     if not (0 <= value < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 
-def _fraction(text: str) -> float:
+def fraction_flag(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")

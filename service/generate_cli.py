@@ -21,7 +21,14 @@ __all__ = ["CliError", "add_generate_arguments", "run_generate"]
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
-    from service.config import ATTENTION_HELP, DEVICE_HELP, WEIGHT_DTYPES, device_flag
+    from service.config import (
+        ATTENTION_HELP,
+        DEVICE_HELP,
+        WEIGHT_DTYPES,
+        device_flag,
+        fraction_flag,
+        non_negative_flag,
+    )
     from service.engine_config import EngineSettings
     from service.speculation_flags import add_speculation_arguments
 
@@ -70,6 +77,20 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=defaults.PREFILL_WHILE_DECODING,
         help="prompt tokens per forward while other jobs decode in it",
+    )
+    gen.add_argument(
+        "--prompt-reserve",
+        type=fraction_flag,
+        default=defaults.PROMPT_RESERVE,
+        help="the share of a forward's prompt tokens that a prompt not finishing in it leaves to shorter "
+        "prompts behind it (0 = arrival order)",
+    )
+    gen.add_argument(
+        "--prefill-alone-ms",
+        type=non_negative_flag,
+        default=defaults.PREFILL_ALONE_MS,
+        help="the prompt work of a forward no job decodes in, in ms by the warm-up's timing, when it "
+        "runs (0 = --chunk-size tokens)",
     )
     gen.add_argument(
         "--sampler-mode",

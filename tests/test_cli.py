@@ -63,3 +63,18 @@ def test_generate_takes_the_sampler_pool_size_into_the_engine_settings() -> None
         engine_settings_from(parser.parse_args(["generate", "hi"])).sampling_threads
         == defaults.SAMPLING_THREADS
     )
+
+
+def test_generate_takes_the_prompt_share_and_the_forward_alone_into_the_engine_settings() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["generate", "hi", "--prompt-reserve", "0.5", "--prefill-alone-ms", "0"])
+    settings = engine_settings_from(args)
+    assert (settings.prompt_reserve, settings.prefill_alone_ms) == (0.5, 0.0)
+    plain = engine_settings_from(parser.parse_args(["generate", "hi"]))
+    assert (plain.prompt_reserve, plain.prefill_alone_ms) == (
+        defaults.PROMPT_RESERVE,
+        defaults.PREFILL_ALONE_MS,
+    )
+    for bad in (["--prompt-reserve", "1"], ["--prefill-alone-ms", "-1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["generate", "hi", *bad])
