@@ -187,8 +187,10 @@ def test_a_guided_pair_held_back_keeps_its_rows_together(tiny: LoadedModel) -> N
 def test_any_arrivals_stay_within_the_budget_and_all_finish(
     tiny: LoadedModel, arrivals: list[tuple[int, int, int]], reserve: float, alone: int | None
 ) -> None:
-    gen = tiny_gen(tiny, reserve) if alone is None else tiny_gen(tiny, reserve, prefill_while_decoding=16)
-    if alone is not None:  # a forward with no decode step held to `alone` tokens (prefill_alone_ms)
+    if alone is None:
+        gen = tiny_gen(tiny, reserve)
+    else:  # a forward with no decode step held to `alone` tokens (prefill_alone_ms)
+        gen = tiny_gen(tiny, reserve, prefill_while_decoding=16)
         gen.scheduler.price_prompts(
             PromptDepthCost(token_seconds=gen.scheduler.config.prefill_alone_ms / 1000 / alone)
         )
