@@ -14,6 +14,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from service.frontend.engine_client import EngineClient, _Process
 from service.frontend.event_buffer import EventBuffer
 from service.frontend.limits import Limits, RequestError, check_job_id, check_request
 from service.frontend.restart_policy import RestartPolicy, RestartTracker
+from service.frontend.server import serve
 from service.ipc import Accepted, Message, Submit, Tag, pack_events
 from tests.certs import CertAuthority
 from tests.service_harness import (
@@ -431,6 +433,31 @@ def test_metrics_listen_on_their_own_address(tiny_model: Path) -> None:
             scrape("127.0.0.1", s.metrics_port)
     finally:
         assert s.stop() == 0
+
+
+@pytest.mark.parametrize("taken", ["grpc", "metrics"])
+def test_a_port_in_use_fails_the_start_in_one_line(taken: str, tmp_path: Path) -> None:
+    """gRPC's Linux default (SO_REUSEPORT) would let the server bind a port another server holds
+    and quietly take part of its calls: the start fails instead, before any engine runs."""
+    with socket.socket() as held, socket.socket() as free:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as another gRPC server's
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        free.bind(("127.0.0.1", 0))
+        ports = {"grpc": held.getsockname()[1], "metrics": free.getsockname()[1]}
+        if taken == "metrics":
+            ports = {"grpc": ports["metrics"], "metrics": ports["grpc"]}
+        free.close()  # the other port is free again for the server
+        config = ServiceConfig(
+            model=str(tmp_path / "never-loaded.gguf"),
+            host="127.0.0.1",
+            port=ports["grpc"],
+            metrics_port=ports["metrics"],
+        )
+        with pytest.raises(
+            SystemExit, match=f"cannot (listen|serve metrics) on 127.0.0.1:{held.getsockname()[1]}"
+        ):
+            asyncio.run(serve(config))
 
 
 PAGE_SIZE = 16

@@ -71,6 +71,9 @@ def _options(config: ServiceConfig) -> list[tuple[str, int]]:
         # Clients may ping this often without being cut off for it.
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # gRPC's Linux default lets a second server bind a port in use and take part of its calls:
+        # a port in use must fail the start instead.
+        ("grpc.so_reuseport", 0),
     ]
     if config.max_connection_age_seconds > 0:
         options += [
@@ -153,12 +156,26 @@ async def serve(
             server,
         )
     address = f"{config.host}:{config.port}"
-    port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+    try:
+        port = (
+            server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+        )
+    except RuntimeError as exc:  # gRPC says only that the bind failed
+        engine.stop()
+        raise SystemExit(f"dyngen: error: cannot listen on {address} (in use, or not this host's)") from exc
     engine.replica = config.replica_id or f"{socket.gethostname()}:{port}"
     for name in SERVED:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.metrics_port:
-        metrics.serve(config.metrics_host or config.host, config.metrics_port)
+        metrics_address = f"{config.metrics_host or config.host}:{config.metrics_port}"
+        try:
+            metrics.serve(config.metrics_host or config.host, config.metrics_port)
+        except OSError as exc:
+            await server.stop(0)
+            engine.stop()
+            raise SystemExit(
+                f"dyngen: error: cannot serve metrics on {metrics_address}: {exc.strerror}"
+            ) from exc
 
     # A second SIGTERM/SIGINT (Ctrl-C pressed again) cuts the drain short: what still runs is
     # cancelled at once, its readers still getting their CANCELLED finish.
