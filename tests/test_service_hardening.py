@@ -370,7 +370,9 @@ def test_a_model_that_cannot_load_backs_off_then_the_server_exits(tiny_model: Pa
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model: Path) -> Iterator[ServerProcess]:
-    s = start_tiny_server(tiny_model, "--max-streams", "2", "--reflection", "false")
+    s = start_tiny_server(
+        tiny_model, "--max-streams", "2", "--reflection", "false", "--stream-grace-seconds", "1"
+    )
     yield s
     assert s.stop() == 0
 
@@ -405,6 +407,43 @@ def test_streams_past_the_limit_are_resource_exhausted(tiny_server: ServerProces
         assert wait_pool_idle(c).pages_used == 0
         r = collect(list(c.generate(Request("x", max_new_tokens=2, ignore_eos=True))))
         assert r.finished.new_tokens == 2
+
+
+def finished_counts(server: ServerProcess) -> dict[str, float]:
+    """dyngen_jobs_finished_total by its reason label."""
+    counts = {}
+    for line in scrape("127.0.0.1", server.metrics_port).splitlines():
+        if line.startswith("dyngen_jobs_finished_total{"):
+            label, value = line.split("} ")
+            counts[label.split('reason="')[1].rstrip('"')] = float(value)
+    return counts
+
+
+def test_jobs_that_end_unfinished_are_counted_by_how_they_ended(tiny_server: ServerProcess) -> None:
+    """A job whose stream ended before it did is counted once, by how: its engine's JobFinished
+    reaches nobody, so without this, deadlines and disconnects went uncounted."""
+    long = Request("once", max_new_tokens=4000, ignore_eos=True)
+    before = finished_counts(tiny_server)
+    with tiny_server.client() as c:
+        with pytest.raises(grpc.RpcError) as info:
+            list(c.stub.Generate(long.to_proto(), timeout=0.5))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        call = c.stub.Generate(long.to_proto(), timeout=120)
+        next(call)
+        call.cancel()
+        c.enqueue(long)  # never streamed: dropped after --stream-grace-seconds
+        c.cancel(c.enqueue(Request("x", max_new_tokens=4000, ignore_eos=True)))
+        expected = {"deadline_exceeded": 1.0, "caller_gone": 1.0, "not_streamed": 1.0, "cancelled": 1.0}
+        deadline = time.monotonic() + 30
+        while True:
+            after = finished_counts(tiny_server)
+            grown = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in {*after, *before}}
+            grown = {k: v for k, v in grown.items() if v}
+            if grown.keys() >= expected.keys() or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert wait_pool_idle(c).pages_used == 0
+    assert grown == expected  # the Cancel's job by its own JobFinished, the others by how they ended
 
 
 def reflection_refused(target: str) -> grpc.StatusCode:

@@ -194,5 +194,6 @@ def load_weights(
         state = f"measured {tuner.measured} shapes" if tuner.measured else "cached"
         if tuner.measured and not tuner.kept:
             state += f", not cached: others used {tuner.busy_share:.0%} of the CPU meanwhile"
-        description += f" (autotuned per rows 1/8/64, {state}: {tuner.cache.path})"
+        # The file's name alone: GetModelInfo shows this to every caller, and no server path is theirs.
+        description += f" (autotuned per rows 1/8/64, {state}: {tuner.cache.path.name})"
     return LlamaWeights(embed, final_norm, lm_head, layers, tuner, description, linear_kinds)

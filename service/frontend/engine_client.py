@@ -132,6 +132,8 @@ class EngineClient:
         self.on_event: list[EventListener] = []
         self.on_stats: list[StatsListener] = []
         self.on_forget: list[Callable[[str], None]] = []  # a job's id left the table
+        # An unfinished job left with nobody to read its end, and why (its stream's end, or none).
+        self.on_dropped: list[Callable[[str], None]] = []
         self.on_restart: list[Callable[[], None]] = []
         self.on_failed: list[Callable[[], None]] = []
         self._pending: dict[int, asyncio.Future[Message]] = {}
@@ -567,7 +569,7 @@ class EngineClient:
         if job.streamed:
             return
         log.info("job_not_streamed", job=short_id(job.job_id), grace_seconds=self.config.stream_grace_seconds)
-        self.cancel(job)
+        self._drop(job, "not_streamed")
         self._forget(job)
 
     def lookup(self, job_id: str, owner: str) -> JobChannel | None:
@@ -601,11 +603,21 @@ class EngineClient:
             self._forget(job)
         return job
 
-    def release(self, job: JobChannel) -> None:
-        """The stream ended (finished, cancelled, disconnected): cancel the job if still running."""
+    def release(self, job: JobChannel, why: str) -> None:
+        """The stream ended (finished, cancelled, disconnected): cancel the job if still running.
+        `why` names how an unfinished job's stream ended, for on_dropped."""
         if not job.finished and job.job_id in self.jobs:
-            self.cancel(job)
+            self._drop(job, why)
         self._forget(job)
+
+    def _drop(self, job: JobChannel, why: str) -> None:
+        """Cancel an unfinished job nobody will read; its JobFinished (if any) goes unseen, so
+        on_dropped counts it instead (a job waiting for a restarted engine ends at once, counted
+        by its own JobFinished)."""
+        self.cancel(job)
+        if not job.finished:
+            for listener in self.on_dropped:
+                listener(why)
 
     def _forget(self, job: JobChannel) -> None:
         if job.grace_timer is not None:

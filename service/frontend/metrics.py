@@ -42,6 +42,8 @@ class Metrics:
             registry=r,
         )
         self.generated = Counter("dyngen_generated_tokens", "tokens streamed to callers", registry=r)
+        # A stop reason, or how a job's stream ended before it finished (deadline_exceeded,
+        # caller_gone, stream_failed, not_streamed): every accepted job is counted once.
         self.jobs = Counter("dyngen_jobs_finished", "finished jobs by stop reason", ["reason"], registry=r)
         # The engine's adapter name (a tenant's adapters are scoped apart): a label is removed when
         # its adapter leaves the engine, so there are at most --max-adapters at once.
@@ -94,6 +96,9 @@ class Metrics:
         """An adapter was unloaded (or lost in a restart): its label goes, so labels stay bounded."""
         with contextlib.suppress(KeyError):  # no job of it finished
             self.adapter_jobs.remove(name)
+
+    def dropped(self, why: str) -> None:
+        self.jobs.labels(why).inc()
 
     def forget(self, job_id: str) -> None:
         self._last_token.pop(job_id, None)

@@ -133,6 +133,7 @@ async def serve(
     engine.on_event.append(metrics.on_event)
     engine.on_stats.append(metrics.on_stats)
     engine.on_forget.append(metrics.forget)
+    engine.on_dropped.append(metrics.dropped)
     engine.on_adapter_gone.append(metrics.adapter_gone)
     engine.on_restart.append(metrics.engine_restarts.inc)
     engine.on_recovered.append(metrics.recovered)

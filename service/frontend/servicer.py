@@ -15,6 +15,7 @@ a stable reason, the field to blame, and how long to wait before retrying where 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
@@ -338,6 +339,7 @@ class GeneratorService:
     ) -> AsyncIterator[pb.GenerateEvent]:
         # Any way out of here (finished, caller gone, deadline, engine down) releases the job,
         # and an unfinished job is cancelled in the engine at once.
+        ended_by: BaseException | None = None
         try:
             while True:
                 item = await job.events.get()
@@ -368,10 +370,15 @@ class GeneratorService:
                     yield item
                     return
                 yield item
+        except BaseException as exc:
+            ended_by = exc
+            raise
         finally:
+            why = ""
             if not job.finished:
-                log.info("job_cancelled_by_caller", job=short_id(job.job_id))
-            self.engine.release(job)
+                why = why_left(context, ended_by)
+                log.info("job_left_unfinished", job=short_id(job.job_id), why=why)
+            self.engine.release(job, why)
 
     # -- the RPCs ------------------------------------------------------------------------------
 
@@ -624,6 +631,17 @@ def generic_handler(service: GeneratorService) -> grpc.GenericRpcHandler:
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def why_left(context: grpc.aio.ServicerContext[Req, Resp], ended_by: BaseException | None) -> str:
+    """How a call ended before its job finished: its deadline, its caller gone (the handler is
+    cancelled, or its generator closed), or the server ending it with an error status."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return "deadline_exceeded"
+    if isinstance(ended_by, asyncio.CancelledError | GeneratorExit) or context.cancelled():
+        return "caller_gone"
+    return "stream_failed"
 
 
 def _affinity(request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Req, Resp]) -> str:

@@ -32,7 +32,7 @@ from service.frontend.event_buffer import EngineDownError
 from service.frontend.job_channel import JobChannel
 from service.frontend.kv_event_relay import KvEventRelay, RelayBatch
 from service.frontend.limits import RequestError
-from service.frontend.servicer import GeneratorService, Malformed, lenient, serialize
+from service.frontend.servicer import GeneratorService, Malformed, lenient, serialize, why_left
 from service.frontend.tokenizer_bundle import TokenizerBundle
 from service.frontend.worker_codec import (
     chunk,
@@ -99,6 +99,7 @@ class WorkerService:
             self.reserved.add(rid)  # before any await: a second call with this id is refused above
         self.last_request_at = time.time()
         samples: list[JobChannel] = []
+        ended_by: BaseException | None = None
         try:
             await jobs.open_stream(context)
         except BaseException:
@@ -133,13 +134,16 @@ class WorkerService:
                             output_logprobs(deltas[i]) if inner.return_logprobs and not req.stream else None
                         )
                         yield complete(event.finished, output_ids[i], logprobs, i)
+        except BaseException as exc:
+            ended_by = exc
+            raise
         finally:
             jobs.open_streams -= 1
             self.reserved.discard(rid)
             if samples and self.requests.get(rid) is samples:
                 del self.requests[rid]
-            for job in samples:
-                self.engine.release(job)  # a sample whose stream never started is cancelled here
+            for job in samples:  # a sample whose stream never started is cancelled here
+                self.engine.release(job, why_left(context, ended_by))
 
     async def _merged(
         self, samples: list[JobChannel], context: grpc.aio.ServicerContext[Req, Resp]
