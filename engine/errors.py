@@ -53,9 +53,14 @@ class PromptTooLongError(DyngenError):
 
 
 class InvalidRequestError(DyngenError):
-    """A request's argument is out of range (names the field and the limit)."""
+    """A request's argument is out of range (names the field and the limit). `field` is the
+    JobSpec field to blame, as a path (`sampling.top_p`), where one is: the service's BadRequest."""
 
     kind = ErrorKind.INVALID_ARGUMENT
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class QueueFullError(DyngenError):

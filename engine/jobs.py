@@ -61,9 +61,9 @@ class JobStage(enum.Enum):
     FINISHED = "finished"
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, field: str | None) -> None:
     if not ok:
-        raise InvalidRequestError(message)
+        raise InvalidRequestError(message, field)
 
 
 @dataclass(frozen=True)
@@ -89,27 +89,53 @@ class SamplingSettings:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the field and its limit."""
+        bias_field = "sampling.logit_bias"
         _check(
-            math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be finite and >= 0"
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature must be finite and >= 0",
+            "sampling.temperature",
         )
-        _check(self.top_k >= 0, "top_k must be >= 0 (0 = off)")
-        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
-        _check(0.0 <= self.min_p < 1.0, "min_p must be in [0, 1)")
-        _check(0.0 < self.typical <= 1.0, "typical must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k must be >= 0 (0 = off)", "sampling.top_k")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "sampling.top_p")
+        _check(0.0 <= self.min_p < 1.0, "min_p must be in [0, 1)", "sampling.min_p")
+        _check(0.0 < self.typical <= 1.0, "typical must be in (0, 1]", "sampling.typical")
         _check(
             math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty must be finite and > 0",
+            "sampling.repetition_penalty",
         )
-        _check(math.isfinite(self.frequency_penalty), "frequency_penalty must be finite")
-        _check(math.isfinite(self.presence_penalty), "presence_penalty must be finite")
+        _check(
+            math.isfinite(self.frequency_penalty),
+            "frequency_penalty must be finite",
+            "sampling.frequency_penalty",
+        )
+        _check(
+            math.isfinite(self.presence_penalty),
+            "presence_penalty must be finite",
+            "sampling.presence_penalty",
+        )
         for token, bias in self.logit_bias:
-            _check(0 <= token < vocab_size, f"logit_bias token id {token} is outside [0, {vocab_size})")
             _check(
-                -100.0 <= bias <= 100.0, f"logit_bias for token {token} must be in [-100, 100], got {bias}"
+                0 <= token < vocab_size,
+                f"logit_bias token id {token} is outside [0, {vocab_size})",
+                bias_field,
+            )
+            _check(
+                -100.0 <= bias <= 100.0,
+                f"logit_bias for token {token} must be in [-100, 100], got {bias}",
+                bias_field,
             )
         for token in self.banned_token_ids:
-            _check(0 <= token < vocab_size, f"banned token id {token} is outside [0, {vocab_size})")
-        _check(len(self.banned_token_ids) < vocab_size, "banned_token_ids cannot ban the whole vocabulary")
+            _check(
+                0 <= token < vocab_size,
+                f"banned token id {token} is outside [0, {vocab_size})",
+                "sampling.banned_token_ids",
+            )
+        _check(
+            len(self.banned_token_ids) < vocab_size,
+            "banned_token_ids cannot ban the whole vocabulary",
+            "sampling.banned_token_ids",
+        )
 
 
 @dataclass(frozen=True)
@@ -172,55 +198,79 @@ class JobSpec:
     def validate(self, vocab_size: int, hidden_size: int | None = None) -> None:
         """InvalidRequestError naming the field and its limit; `hidden_size`: prompt embeddings' rows
         must be that wide (None: unchecked)."""
-        _check(len(self.prompt_ids) > 0, "prompt must hold at least one token")
+        _check(len(self.prompt_ids) > 0, "prompt must hold at least one token", "prompt_ids")
         _check(
             all(0 <= t < vocab_size for t in self.prompt_ids),
             f"prompt token ids must be in [0, {vocab_size})",
+            "prompt_ids",
         )
-        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(
+            self.max_new_tokens >= 1,
+            f"max_new_tokens must be >= 1, got {self.max_new_tokens}",
+            "max_new_tokens",
+        )
         _check(
             0 <= self.min_new_tokens <= self.max_new_tokens,
             f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}",
+            "min_new_tokens",
         )
-        _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
-        _check(all(s for s in self.stop_strings), "stop strings must not be empty")
-        _check(all(s for s in self.banned_strings), "banned strings must not be empty")
+        _check(
+            0 <= self.top_logprobs <= 20,
+            f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+            "top_logprobs",
+        )
+        _check(all(s for s in self.stop_strings), "stop strings must not be empty", "stop_strings")
+        _check(all(s for s in self.banned_strings), "banned strings must not be empty", "banned_strings")
         _check(
             not (self.token_healing and self.response_format is not None),
             "token_healing cannot be combined with response_format (the healed text is the prompt's, "
             "not the output's)",
+            "token_healing",
         )
         if self.stop_on_loop is not None:
             problem = self.stop_on_loop.problem()
-            _check(problem is None, problem or "")
+            _check(problem is None, problem or "", "stop_on_loop")
         _check(
             -MAX_PRIORITY <= self.priority <= MAX_PRIORITY,
             f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority}",
+            "priority",
         )
         if self.guidance is not None:
             problem = self.guidance.problem(vocab_size)
-            _check(problem is None, problem or "")
+            _check(problem is None, problem or "", "guidance")
         if self.embeddings:
             check_embeddings(self.embeddings, len(self.prompt_ids), hidden_size)
             _check(
                 not self.token_healing,
                 "token_healing cannot be combined with embeddings (it takes back the prompt's last tokens)",
+                "token_healing",
             )
         for token in self.stop_token_ids:
-            _check(0 <= token < vocab_size, f"stop token id {token} is outside [0, {vocab_size})")
+            _check(
+                0 <= token < vocab_size,
+                f"stop token id {token} is outside [0, {vocab_size})",
+                "stop_token_ids",
+            )
         _check(
             len(self.resume_output) < self.max_new_tokens,
             f"resume_output holds {len(self.resume_output)} tokens: max_new_tokens {self.max_new_tokens} "
             "leaves none to generate",
+            "resume_output",
         )
         _check(
             all(0 <= t < vocab_size for t in self.resume_output),
             f"resume_output token ids must be in [0, {vocab_size})",
+            "resume_output",
         )
-        _check(len(self.tenant) <= MAX_TENANT_CHARS, f"tenant must be at most {MAX_TENANT_CHARS} characters")
+        _check(
+            len(self.tenant) <= MAX_TENANT_CHARS,
+            f"tenant must be at most {MAX_TENANT_CHARS} characters",
+            None,
+        )
         _check(
             len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,
             f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}",
+            "cache_salt",
         )
         self.sampling.validate(vocab_size)
         if self.response_format is not None:

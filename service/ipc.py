@@ -124,14 +124,16 @@ def unpack_kv_events(data: bytes) -> list[KvEvent]:
 class Rejection:
     code: ErrorCode
     message: str
+    field: str | None = None  # the JobSpec field to blame (InvalidRequestError.field)
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"code": self.code.value, "message": self.message}).encode()
+        return json.dumps({"code": self.code.value, "message": self.message, "field": self.field}).encode()
 
     @staticmethod
     def from_bytes(data: bytes) -> Rejection:
         obj = json.loads(data)
-        return Rejection(ErrorCode(obj["code"]), str(obj["message"]))
+        field = obj.get("field")
+        return Rejection(ErrorCode(obj["code"]), str(obj["message"]), None if field is None else str(field))
 
 
 class AdapterOp(enum.Enum):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
 
 from dyngen_client import AsyncClient, Chat, ErrorReason, Request, collect, error_details
+from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from tests.service_harness import ServerProcess, start_tiny_server
 from tests.tiny_service_model import write_servable_tiny_gguf
 
@@ -40,6 +42,66 @@ def test_sync_client_reads_field_violations_and_reasons(server: ServerProcess) -
         with pytest.raises(grpc.RpcError) as malformed:
             client.cancel("not-a-job-id")
         assert [v.field for v in error_details(malformed.value).field_violations] == ["job_id"]
+
+
+def _bad(**fields: object) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(text="Hi", max_new_tokens=4)
+    for path, value in fields.items():
+        target: Any = req
+        *parents, name = path.split("__")
+        for parent in parents:
+            target = getattr(target, parent)
+        if isinstance(value, list):
+            getattr(target, name).extend(value)
+        else:
+            setattr(target, name, value)
+    return req
+
+
+JSON_BAD = pb.GenerateRequest(text="Hi", max_new_tokens=4)
+JSON_BAD.response_format.json_schema = '{"type": "object", "properties": 7}'
+REGEX_BAD = pb.GenerateRequest(text="Hi", max_new_tokens=4)
+REGEX_BAD.response_format.regex = "(unclosed"
+HEALED_FORMAT = pb.GenerateRequest(text="Hi", max_new_tokens=4, token_healing=True)
+HEALED_FORMAT.response_format.regex = "a+"
+
+# Each value the service can never run, and the field its BadRequest names: checked in the front
+# end by the engine's rule (JobSpec.check), or refused by the engine (a grammar that does not compile).
+FIELD_OF: list[tuple[pb.GenerateRequest, str]] = [
+    (_bad(max_new_tokens=0), "max_new_tokens"),
+    (_bad(min_new_tokens=9), "min_new_tokens"),
+    (_bad(sampling__temperature=-1.0), "sampling.temperature"),
+    (_bad(sampling__temperature=float("nan")), "sampling.temperature"),
+    (_bad(sampling__top_p=0.0), "sampling.top_p"),
+    (_bad(sampling__min_p=1.0), "sampling.min_p"),
+    (_bad(sampling__typical=0.0), "sampling.typical"),
+    (_bad(sampling__repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (_bad(sampling__frequency_penalty=float("inf")), "sampling.frequency_penalty"),
+    (_bad(sampling__logit_bias=[pb.LogitBias(token_id=10**6, bias=1.0)]), "sampling.logit_bias"),
+    (_bad(sampling__logit_bias=[pb.LogitBias(token_id=1, bias=500.0)]), "sampling.logit_bias"),
+    (_bad(sampling__banned_token_ids=[10**6]), "sampling.banned_token_ids"),
+    (_bad(top_logprobs=21, return_logprobs=True), "top_logprobs"),
+    (_bad(stop_strings=[""]), "stop_strings"),
+    (_bad(banned_strings=[""]), "banned_strings"),
+    (_bad(stop_token_ids=[10**6]), "stop_token_ids"),
+    (_bad(text=""), "text"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6]), max_new_tokens=4), "token_ids"),
+    (JSON_BAD, "response_format.json_schema"),
+    (REGEX_BAD, "response_format.regex"),
+    (HEALED_FORMAT, "token_healing"),
+]
+
+
+@pytest.mark.parametrize(("request_", "field"), FIELD_OF, ids=[f for _, f in FIELD_OF])
+def test_every_invalid_value_names_its_field(
+    server: ServerProcess, request_: pb.GenerateRequest, field: str
+) -> None:
+    with server.client() as client:
+        with pytest.raises(grpc.RpcError) as bad:
+            list(client.stub.Generate(request_, timeout=60))
+        d = error_details(bad.value)
+        assert d.code is grpc.StatusCode.INVALID_ARGUMENT, d
+        assert [v.field for v in d.field_violations] == [field], bad.value.details()
 
 
 def test_async_client_reads_retry_info_past_the_stream_limit(server: ServerProcess) -> None:

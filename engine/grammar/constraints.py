@@ -167,13 +167,19 @@ class GrammarCompiler:
                 case GrammarKind.GBNF:
                     grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(fmt.source))
         except (ValueError, TypeError, GbnfToLarkError) as exc:
-            raise InvalidRequestError(f"response_format: invalid {fmt.kind.value}: {exc}") from exc
+            raise InvalidRequestError(
+                f"response_format: invalid {fmt.kind.value}: {exc}", "response_format"
+            ) from exc
         problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if problem:
-            raise InvalidRequestError(f"response_format: invalid {fmt.kind.value}: {problem}")
+            raise InvalidRequestError(
+                f"response_format: invalid {fmt.kind.value}: {problem}", "response_format"
+            )
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"response_format: invalid {fmt.kind.value}: {matcher.get_error()}")
+            raise InvalidRequestError(
+                f"response_format: invalid {fmt.kind.value}: {matcher.get_error()}", "response_format"
+            )
         return matcher
 
 

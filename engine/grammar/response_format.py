@@ -31,11 +31,14 @@ class ResponseFormat:
 
     def validate(self) -> None:
         if not self.source:
-            raise InvalidRequestError(f"response_format: the {self.kind.value} must not be empty")
+            raise InvalidRequestError(
+                f"response_format: the {self.kind.value} must not be empty", "response_format"
+            )
         if len(self.source) > MAX_GRAMMAR_CHARS:
             raise InvalidRequestError(
                 f"response_format: the {self.kind.value} has {len(self.source)} characters, "
-                f"more than {MAX_GRAMMAR_CHARS}"
+                f"more than {MAX_GRAMMAR_CHARS}",
+                "response_format",
             )
 
     @staticmethod

@@ -22,6 +22,7 @@ from engine.errors import (
     AdapterNotFoundError,
     DyngenError,
     FailedPreconditionError,
+    InvalidRequestError,
     JobNotFoundError,
     ModelNotFoundError,
     PromptTooLongError,
@@ -223,14 +224,15 @@ class EngineLoop:
                 pass  # engine-to-front-end tags never arrive here
         return True
 
-    def _reject(self, request: int, code: ErrorCode, message: str) -> None:
-        self._send(Tag.REJECTED, request, Rejection(code, message).to_bytes())
+    def _reject(self, request: int, code: ErrorCode, message: str, field: str | None = None) -> None:
+        self._send(Tag.REJECTED, request, Rejection(code, message, field).to_bytes())
 
     def _refuse(self, request: int, exc: Exception, label: str) -> None:
         """Answer a request the engine refused; a malformed one must never take the engine down."""
         if isinstance(exc, DyngenError):
             code = next((c for kind, c in _REFUSALS if isinstance(exc, kind)), ErrorCode.INVALID_ARGUMENT)
-            self._reject(request, code, str(exc))
+            field = exc.field if isinstance(exc, InvalidRequestError) else None
+            self._reject(request, code, str(exc), field)
         else:
             log.exception(label)
             self._reject(request, ErrorCode.INVALID_ARGUMENT, f"{label}: {type(exc).__name__}")

@@ -273,7 +273,20 @@ def check_prompt_embeddings(
         ) from exc
 
 
-def check_spec(spec: JobSpec, bounds: ModelBounds) -> None:
+def request_field(field: str | None, request: pb.GenerateRequest | None) -> str | None:
+    """The request path a BadRequest names for a JobSpec field an InvalidRequestError blames: the
+    prompt's ids are whichever prompt the request sent, a response_format its one format."""
+    if field is None or request is None:
+        return field
+    if field == "prompt_ids":
+        return request.WhichOneof("prompt") or "prompt"
+    if field == "response_format":
+        which = request.response_format.WhichOneof("format")
+        return f"response_format.{which}" if which else field
+    return field
+
+
+def check_spec(spec: JobSpec, bounds: ModelBounds, request: pb.GenerateRequest | None = None) -> None:
     """The job the front end built, by the engine's own rule (JobSpec.check: values, embeddings,
     the fit of every sequence in the context and of all their pages in the cache): the engine then
     checks only what needs the engine (the adapter is loaded, the queue has room)."""
@@ -282,7 +295,7 @@ def check_spec(spec: JobSpec, bounds: ModelBounds) -> None:
     except PromptTooLongError as exc:
         raise RequestError(str(exc), None, ErrorReason.PROMPT_TOO_LONG) from exc
     except InvalidRequestError as exc:
-        raise RequestError(str(exc), embedding_field(str(exc))) from exc
+        raise RequestError(str(exc), request_field(exc.field, request) or embedding_field(str(exc))) from exc
 
 
 def check_chat(chat: pb.ChatPrompt, limits: Limits, prefix: str = "") -> None:

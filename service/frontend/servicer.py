@@ -48,6 +48,7 @@ from service.frontend.limits import (
     check_request,
     check_spec,
     check_tokenize_request,
+    request_field,
 )
 from service.frontend.tenant_adapters import TenantAdapters, caller_name
 from service.ipc import AdapterCommand, AdapterOp, ErrorCode
@@ -165,15 +166,17 @@ class GeneratorService:
         self,
         exc: EngineRejectedError | EngineBusyError | EngineDownError,
         context: grpc.aio.ServicerContext[Req, Resp],
+        request: pb.GenerateRequest | None = None,
     ) -> NoReturn:
-        """A call the engine refused, could not take (too many waiting) or could not answer."""
+        """A call the engine refused, could not take (too many waiting) or could not answer;
+        `request`: the job's, whose fields a refusal may blame."""
         if isinstance(exc, EngineRejectedError):
             code, reason = _CODES[exc.rejection.code]
-            # The engine's refusals name no field; one about a prompt embedding says which in its text.
+            # The field the engine blames; one about a prompt embedding says which in its text.
             field = (
                 "path"
                 if reason is ErrorReason.ADAPTER_PATH_REFUSED
-                else embedding_field(exc.rejection.message)
+                else request_field(exc.rejection.field, request) or embedding_field(exc.rejection.message)
                 if code == grpc.StatusCode.INVALID_ARGUMENT
                 else None
             )
@@ -272,9 +275,10 @@ class GeneratorService:
         adapter = self.adapters.engine_name(tenant, request.adapter) if request.adapter else None
         try:
             spec = job_spec(request, ids, negative, tenant, cache_salt(tenant, request.cache_salt), adapter)
-            check_spec(spec, bounds)
-        except InvalidRequestError as exc:
-            await self.invalid(context, RequestError(str(exc), embedding_field(str(exc))))
+            check_spec(spec, bounds, request)
+        except InvalidRequestError as exc:  # job_spec's own
+            field = request_field(exc.field, request) or embedding_field(str(exc))
+            await self.invalid(context, RequestError(str(exc), field))
         except RequestError as exc:
             await self.invalid(context, exc)
         return spec
@@ -332,7 +336,7 @@ class GeneratorService:
             job.affinity = _affinity(request, context)
             return job
         except (EngineRejectedError, EngineBusyError, EngineDownError) as exc:
-            await self.engine_failed(exc, context)
+            await self.engine_failed(exc, context, request)
 
     async def job_events(
         self, job: JobChannel, context: grpc.aio.ServicerContext[Req, Resp]
