@@ -54,6 +54,6 @@ def test_node_client_against_the_real_server(tmp_path: Path) -> None:
                 timeout=240,
             )
             assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-            assert "# fail 0" in done.stdout and "# pass 10" in done.stdout, done.stdout[-3000:]
+            assert "# fail 0" in done.stdout and "# pass 11" in done.stdout, done.stdout[-3000:]
     finally:
         assert server.stop() == 0

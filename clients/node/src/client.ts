@@ -17,6 +17,7 @@ import type { ModelInfo__Output } from "./generated/dyngen/v1/ModelInfo";
 import type { TokenizeRequest } from "./generated/dyngen/v1/TokenizeRequest";
 import { AFFINITY_HEADER, affinityKey, DEFAULT_AFFINITY_CHARS } from "./affinity";
 import { markStreamCut } from "./errors";
+import { RequestRanges } from "./ranges";
 
 export type { GenerateEvent__Output as GenerateEvent } from "./generated/dyngen/v1/GenerateEvent";
 export type { GenerateRequest } from "./generated/dyngen/v1/GenerateRequest";
@@ -112,9 +113,12 @@ export class DyngenClient {
   private readonly stub: GeneratorClient;
   private readonly metadata: grpc.Metadata;
   private readonly affinityChars: number | null;
+  private readonly ranges: RequestRanges;
 
   constructor(target: string, options: ClientOptions = {}) {
-    const definition = protoLoader.loadSync(options.protoPath ?? defaultProtoPath(), LOADER_OPTIONS);
+    const protoPath = options.protoPath ?? defaultProtoPath();
+    const definition = protoLoader.loadSync(protoPath, LOADER_OPTIONS);
+    this.ranges = new RequestRanges(protoPath);
     const proto = grpc.loadPackageDefinition(definition) as unknown as ProtoGrpcType;
     const retries = options.retries ?? 0;
     const channelOptions: grpc.ChannelOptions =
@@ -148,7 +152,10 @@ export class DyngenClient {
   }
 
   // The job's events; `call.cancel()` (or breaking out of a for-await loop) cancels the job.
+  // An integer field outside its type's range (a negative max_new_tokens, say) throws a RangeError
+  // naming it, before anything is sent; enqueue and tokenize reject with it.
   generate(request: GenerateRequest, options: CallOptions = {}): grpc.ClientReadableStream<GenerateEvent__Output> {
+    this.ranges.check("dyngen.v1.GenerateRequest", request);
     return DyngenClient.marked(this.stub.Generate(request, this.jobMetadata(request), options));
   }
 
@@ -158,6 +165,7 @@ export class DyngenClient {
 
   enqueue(request: GenerateRequest, options: CallOptions = {}): Promise<EnqueueResponse__Output> {
     return new Promise((resolve, reject) => {
+      this.ranges.check("dyngen.v1.GenerateRequest", request); // a RangeError rejects the promise
       this.stub.Enqueue(request, this.jobMetadata(request), options, (error, response) =>
         error || !response ? reject(error) : resolve(response),
       );
@@ -180,6 +188,7 @@ export class DyngenClient {
 
   tokenize(request: TokenizeRequest, options: CallOptions = {}): Promise<number[]> {
     return new Promise((resolve, reject) => {
+      this.ranges.check("dyngen.v1.TokenizeRequest", request); // a RangeError rejects the promise
       this.stub.Tokenize(request, this.metadata.clone(), options, (error, response) =>
         error || !response ? reject(error) : resolve(response.token_ids),
       );

@@ -2,3 +2,4 @@
 export * from "./client";
 export * from "./errors";
 export * from "./affinity";
+export * from "./ranges";

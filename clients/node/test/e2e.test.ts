@@ -90,6 +90,21 @@ test("a request past a limit is INVALID_ARGUMENT naming the field", async () => 
   });
 });
 
+test("an integer field outside its type's range is refused before sending, naming its path", async () => {
+  assert.throws(() => client.generate({ text: "Hi", max_new_tokens: -1 }), /max_new_tokens must be an integer in \[0, 4294967295\]/);
+  assert.throws(
+    () => client.generate({ text: "Hi", sampling: { top_k: 1.5 } }),
+    /sampling\.top_k must be an integer/,
+  );
+  assert.throws(
+    () => client.generate({ token_ids: { ids: [1, -2] }, max_new_tokens: 4 }),
+    /token_ids\.ids\[1\] must be an integer/,
+  );
+  assert.throws(() => client.generate({ text: "Hi", priority: 2 ** 31 }), /priority must be an integer in \[-2147483648/);
+  await assert.rejects(client.enqueue({ text: "Hi", min_new_tokens: -3 }), /min_new_tokens must be an integer/);
+  assert.throws(() => client.generate({ text: "Hi", sampling: { seed: "-1" } }), /sampling\.seed/);
+});
+
 test("carries priority and guidance; a bad guidance scale is INVALID_ARGUMENT naming it", async () => {
   const result = await collect(client.generate({ text: "Hi", max_new_tokens: 3, ignore_eos: true, priority: 5 }));
   assert.equal(result.finished?.new_tokens, 3);
