@@ -36,6 +36,9 @@ class AuthConfigError(Exception):
     """The tokens file is missing or malformed."""
 
 
+DENIED = "missing or invalid bearer token (send 'authorization: Bearer <token>')"
+
+
 @dataclass(frozen=True)
 class Authenticator:
     tokens: tuple[tuple[str, bytes], ...] = ()  # (tenant, token)
@@ -96,6 +99,11 @@ class Authenticator:
         names = list(auth_context.get("x509_common_name", ()))
         return names[0].decode("utf-8", "replace") if names else None
 
+    @property
+    def denied(self) -> str:
+        """What a refused caller is told it lacks (the same from every RPC)."""
+        return DENIED if self.tokens else "no client certificate with a common name (the tenant)"
+
 
 def cache_salt(tenant: str, salt: str) -> str:
     """The salt the engine mixes into page hashes: tenants never share prefix pages."""
@@ -124,14 +132,11 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return _denied(handler)
 
 
-_DENIED = "missing or invalid bearer token (send 'authorization: Bearer <token>')"
-
-
 def _denied(handler: grpc.RpcMethodHandler[Req, Resp]) -> grpc.RpcMethodHandler[Req, Resp]:
     """A handler of the same shape as `handler` that only refuses."""
 
     async def deny(request: object, context: grpc.aio.ServicerContext[Req, Resp]) -> None:
-        failure = Failure(grpc.StatusCode.UNAUTHENTICATED, _DENIED, ErrorReason.UNAUTHENTICATED)
+        failure = Failure(grpc.StatusCode.UNAUTHENTICATED, DENIED, ErrorReason.UNAUTHENTICATED)
         await context.abort(failure.code, failure.message, failure.trailing_metadata())
 
     des, ser = handler.request_deserializer, handler.response_serializer

@@ -157,7 +157,7 @@ class GeneratorService:
             await self.fail(
                 context,
                 grpc.StatusCode.UNAUTHENTICATED,
-                "no valid credentials for this call",
+                self.auth.denied,
                 ErrorReason.UNAUTHENTICATED,
             )
         return tenant
