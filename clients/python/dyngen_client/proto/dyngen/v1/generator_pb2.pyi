@@ -94,7 +94,9 @@ class ChatMessage(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user" or "assistant" (what the model's chat template knows); at most 64 characters."""
+    """"system", "user" or "assistant", or another role the model's chat template renders; one the
+    template refuses is INVALID_ARGUMENT. At most 64 characters.
+    """
     content: _builtins.str
     """The message's text. All contents of a chat add up to at most --max-prompt-chars (1 Mi)."""
     def __init__(
@@ -973,7 +975,9 @@ class JobFinished(_message.Message):
     stop_reason: Global___StopReason.ValueType
     """Why the job stopped."""
     stop_token: _builtins.int
-    """The token that stopped the job (not in the token ids), with STOP_REASON_STOP_TOKEN."""
+    """The token that stopped the job (not in the token ids), with STOP_REASON_STOP_TOKEN and
+    STOP_REASON_EOS (which end-of-sequence token).
+    """
     stop_string: _builtins.str
     """The stop string that matched (not in the text), with STOP_REASON_STOP_STRING."""
     prompt_tokens: _builtins.int
