@@ -901,7 +901,9 @@ class TextDelta(_message.Message):
     """Whole UTF-8 characters, never past a stop string (may be empty while text is held back)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The generated token ids this delta covers (stop tokens excluded)."""
+        """The generated token ids this delta covers: stop tokens excluded, a matched stop string's
+        tokens included (its text is not), so they count in new_tokens.
+        """
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
