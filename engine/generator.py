@@ -227,6 +227,7 @@ class DynamicGenerator:
             accepted_draft_tokens=self.speculation.accepted,
             rejected_draft_tokens=self.speculation.rejected,
             failed_jobs=self._failed_jobs,
+            preemptions=self.scheduler.preemptions,
         )
 
     def kv_events(self, since: int) -> list[tuple[int, KvEvent]] | None:

@@ -53,3 +53,4 @@ class GeneratorStats:
     accepted_draft_tokens: int
     rejected_draft_tokens: int
     failed_jobs: int  # jobs finished with StopReason.ERROR since start
+    preemptions: int  # running jobs sent back to the queue since start

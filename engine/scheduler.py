@@ -68,6 +68,7 @@ class Scheduler:
         self.queue = FairQueue(config.priority_aging, dict(config.tenant_weights))
         self.running: list[JobState] = []
         self._admitted = 0
+        self.preemptions = 0  # jobs sent back to the queue since start (the metrics' counter)
         self.prompt_cost = PromptDepthCost()  # depth free until the warm-up times it
 
     def price_prompts(self, cost: PromptDepthCost) -> None:
@@ -407,6 +408,7 @@ class Scheduler:
         # Its budget was planned for a decode step it will not take: re-admitted, it prefills first.
         job.draft_budget = 0
         job.preemptions += 1
+        self.preemptions += 1
         self.queue.push(job)
 
     def _release_rows(self, job: JobState) -> None:

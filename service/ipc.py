@@ -316,6 +316,7 @@ class EngineStats:
     forwarded_tokens: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    preemptions: int  # since this engine started
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.__dict__).encode()

@@ -10,6 +10,7 @@ import contextlib
 import statistics
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -96,7 +97,26 @@ def test_a_flood_from_one_tenant_leaves_another_its_first_token_in_a_few_iterati
         assert after - before <= 1 + SLACK
         left = a.model_info()
         assert left.queued_jobs >= 100  # A's flood was still waiting: B did not just find a quiet moment
+        # B's job took a row from one of A's (the batch was full): the metrics count the preemption.
+        assert _preemptions(server, at_least=1) >= 1
         _cancel(a, flood)
+
+
+def _preemptions(server: ServerProcess, at_least: int) -> float:
+    """dyngen_preemptions_total once it reaches `at_least` (the engine's stats come periodically)."""
+    deadline = time.monotonic() + 10
+    while True:
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        count = next(
+            float(line.split()[1])
+            for line in text.splitlines()
+            if line.startswith("dyngen_preemptions_total ")
+        )
+        if count >= at_least or time.monotonic() > deadline:
+            return count
+        time.sleep(0.2)
 
 
 def test_a_tenant_past_its_part_of_the_queue_is_told_when_to_retry(server: ServerProcess) -> None:

@@ -65,7 +65,7 @@ def test_messages_round_trip() -> None:
     assert Submit.from_bytes(Submit(job, spec).to_bytes()) == Submit(job, spec)
     views = [AdapterView("a~1f", "a", "rank 8 on q_proj", 2, False), AdapterView("b", "", "rank 4", 0, True)]
     assert unpack_adapters(pack_adapters(views)) == views
-    s = EngineStats(1, 2, 3, 4, 5, 6, 7, 8)
+    s = EngineStats(1, 2, 3, 4, 5, 6, 7, 8, 9)
     assert EngineStats.from_bytes(s.to_bytes()) == s
     ready = Ready(
         "m.gguf", "/tmp/t", 4096, "lin", "cpu", "kv", 512, 16384, 64, "cpu", 64, "slices", {"imports": 1.5}

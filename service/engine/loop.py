@@ -200,6 +200,7 @@ class EngineLoop:
             forwarded_tokens=s.forwarded_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
             prefix_query_tokens=s.prefix_query_tokens,
+            preemptions=s.preemptions,
         )
 
     def _handle(self, msg: Message) -> bool:

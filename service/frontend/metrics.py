@@ -42,6 +42,12 @@ class Metrics:
             registry=r,
         )
         self.generated = Counter("dyngen_generated_tokens", "tokens streamed to callers", registry=r)
+        self.preemptions = Counter(
+            "dyngen_preemptions",
+            "running jobs sent back to the queue (the page pool ran dry, or a job that outranks them came)",
+            registry=r,
+        )
+        self._preemptions_seen = 0  # the engine's own count at its last stats (it restarts at 0)
         # A stop reason, or how a job's stream ended before it finished (deadline_exceeded,
         # caller_gone, stream_failed, not_streamed): every accepted job is counted once.
         self.jobs = Counter("dyngen_jobs_finished", "finished jobs by stop reason", ["reason"], registry=r)
@@ -86,6 +92,12 @@ class Metrics:
         if self._last is not None and now > self._last[0]:
             self.tokens_per_second.set(max(0, s.forwarded_tokens - self._last[1]) / (now - self._last[0]))
         self._last = (now, s.forwarded_tokens)
+        self.preemptions.inc(max(0, s.preemptions - self._preemptions_seen))
+        self._preemptions_seen = s.preemptions
+
+    def engine_restarted(self) -> None:
+        self.engine_restarts.inc()
+        self._preemptions_seen = 0  # the new engine counts from 0
 
     def recovered(self, r: Recovery) -> None:
         self.resumed.inc(r.resumed)

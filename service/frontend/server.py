@@ -135,7 +135,7 @@ async def serve(
     engine.on_forget.append(metrics.forget)
     engine.on_dropped.append(metrics.dropped)
     engine.on_adapter_gone.append(metrics.adapter_gone)
-    engine.on_restart.append(metrics.engine_restarts.inc)
+    engine.on_restart.append(metrics.engine_restarted)
     engine.on_recovered.append(metrics.recovered)
     engine.on_failed.append(stop.set)
 
