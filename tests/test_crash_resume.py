@@ -217,6 +217,14 @@ def report(what: str, delays: list[float], server: ServerProcess, mark: int) -> 
     )
 
 
+def test_model_info_names_the_autotune_cache_without_its_server_path(server: ServerProcess) -> None:
+    """GetModelInfo is every caller's: the autotuned linears name their cache file, not its folder."""
+    with server.client() as c:
+        linears = c.model_info().linears
+    assert "linear-autotune" in linears, linears  # the server's defaults autotune (--quant auto)
+    assert "/linear-autotune" not in linears and os.sep + "linear-autotune" not in linears, linears
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop-hang"])
 def test_a_dead_or_hung_engine_only_pauses_every_stream(
     server: ServerProcess, reference: list[Stream], sig: signal.Signals
