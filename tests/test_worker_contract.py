@@ -22,6 +22,7 @@ import threading
 import time
 import zipfile
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, cast
 
@@ -891,8 +892,13 @@ class StandInEngine:
         self.kv_events = KvEventRelay()
         self.bounds = ModelBounds(SERVICE_SPEC.vocab_size, 4096, 16384, SERVICE_SPEC.hidden_size, PAGE)
 
-    def release(self, job: object) -> None:
+    def release(self, job: object, why: str) -> None:
         pass
+
+
+@dataclass
+class StandInJob:
+    finished: bool = True  # its one event is its JobFinished
 
 
 class StandInJobs:
@@ -917,7 +923,7 @@ class StandInJobs:
 
     async def submit(self, request: object, tenant: str, context: object, streamed: bool) -> object:
         await asyncio.sleep(0.05)  # tokenizing, then the engine's acceptance
-        return object()
+        return StandInJob()
 
     async def job_events(self, job: object, context: object) -> AsyncIterator[pb.GenerateEvent]:
         yield pb.GenerateEvent(finished=pb.JobFinished(stop_reason=pb.STOP_REASON_MAX_NEW_TOKENS))

@@ -142,8 +142,9 @@ class WorkerService:
             self.reserved.discard(rid)
             if samples and self.requests.get(rid) is samples:
                 del self.requests[rid]
+            why = why_left(context, ended_by) if any(not job.finished for job in samples) else ""
             for job in samples:  # a sample whose stream never started is cancelled here
-                self.engine.release(job, why_left(context, ended_by))
+                self.engine.release(job, why)
 
     async def _merged(
         self, samples: list[JobChannel], context: grpc.aio.ServicerContext[Req, Resp]
