@@ -16,6 +16,7 @@ from dyngen_client import Client, PromptEmbedding, Request, collect, error_detai
 from dyngen_client.errors import ErrorReason
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.errors import InvalidRequestError
+from engine.jobs import JobSpec
 from engine.prompt.prompt_embeddings import (
     MAX_EMBEDDING_ROWS,
     MAX_PROMPT_EMBEDDINGS,
@@ -24,7 +25,6 @@ from engine.prompt.prompt_embeddings import (
     place_embeddings,
 )
 from engine.prompt.prompt_embeddings import PromptEmbedding as Span
-from service.embeddings import embedding_field
 from service.frontend.codec import job_spec
 from service.frontend.limits import (
     Limits,
@@ -205,7 +205,7 @@ def test_spans_that_fit_pass() -> None:
 
 
 def test_an_engine_refusal_names_the_field_of_its_message() -> None:
-    """The engine checks the spans again (and their width at enqueue); its messages name the span."""
+    """The engine checks the spans again (and their width at enqueue); its errors name the span's field."""
     d = bytes(4 * 4)
     cases: list[tuple[list[Span], str]] = [
         ([Span(0, 1, d), Span(5, 2, d + d)], "embeddings[1].position"),  # outside a prompt of 6
@@ -217,15 +217,17 @@ def test_an_engine_refusal_names_the_field_of_its_message() -> None:
     for spans, field in cases:
         with pytest.raises(InvalidRequestError) as info:
             check_embeddings(spans, 6, None)
-        assert embedding_field(str(info.value)) == field, str(info.value)
+        assert info.value.field == field, str(info.value)
     with pytest.raises(InvalidRequestError) as info:
         check_embeddings([Span(0, 1, d)], 6, 8)
-    assert embedding_field(str(info.value)) == "embeddings[0].data"
+    assert info.value.field == "embeddings[0].data"
     with pytest.raises(InvalidRequestError) as info:
         place_embeddings([1], [EmbeddingPlacement(1, d)])
-    assert embedding_field(str(info.value)) == "embeddings[0].placement"
-    assert embedding_field("token_healing cannot be combined with embeddings (...)") == "token_healing"
-    assert embedding_field("prompt of 9 tokens exceeds the context") is None
+    assert info.value.field == "embeddings[0].placement"
+    healed = JobSpec(prompt_ids=(1, 2, 3), token_healing=True, embeddings=(Span(0, 1, d),))
+    with pytest.raises(InvalidRequestError, match="token_healing cannot be combined with embeddings") as info:
+        healed.validate(512, 4)
+    assert info.value.field == "token_healing"
 
 
 # -- a real server ---------------------------------------------------------------------------------

@@ -56,29 +56,41 @@ def check_embeddings(embeddings: Sequence[PromptEmbedding], prompt_len: int, hid
     """InvalidRequestError naming the field unless the spans fit the prompt, do not overlap, stay
     within the limits and (with `hidden_size`) hold rows of the model's width."""
     if len(embeddings) > MAX_PROMPT_EMBEDDINGS:
-        raise InvalidRequestError(f"embeddings: at most {MAX_PROMPT_EMBEDDINGS} spans, got {len(embeddings)}")
+        raise InvalidRequestError(
+            f"embeddings: at most {MAX_PROMPT_EMBEDDINGS} spans, got {len(embeddings)}", "embeddings"
+        )
     total = sum(e.rows for e in embeddings)
     if total > MAX_EMBEDDING_ROWS:
-        raise InvalidRequestError(f"embeddings: at most {MAX_EMBEDDING_ROWS} rows in all, got {total}")
+        raise InvalidRequestError(
+            f"embeddings: at most {MAX_EMBEDDING_ROWS} rows in all, got {total}", "embeddings"
+        )
     end = 0
     for i, e in sorted(enumerate(embeddings), key=lambda item: item[1].position):  # i: as the job lists it
         if e.rows < 1:
-            raise InvalidRequestError(f"embeddings[{i}].rows must be >= 1, got {e.rows}")
+            raise InvalidRequestError(
+                f"embeddings[{i}].rows must be >= 1, got {e.rows}", f"embeddings[{i}].rows"
+            )
         if e.position < 0 or e.end > prompt_len:
             raise InvalidRequestError(
-                f"embeddings[{i}]: the span [{e.position}, {e.end}) is outside the prompt of {prompt_len} tokens"
+                f"embeddings[{i}]: the span [{e.position}, {e.end}) is outside the prompt of {prompt_len} tokens",
+                f"embeddings[{i}].position",
             )
         if e.position < end:
-            raise InvalidRequestError(f"embeddings[{i}]: the span at {e.position} overlaps another span")
+            raise InvalidRequestError(
+                f"embeddings[{i}]: the span at {e.position} overlaps another span",
+                f"embeddings[{i}].position",
+            )
         end = e.end
         if len(e.data) % (e.rows * FLOAT32_BYTES):
             raise InvalidRequestError(
-                f"embeddings[{i}].data: {len(e.data)} bytes are not {e.rows} rows of float32 values"
+                f"embeddings[{i}].data: {len(e.data)} bytes are not {e.rows} rows of float32 values",
+                f"embeddings[{i}].data",
             )
         width = len(e.data) // (e.rows * FLOAT32_BYTES)
         if hidden_size is not None and width != hidden_size:
             raise InvalidRequestError(
-                f"embeddings[{i}].data: rows of {width} values, but the model's hidden size is {hidden_size}"
+                f"embeddings[{i}].data: rows of {width} values, but the model's hidden size is {hidden_size}",
+                f"embeddings[{i}].data",
             )
 
 
@@ -93,7 +105,8 @@ def place_embeddings(
     for i, p in enumerate(placements):
         if (p.position is None) == (p.placeholder_token_id is None):
             raise InvalidRequestError(
-                f"embeddings[{i}]: set exactly one of position and placeholder_token_id"
+                f"embeddings[{i}]: set exactly one of position and placeholder_token_id",
+                f"embeddings[{i}].placement",
             )
     if not any(by_placeholder):
         return tuple(prompt_ids), tuple(
@@ -101,7 +114,7 @@ def place_embeddings(
         )
     if not all(by_placeholder):
         raise InvalidRequestError(
-            "embeddings: place every span by position or every span by placeholder, not both"
+            "embeddings: place every span by position or every span by placeholder, not both", "embeddings"
         )
     waiting: dict[int, deque[tuple[int, EmbeddingPlacement]]] = {}
     for i, p in enumerate(placements):
@@ -122,7 +135,8 @@ def place_embeddings(
         i, p = min(left, key=lambda item: item[0])
         raise InvalidRequestError(
             f"embeddings[{i}].placeholder_token_id: the prompt has no occurrence of token "
-            f"{p.placeholder_token_id} left for it (each span takes its placeholder's next occurrence)"
+            f"{p.placeholder_token_id} left for it (each span takes its placeholder's next occurrence)",
+            f"embeddings[{i}].placeholder_token_id",
         )
     return tuple(out), tuple(spans)
 

@@ -70,7 +70,8 @@ def _response_format(req: pb.GenerateRequest) -> ResponseFormat | None:
             return ResponseFormat(GrammarKind.GBNF, f.gbnf_grammar)
         case _:
             raise InvalidRequestError(
-                "response_format: set one of json_schema, regex, lark_grammar or gbnf_grammar"
+                "response_format: set one of json_schema, regex, lark_grammar or gbnf_grammar",
+                "response_format",
             )
 
 
@@ -112,7 +113,7 @@ def job_spec(
     guidance = None
     if req.HasField("guidance"):
         if negative_ids is None:
-            raise InvalidRequestError("guidance: the negative prompt is not tokenized")
+            raise InvalidRequestError("guidance: the negative prompt is not tokenized", "guidance")
         guidance = Guidance(req.guidance.scale, tuple(negative_ids))
     return JobSpec(
         prompt_ids=ids,

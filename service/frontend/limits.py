@@ -27,7 +27,7 @@ from engine.prompt.prompt_embeddings import (
     check_embeddings,
     place_embeddings,
 )
-from service.embeddings import embedding_field, embedding_placements
+from service.embeddings import embedding_placements
 
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -258,7 +258,7 @@ def check_prompt_embeddings(
         expanded, spans = place_embeddings(ids, embedding_placements(req))
         check_embeddings(spans, len(expanded), bounds.hidden_size)
     except InvalidRequestError as exc:
-        raise RequestError(str(exc), embedding_field(str(exc)) or "embeddings") from exc
+        raise RequestError(str(exc), exc.field or "embeddings") from exc
     try:  # the one rule, on the prompt before and after its expansion
         check_fit(JobSpec(tuple(ids), max_new_tokens), bounds.limits)
     except PromptTooLongError:
@@ -274,8 +274,9 @@ def check_prompt_embeddings(
 
 
 def request_field(field: str | None, request: pb.GenerateRequest | None) -> str | None:
-    """The request path a BadRequest names for a JobSpec field an InvalidRequestError blames: the
-    prompt's ids are whichever prompt the request sent, a response_format its one format."""
+    """The request path a BadRequest names for the JobSpec field an InvalidRequestError (or the
+    engine's Rejection) blames: the prompt's ids are whichever prompt the request sent, a
+    response_format its one format; every other path is the request's own."""
     if field is None or request is None:
         return field
     if field == "prompt_ids":
@@ -295,7 +296,7 @@ def check_spec(spec: JobSpec, bounds: ModelBounds, request: pb.GenerateRequest |
     except PromptTooLongError as exc:
         raise RequestError(str(exc), None, ErrorReason.PROMPT_TOO_LONG) from exc
     except InvalidRequestError as exc:
-        raise RequestError(str(exc), request_field(exc.field, request) or embedding_field(str(exc))) from exc
+        raise RequestError(str(exc), request_field(exc.field, request)) from exc
 
 
 def check_chat(chat: pb.ChatPrompt, limits: Limits, prefix: str = "") -> None:

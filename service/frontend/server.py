@@ -168,14 +168,14 @@ async def serve(
     for name in SERVED:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     if config.metrics_port:
-        metrics_address = f"{config.metrics_host or config.host}:{config.metrics_port}"
+        metrics_host = config.metrics_host or config.host
         try:
-            metrics.serve(config.metrics_host or config.host, config.metrics_port)
+            metrics.serve(metrics_host, config.metrics_port)
         except OSError as exc:
             await server.stop(0)
             engine.stop()
             raise SystemExit(
-                f"dyngen: error: cannot serve metrics on {metrics_address}: {exc.strerror}"
+                f"dyngen: error: cannot serve metrics on {metrics_host}:{config.metrics_port}: {exc.strerror}"
             ) from exc
 
     # A second SIGTERM/SIGINT (Ctrl-C pressed again) cuts the drain short: what still runs is

@@ -31,7 +31,6 @@ from engine import defaults
 from engine.adapters.adapter_folder import AdapterPathError, check_relative_path
 from engine.errors import InvalidRequestError
 from engine.jobs import JobSpec
-from service.embeddings import embedding_field
 from service.frontend.auth import Authenticator, cache_salt
 from service.frontend.codec import job_spec, max_new_tokens
 from service.frontend.drain_rate import DrainRate
@@ -172,11 +171,10 @@ class GeneratorService:
         `request`: the job's, whose fields a refusal may blame."""
         if isinstance(exc, EngineRejectedError):
             code, reason = _CODES[exc.rejection.code]
-            # The field the engine blames; one about a prompt embedding says which in its text.
             field = (
                 "path"
                 if reason is ErrorReason.ADAPTER_PATH_REFUSED
-                else request_field(exc.rejection.field, request) or embedding_field(exc.rejection.message)
+                else request_field(exc.rejection.field, request)
                 if code == grpc.StatusCode.INVALID_ARGUMENT
                 else None
             )
@@ -277,8 +275,7 @@ class GeneratorService:
             spec = job_spec(request, ids, negative, tenant, cache_salt(tenant, request.cache_salt), adapter)
             check_spec(spec, bounds, request)
         except InvalidRequestError as exc:  # job_spec's own
-            field = request_field(exc.field, request) or embedding_field(str(exc))
-            await self.invalid(context, RequestError(str(exc), field))
+            await self.invalid(context, RequestError(str(exc), request_field(exc.field, request)))
         except RequestError as exc:
             await self.invalid(context, exc)
         return spec
