@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.errors import InvalidRequestError
 from engine.jobs import SamplingSettings
 from engine.sampling.sampler import TOP_P_CANDIDATES, Sampler, SampleRequest, SamplerMode, SamplerState
 
@@ -217,7 +218,7 @@ def test_logit_bias_and_bans(sampler: Sampler) -> None:
     logits = rand_logits(1, seed=8)
     settings_ = SamplingSettings(
         temperature=1.0,
-        logit_bias=((4, 2.0), (4, 0.5), (9, -3.0), (11, -20.0)),
+        logit_bias=((4, 2.5), (9, -3.0), (11, -20.0)),
         banned_token_ids=frozenset({20, 21}),
     )
     req = SampleRequest(state(settings_), banned_extra=frozenset({22}))
@@ -229,23 +230,41 @@ def test_logit_bias_and_bans(sampler: Sampler) -> None:
     assert_same_distribution(sampler.processed_probs(logits, [req])[0], ref)
 
 
-def test_full_chain_in_documented_order(sampler: Sampler, hf: ModuleType) -> None:
+def test_full_chain_in_transformers_order(sampler: Sampler, hf: ModuleType) -> None:
+    """Every step at once, against transformers' processors in the order its generate() builds
+    them (GenerationMixin._get_logits_processor): bias, repetition penalty, temperature, top_k,
+    top_p, min_p, typical. The bias lands on a token the penalty also touches, and min_p and
+    typical both cut, so a different order gives a different distribution."""
     logits = rand_logits(1, seed=9, scale=2.0)
     prompt = [int(i) for i in logits[0].topk(20).indices]  # penalize the favourites
+    boosted = prompt[5]
     s = SamplingSettings(
-        temperature=0.7, top_k=200, top_p=0.8, typical=0.95, min_p=0.02, repetition_penalty=1.3
+        temperature=0.7,
+        top_k=200,
+        top_p=0.8,
+        typical=0.6,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        logit_bias=((boosted, 3.0),),
     )
-    ref = hf.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt]), logits.clone())
+    ref = hf.SequenceBiasLogitsProcessor({(boosted,): 3.0})(torch.tensor([prompt]), logits.clone())
+    ref = hf.RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt]), ref)
     for warper in (
         hf.TemperatureLogitsWarper(0.7),
         hf.TopKLogitsWarper(200),
         hf.TopPLogitsWarper(0.8),
-        hf.TypicalLogitsWarper(0.95),
-        hf.MinPLogitsWarper(0.02),
+        hf.MinPLogitsWarper(0.05),
+        hf.TypicalLogitsWarper(0.6),
     ):
         ref = warper(NO_IDS, ref)
     ours = sampler.processed_probs(logits, [SampleRequest(state(s, prompt))])[0]
     assert_same_distribution(ours, ref)
+
+
+def test_logit_bias_names_a_repeated_token() -> None:
+    with pytest.raises(InvalidRequestError, match="token 4 twice") as caught:
+        SamplingSettings(logit_bias=((4, 1.0), (9, 1.0), (4, 0.5))).validate(V)
+    assert caught.value.field == "sampling.logit_bias[2].token_id"
 
 
 # -- logprobs ---------------------------------------------------------------------------------------

@@ -62,6 +62,12 @@ def penalize_bias_ban(
     use_penalties: bool = True,
 ) -> None:
     """Steps 1-4, in place on x's given rows, touching only the listed token ids of each row."""
+    biased = [(i, st) for i, st in zip(rows, states, strict=True) if use_bias and st.bias_ids is not None]
+    if biased:
+        cols = [st.bias_ids for _, st in biased if st.bias_ids is not None]
+        r, c = _rows_and_cols([i for i, _ in biased], cols)
+        x[r, c] = x[r, c] + torch.cat([st.bias_values for _, st in biased])
+
     penalized = list(zip(rows, states, strict=True)) if use_penalties else []
     rep = [(i, st) for i, st in penalized if st.tracks_seen and st.num_seen]
     if rep:
@@ -80,12 +86,6 @@ def penalize_bias_ban(
         pres = _per_element([st.settings.presence_penalty for _, st in out], cols)
         counts = torch.cat([n for _, n in pairs])
         x[r, c] = x[r, c] - (counts * freq + pres)
-
-    biased = [(i, st) for i, st in zip(rows, states, strict=True) if use_bias and st.bias_ids is not None]
-    if biased:
-        cols = [st.bias_ids for _, st in biased if st.bias_ids is not None]
-        r, c = _rows_and_cols([i for i, _ in biased], cols)
-        x[r, c] = x[r, c] + torch.cat([st.bias_values for _, st in biased])
 
     ban_rows: list[int] = []
     ban_cols: list[torch.Tensor] = []

@@ -39,5 +39,5 @@ class SampleRequest:
 class SampleResult:
     token_id: int
     # log_softmax of the logits after penalties, bias, bans and temperature (T = 1 for greedy),
-    # before top_k/top_p/typical/min_p; top holds up to top_n finite alternatives, most likely first.
+    # before top_k/top_p/min_p/typical; top holds up to top_n finite alternatives, most likely first.
     logprob: TokenLogprob | None = None

@@ -1,19 +1,20 @@
 """The dynamic generator's sampler: one SamplerState per job, one Sampler for the whole batch.
 
-Processing order (fixed; HF/vLLM order). Given a row of raw logits x:
+Processing order (fixed; transformers' generate() order, whose bias-before-penalties vLLM keeps
+too). Given a row of raw logits x:
 
-1. repetition penalty over prompt + output tokens (HF RepetitionPenaltyLogitsProcessor:
+1. logit bias (x += bias; a -inf bias bans the token, +inf is clamped to 1e30 so it forces the token);
+2. repetition penalty over prompt + output tokens (HF RepetitionPenaltyLogitsProcessor:
    x > 0 is divided by the penalty, x < 0 multiplied);
-2. frequency and presence penalties over output tokens (OpenAI:
+3. frequency and presence penalties over output tokens (OpenAI:
    x -= count * frequency_penalty + presence_penalty for every token already emitted);
-3. logit bias (x += bias; a -inf bias bans the token, +inf is clamped to 1e30 so it forces the token);
 4. bans: the job's banned_token_ids and the request's banned_extra are set to -inf;
 5. temperature: s = (x - max(x)) / T (the shift keeps extreme temperatures free of inf - inf);
    T = 0 is greedy: argmax of the row after step 4, ties to the lowest id (torch.argmax);
 6. top_k (ties at the k-th value are kept, as HF's TopKLogitsWarper does);
 7. top_p (keeps a token iff the mass of the tokens ranked strictly above it is < top_p);
-8. typical (HF's TypicalLogitsWarper);
-9. min_p (drops tokens whose probability is < min_p * the top probability).
+8. min_p (drops tokens whose probability is < min_p * the top probability);
+9. typical (HF's TypicalLogitsWarper).
 
 Steps 6-9 shape sampled rows only (greedy rows ignore them); each keeps at least
 one token. The draw is by inverse CDF: one uniform u per sampled row, a function of the

@@ -48,9 +48,7 @@ class SamplerState:
         self._out_counts = array("f")
         self._out_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 
-        bias: dict[int, float] = {}
-        for token, value in settings.logit_bias:  # duplicates add up, in order
-            bias[token] = bias.get(token, 0.0) + value
+        bias = dict(settings.logit_bias)  # one per token (SamplingSettings.validate)
         ids = sorted(t for t, b in bias.items() if b != 0.0 and not math.isnan(b))
         self.bias_ids = torch.tensor(ids, dtype=torch.long) if ids else None
         self.bias_values = torch.tensor([min(bias[t], MAX_BIAS) for t in ids], dtype=torch.float32)

@@ -1,5 +1,5 @@
 """Steps 5-9 of the sampler's order (see engine/sampling/sampler.py) and the draw: temperature, top_k ties,
-top_p, typical and min_p on one group of rows' candidate logits, then one inverse-CDF draw per
+top_p, min_p and typical on one group of rows' candidate logits, then one inverse-CDF draw per
 row with its job's uniform for the position (SampleRequest.uniform)."""
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ def filter_and_draw(
         p = nucleus_probs if nucleus_probs is not None else torch.softmax(s, dim=-1)
         top_p_(s, p, [st.top_p for st in settings])  # s is this function's own tensor
 
+    if any(st.min_p > 0.0 for st in settings):
+        p = torch.softmax(s, dim=-1)
+        min_p = torch.tensor([[st.min_p] for st in settings], dtype=torch.float32)
+        s = s.masked_fill(p < min_p * p.amax(dim=-1, keepdim=True), NEG_INF)
+
     if any(st.typical < 1.0 for st in settings):
         # HF TypicalLogitsWarper; the entropy is a cumsum's last entry (sum() is not row-invariant).
         logp = torch.log_softmax(s, dim=-1)
@@ -63,11 +68,6 @@ def filter_and_draw(
         drop_sorted[:, 0] = False
         drop_sorted &= torch.tensor([[st.typical < 1.0] for st in settings])
         s = s.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), NEG_INF)
-
-    if any(st.min_p > 0.0 for st in settings):
-        p = torch.softmax(s, dim=-1)
-        min_p = torch.tensor([[st.min_p] for st in settings], dtype=torch.float32)
-        s = s.masked_fill(p < min_p * p.amax(dim=-1, keepdim=True), NEG_INF)
 
     final = torch.softmax(s, dim=-1)
     if probs is not None:
