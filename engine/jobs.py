@@ -81,7 +81,9 @@ class SamplingSettings:
     presence_penalty: float = 0.0  # subtracted once if present in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     banned_token_ids: frozenset[int] = frozenset()
-    seed: int | None = None  # a seeded job is reproducible whatever runs beside it
+    # Draws keyed by (seed, output position): the same tokens beside any batch where the model's
+    # steps are row-invariant (LlamaModel.row_invariant: quantized linears on the CPU).
+    seed: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -89,7 +91,6 @@ class SamplingSettings:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequestError naming the field and its limit."""
-        bias_field = "sampling.logit_bias"
         _check(
             math.isfinite(self.temperature) and self.temperature >= 0,
             "temperature must be finite and >= 0",
@@ -114,16 +115,23 @@ class SamplingSettings:
             "presence_penalty must be finite",
             "sampling.presence_penalty",
         )
-        for token, bias in self.logit_bias:
+        biased: set[int] = set()
+        for i, (token, bias) in enumerate(self.logit_bias):
             _check(
                 0 <= token < vocab_size,
                 f"logit_bias token id {token} is outside [0, {vocab_size})",
-                bias_field,
+                f"sampling.logit_bias[{i}].token_id",
             )
+            _check(
+                token not in biased,
+                f"logit_bias has token {token} twice; give each token one bias",
+                f"sampling.logit_bias[{i}].token_id",
+            )
+            biased.add(token)
             _check(
                 -100.0 <= bias <= 100.0,
                 f"logit_bias for token {token} must be in [-100, 100], got {bias}",
-                bias_field,
+                f"sampling.logit_bias[{i}].bias",
             )
         for token in self.banned_token_ids:
             _check(
@@ -219,8 +227,9 @@ class JobSpec:
             f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
             "top_logprobs",
         )
-        _check(all(s for s in self.stop_strings), "stop strings must not be empty", "stop_strings")
-        _check(all(s for s in self.banned_strings), "banned strings must not be empty", "banned_strings")
+        for name, strings in (("stop_strings", self.stop_strings), ("banned_strings", self.banned_strings)):
+            for i, text in enumerate(strings):
+                _check(bool(text), f"{name}[{i}] must not be empty", f"{name}[{i}]")
         _check(
             not (self.token_healing and self.response_format is not None),
             "token_healing cannot be combined with response_format (the healed text is the prompt's, "
@@ -336,7 +345,7 @@ def _check_pages(spec: JobSpec, limits: SpecLimits) -> None:
 @dataclass(frozen=True)
 class TokenLogprob:
     """A sampled token's likelihood, twice: `logprob`/`top` before the truncating filters (top_k,
-    top_p, typical, min_p) and `final_prob`/`final_top` after them, the distribution it was drawn from."""
+    top_p, min_p, typical) and `final_prob`/`final_top` after them, the distribution it was drawn from."""
 
     token_id: int
     logprob: float  # log-probability after penalties, biases, bans and temperature, before truncation

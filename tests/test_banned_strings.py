@@ -245,7 +245,7 @@ def test_banned_strings_with_stop_strings_and_sampling(smollm: LoadedModel, gen:
 
 
 def test_validation(smollm: LoadedModel, gen: DynamicGenerator) -> None:
-    with pytest.raises(InvalidRequestError, match="banned strings"):
+    with pytest.raises(InvalidRequestError, match=r"banned_strings\[0\] must not be empty"):
         gen.enqueue(JobSpec((1, 2), banned_strings=("",)))
 
 

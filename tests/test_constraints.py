@@ -242,11 +242,29 @@ def test_bad_formats_are_refused_at_enqueue_with_the_compilers_message(smollm: L
         (ResponseFormat(GrammarKind.REGEX, "[a-"), "unclosed"),
         (ResponseFormat(GrammarKind.LARK, "start: undefined_rule"), "undefined_rule"),
         (ResponseFormat(GrammarKind.REGEX, ""), "empty"),
+        (ResponseFormat(GrammarKind.GBNF, "root ::= item"), "Rule 'item' not found"),
+        (ResponseFormat(GrammarKind.GBNF, 'start ::= "a"'), "root"),
+        (ResponseFormat(GrammarKind.JSON_SCHEMA, "false"), "admits no value"),
+        (ResponseFormat(GrammarKind.JSON_SCHEMA, "5"), "object or a boolean"),
     ]
     for fmt, words in bad:
-        with pytest.raises(InvalidRequestError, match=words):
+        with pytest.raises(InvalidRequestError, match=words) as refused:
             gen.enqueue(JobSpec(prompt, response_format=fmt))
+        assert refused.value.field == "response_format"
     assert not gen.jobs and not gen.has_work()  # nothing was queued
+    gen.close()
+
+
+def test_the_schema_true_admits_any_json_value(smollm: LoadedModel) -> None:
+    gen = _generator(smollm, pages=16)
+    spec = JobSpec(
+        _prompt(smollm, "Give me a JSON list of three colours."),
+        max_new_tokens=48,
+        response_format=ResponseFormat(GrammarKind.JSON_SCHEMA, "true"),
+    )
+    result = gen.generate([spec])[0]
+    assert result.finished.stop_reason is StopReason.GRAMMAR
+    json.loads(result.text)  # any value, but a value
     gen.close()
 
 

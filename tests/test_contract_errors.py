@@ -62,6 +62,8 @@ JSON_BAD = pb.GenerateRequest(text="Hi", max_new_tokens=4)
 JSON_BAD.response_format.json_schema = '{"type": "object", "properties": 7}'
 REGEX_BAD = pb.GenerateRequest(text="Hi", max_new_tokens=4)
 REGEX_BAD.response_format.regex = "(unclosed"
+GBNF_UNDEFINED = pb.GenerateRequest(text="Hi", max_new_tokens=4)
+GBNF_UNDEFINED.response_format.gbnf_grammar = "root ::= item"  # a rule never defined
 HEALED_FORMAT = pb.GenerateRequest(text="Hi", max_new_tokens=4, token_healing=True)
 HEALED_FORMAT.response_format.regex = "a+"
 
@@ -77,17 +79,22 @@ FIELD_OF: list[tuple[pb.GenerateRequest, str]] = [
     (_bad(sampling__typical=0.0), "sampling.typical"),
     (_bad(sampling__repetition_penalty=0.0), "sampling.repetition_penalty"),
     (_bad(sampling__frequency_penalty=float("inf")), "sampling.frequency_penalty"),
-    (_bad(sampling__logit_bias=[pb.LogitBias(token_id=10**6, bias=1.0)]), "sampling.logit_bias"),
-    (_bad(sampling__logit_bias=[pb.LogitBias(token_id=1, bias=500.0)]), "sampling.logit_bias"),
+    (_bad(sampling__logit_bias=[pb.LogitBias(token_id=10**6, bias=1.0)]), "sampling.logit_bias[0].token_id"),
+    (_bad(sampling__logit_bias=[pb.LogitBias(token_id=1, bias=500.0)]), "sampling.logit_bias[0].bias"),
+    (
+        _bad(sampling__logit_bias=[pb.LogitBias(token_id=1, bias=1.0), pb.LogitBias(token_id=1, bias=2.0)]),
+        "sampling.logit_bias[1].token_id",
+    ),
     (_bad(sampling__banned_token_ids=[10**6]), "sampling.banned_token_ids"),
     (_bad(top_logprobs=21, return_logprobs=True), "top_logprobs"),
-    (_bad(stop_strings=[""]), "stop_strings"),
-    (_bad(banned_strings=[""]), "banned_strings"),
+    (_bad(stop_strings=["x", ""]), "stop_strings[1]"),
+    (_bad(banned_strings=[""]), "banned_strings[0]"),
     (_bad(stop_token_ids=[10**6]), "stop_token_ids"),
     (_bad(text=""), "text"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6]), max_new_tokens=4), "token_ids"),
     (JSON_BAD, "response_format.json_schema"),
     (REGEX_BAD, "response_format.regex"),
+    (GBNF_UNDEFINED, "response_format.gbnf_grammar"),
     (HEALED_FORMAT, "token_healing"),
 ]
 

@@ -158,14 +158,15 @@ class GrammarCompiler:
         try:
             match fmt.kind:
                 case GrammarKind.JSON_SCHEMA:
-                    json.loads(fmt.source)  # a clear message for text that is not JSON at all
-                    grammar = llguidance.LLMatcher.grammar_from_json_schema(fmt.source, defaults=_JSON_LAYOUT)
+                    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                        _schema_object(fmt.source), defaults=_JSON_LAYOUT
+                    )
                 case GrammarKind.REGEX:
                     grammar = llguidance.LLMatcher.grammar_from_regex(fmt.source)
                 case GrammarKind.LARK:
                     grammar = llguidance.LLMatcher.grammar_from_lark(fmt.source)
                 case GrammarKind.GBNF:
-                    grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(fmt.source))
+                    grammar = llguidance.LLMatcher.grammar_from_lark(_gbnf_as_lark(fmt.source))
         except (ValueError, TypeError, GbnfToLarkError) as exc:
             raise InvalidRequestError(
                 f"response_format: invalid {fmt.kind.value}: {exc}", "response_format"
@@ -181,6 +182,30 @@ class GrammarCompiler:
                 f"response_format: invalid {fmt.kind.value}: {matcher.get_error()}", "response_format"
             )
         return matcher
+
+
+def _schema_object(source: str) -> str:
+    """The schema as the compiler takes it: an object. JSON Schema also allows the booleans
+    (`true` admits every value, `false` none), which the compiler does not take."""
+    schema = json.loads(source)  # a clear message for text that is not JSON at all
+    if schema is True:
+        return "{}"
+    if schema is False:
+        raise ValueError("the schema `false` admits no value")
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
+    return source
+
+
+def _gbnf_as_lark(source: str) -> str:
+    """GBNF rewritten as Lark. The converter reports some faults (a rule used but never defined, no
+    `root` rule) as bare Exceptions: they are the grammar's faults all the same."""
+    try:
+        return gbnf_to_lark(source)
+    except GbnfToLarkError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see above; the message names the fault
+        raise ValueError(str(exc)) from exc
 
 
 class MaskOverlap(enum.Enum):

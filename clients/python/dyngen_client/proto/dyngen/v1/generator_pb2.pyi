@@ -192,6 +192,8 @@ class SamplingSettings(_message.Message):
     """How the next token is picked; mirrors engine.jobs.SamplingSettings. An unset field takes the
     engine's default (greedy, every filter off); fields are `optional` where 0 is meaningful.
     temperature 0 is greedy: penalties, biases and bans still apply, the filters do not.
+    Applied in transformers' order: logit_bias, repetition_penalty, frequency and presence
+    penalties, bans, temperature, then the filters top_k, top_p, min_p, typical.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -226,12 +228,15 @@ class SamplingSettings(_message.Message):
     presence_penalty: _builtins.float
     """Subtracted from a token's logit once if it occurs in the output; finite, default 0."""
     seed: _builtins.int
-    """Seed of the job's own random generator: a seeded job is reproducible whatever runs beside
-    it. Unset: a random seed.
+    """Seed of the job's own random generator (a draw is keyed by seed and output position). On the
+    CPU with quantized linears (the default --quant) a seeded job is reproducible whatever runs
+    beside it. With float linears (--quant none) or on a GPU, how many rows share a step changes
+    the rounding of the logits, so a draw that falls at a near tie can take the neighbouring
+    token. Unset: a random seed.
     """
     @_builtins.property
     def logit_bias(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogitBias]:
-        """Biases added to logits; at most 1024 entries."""
+        """Biases added to logits; at most 1024 entries, at most one per token."""
 
     @_builtins.property
     def banned_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -333,7 +338,7 @@ class GenerateRequest(_message.Message):
     """
     min_new_tokens: _builtins.int
     """Stop tokens and EOS are suppressed until this many tokens exist; at most max_new_tokens.
-    Default 0.
+    Stop strings and a response_format's end are not held back by it. Default 0.
     """
     ignore_eos: _builtins.bool
     """Keep going past the model's end-of-sequence token (until max_new_tokens or a stop)."""
@@ -406,7 +411,9 @@ class GenerateRequest(_message.Message):
         """Strings that must never appear in the text. Text that could still become one is held back
         (with its tokens); if one completes, the job rewinds to the token it started in, bans that
         token there and goes on, so no part of it is ever streamed. Checked before stop strings. A
-        job with banned strings does not speculate. At most 64, each 1 to 256 characters.
+        job with banned strings does not speculate. At most 64, each 1 to 256 characters. With a
+        response_format, a banned string the grammar cannot avoid (a required key, say) ends the job
+        with an error once no token is left to write.
         """
 
     @_builtins.property
@@ -795,8 +802,9 @@ class TopLogprob(_message.Message):
     token_id: _builtins.int
     """The token's id."""
     logprob: _builtins.float
-    """Natural-log probability after penalties, biases and temperature (1 for greedy jobs), before
-    the top_k / top_p / typical / min_p filters.
+    """Natural-log probability after biases, penalties, bans, a response_format's mask (a token the
+    grammar forbids is left out; a forced token has 0) and temperature (1 for greedy jobs),
+    before the top_k / top_p / min_p / typical filters.
     """
     def __init__(
         self,
@@ -814,7 +822,7 @@ Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
 
 @_typing.final
 class TopProb(_message.Message):
-    """A token's probability after every filter (top_k, top_p, typical, min_p): the distribution
+    """A token's probability after every filter (top_k, top_p, min_p, typical): the distribution
     the token was drawn from.
     """
 
