@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.adapters.lora_adapter import AdapterError, LoraAdapter
 from engine.errors import InvalidRequestError, ModelNotFoundError
@@ -126,6 +127,19 @@ def test_refused_adapters_say_why(
         ({"bias": "all"}, "biases"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"lora_alpha": 0}, "lora_alpha"),
+        ({"lora_alpha": float("inf")}, "lora_alpha must be a positive finite number"),
+        ({"r": 8.5}, "r must be a positive whole number"),
+        # The weights (rank 8 on q/k/v/o of every layer) disagree with the config: PEFT would refuse
+        # the file or leave weights out, so applying them all would not be the adapter PEFT runs.
+        ({"r": 16}, "layer 0 k_proj has rank 8, but adapter_config.json gives it rank 16"),
+        ({"rank_pattern": {"k_proj": 4}}, "layer 0 k_proj has rank 8, but"),
+        (
+            {"target_modules": ["q_proj"]},
+            "layer 0 k_proj has weights, but adapter_config.json does not target",
+        ),
+        ({"target_modules": r".*\.q_proj"}, "does not target"),
+        ({"layers_to_transform": [0]}, "layer 1 k_proj has weights"),
+        ({"exclude_modules": ["o_proj"]}, "layer 0 o_proj has weights"),
     ):
         bad = tmp_path / str(len(list(tmp_path.iterdir())))
         bad.mkdir()
@@ -134,11 +148,44 @@ def test_refused_adapters_say_why(
         (bad / "adapter_config.json").write_text(json.dumps(settings))
         with pytest.raises(AdapterError, match=words):
             LoraAdapter.load("x", bad, config)
+    # Weights that are not finite would turn every job of the adapter to NaN logits.
+    tensors = load_file(source / "adapter_model.safetensors")
+    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[key][0, 0] = float("nan")
+    nan = tmp_path / "nan"
+    nan.mkdir()
+    save_file(tensors, nan / "adapter_model.safetensors")
+    (nan / "adapter_config.json").write_text((source / "adapter_config.json").read_text())
+    with pytest.raises(AdapterError, match="lora_B holds values that are not finite"):
+        LoraAdapter.load("x", nan, config)
     save_tiny_llama(tmp_path / "wide", with_tokenizer=True, hidden_size=96)
     other = load_model(tmp_path / "wide", WeightDtype.FLOAT32, progress=False).model.config
     with pytest.raises(AdapterError, match="do not fit"):
         LoraAdapter.load("x", source, other)
     assert issubclass(AdapterError, InvalidRequestError)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        r".*\.(q_proj|k_proj|v_proj|o_proj)",  # a regex, matched against the whole module name
+        "all-linear",
+        ["self_attn.q_proj", "k_proj", "v_proj", "o_proj"],  # names match the module name's end
+    ],
+)
+def test_a_config_naming_its_modules_another_way_loads_the_same(
+    tiny: tuple[Path, Any], adapters: dict[str, tuple[Path, Any]], tmp_path: Path, targets: object
+) -> None:
+    folder, _ = tiny
+    config = load_model(folder, WeightDtype.FLOAT32, progress=False).model.config
+    source = adapters["attn"][0]
+    (tmp_path / "adapter_model.safetensors").write_bytes((source / "adapter_model.safetensors").read_bytes())
+    settings = json.loads((source / "adapter_config.json").read_text()) | {"target_modules": targets}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(settings))
+    same, listed = LoraAdapter.load("x", tmp_path, config), LoraAdapter.load("y", source, config)
+    for mine, theirs in zip(same.layers, listed.layers, strict=True):
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[p].b, theirs[p].b) for p in mine)
 
 
 def _generator(folder: Path, quant: QuantMode = QuantMode.NONE) -> Any:

@@ -12,7 +12,10 @@ nothing (its rows of B are zero).
 
 Everything this engine cannot apply exactly is refused at load with the reason: DoRA, trained
 biases, modules_to_save, other module names (embeddings, the head, another architecture's
-names), fan_in_fan_out weights, shapes that do not fit the model.
+names), fan_in_fan_out weights, shapes that do not fit the model, values that are not finite, and
+weights the config disagrees with: a module the config does not target (target_modules,
+layers_to_transform, exclude_modules, matched as PEFT matches them) or a rank other than its r
+(or rank_pattern's), where PEFT would refuse the file or leave the weights out.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -127,7 +131,7 @@ class LoraAdapter:
             raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from exc
         if not isinstance(settings, dict):
             raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
-        _check_settings(name, settings)
+        lora_settings = _check_settings(name, settings)
         try:
             with folder.weights(limits.max_bytes) as weights, safe_open(weights, framework="pt") as f:
                 header = {key: f.get_slice(key) for key in f.keys()}  # noqa: SIM118 (not a dict)
@@ -143,8 +147,9 @@ class LoraAdapter:
         pairs = _pairs(tensors)
         if not pairs:
             raise AdapterError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+        _check_against_config(name, pairs, lora_settings)
         layers = tuple(
-            _fuse_layer(name, i, {m: p for (li, m), p in pairs.items() if li == i}, settings, config)
+            _fuse_layer(name, i, {m: p for (li, m), p in pairs.items() if li == i}, lora_settings, config)
             for i in range(config.num_layers)
         )
         if device is not None and device.type != "cpu":
@@ -162,8 +167,73 @@ class LoraAdapter:
         )
 
 
-def _check_settings(name: str, s: dict[str, object]) -> None:
-    def refuse(why: str) -> None:
+@dataclass(frozen=True)
+class LoraSettings:
+    """What adapter_config.json says about applying the weights, checked and typed."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    rank_pattern: Mapping[str, float]  # module-name pattern -> rank (PEFT's get_pattern_key)
+    alpha_pattern: Mapping[str, float]
+    target_modules: str | tuple[str, ...]  # a regex matched whole (or "all-linear"), or name suffixes
+    exclude_modules: str | tuple[str, ...]
+    layers_to_transform: tuple[int, ...]  # empty: every layer
+    layers_pattern: tuple[str, ...]
+
+    def targets(self, key: str) -> bool:
+        """Whether PEFT would put an adapter on the module `key` (model.layers.N.self_attn.q_proj):
+        exclude_modules, then target_modules, then layers_to_transform, as
+        peft.tuners.tuners_utils.check_target_module_exists reads them."""
+        if _names(self.exclude_modules, key):
+            return False
+        if isinstance(self.target_modules, str):
+            return self.target_modules.lower() == "all-linear" or _names(self.target_modules, key)
+        if key in self.target_modules:
+            return True
+        if not _names(self.target_modules, key):
+            return False
+        if not self.layers_to_transform:
+            return True
+        match = None
+        if not self.layers_pattern:
+            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        for pattern in self.layers_pattern:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            if match is not None:
+                break
+        return match is not None and int(match.group("idx")) in self.layers_to_transform
+
+    def rank(self, key: str) -> int:
+        return int(_pattern_value(self.rank_pattern, key) or self.r)
+
+    def scale(self, key: str, rank: int) -> float:
+        """PEFT's scaling for one module: its alpha over r, or over sqrt(r) with use_rslora."""
+        alpha = _pattern_value(self.alpha_pattern, key) or self.alpha
+        return alpha / (math.sqrt(rank) if self.use_rslora else rank)
+
+
+def _names(names: str | tuple[str, ...], key: str) -> bool:
+    """A regex matched against the whole key, or a list of names matched as the key or its end."""
+    if isinstance(names, str):
+        return re.fullmatch(names, key) is not None
+    return any(key == n or key.endswith(f".{n}") for n in names)
+
+
+def _pattern_value(pattern: Mapping[str, float], key: str) -> float | None:
+    """The value of the first pattern that matches the key's end (PEFT's get_pattern_key), else None."""
+    for name, value in pattern.items():
+        if re.match(rf"(.*\.)?({name})$", key):
+            return value
+    return None
+
+
+# The modules PEFT targets on a Llama model when a config names none.
+_DEFAULT_TARGETS = ("q_proj", "v_proj")
+
+
+def _check_settings(name: str, s: dict[str, object]) -> LoraSettings:
+    def refuse(why: str) -> NoReturn:
         raise AdapterError(f"adapter {name!r}: {why}")
 
     if s.get("peft_type", "LORA") != "LORA":
@@ -178,10 +248,81 @@ def _check_settings(name: str, s: dict[str, object]) -> None:
         refuse("fan_in_fan_out weights (Conv1D models) do not fit a Llama model")
     if s.get("layer_replication") or s.get("target_parameters"):
         refuse("layer_replication and target_parameters are not supported")
-    for key in ("r", "lora_alpha"):
+    r, alpha = s.get("r"), s.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        refuse(f"r must be a positive whole number, got {r!r}")
+    if not _positive_number(alpha):
+        refuse(f"lora_alpha must be a positive finite number, got {alpha!r}")
+
+    def pattern(key: str) -> dict[str, float]:
+        value = s.get(key) or {}
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and _positive_number(v) for k, v in value.items()
+        ):
+            refuse(f"{key} must map module names to positive finite numbers, got {str(value)[:120]}")
+        return {str(k): float(v) for k, v in value.items()}
+
+    def names(key: str, default: tuple[str, ...]) -> str | tuple[str, ...]:
         value = s.get(key)
-        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-            refuse(f"{key} must be a positive number, got {value!r}")
+        if value is None or value == []:
+            return default
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(str(v) for v in value)
+        refuse(f"{key} must be a string or a list of strings, got {str(value)[:120]}")
+
+    layers = s.get("layers_to_transform")
+    layer_list = [layers] if isinstance(layers, int) else layers if layers is not None else []
+    if not isinstance(layer_list, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in layer_list
+    ):
+        refuse(f"layers_to_transform must be a layer index or a list of them, got {str(layers)[:120]}")
+    layers_pattern = names("layers_pattern", ())
+    return LoraSettings(
+        r=r,
+        alpha=float(alpha),  # type: ignore[arg-type]  # a positive number, checked above
+        use_rslora=bool(s.get("use_rslora")),
+        rank_pattern=pattern("rank_pattern"),
+        alpha_pattern=pattern("alpha_pattern"),
+        target_modules=names("target_modules", _DEFAULT_TARGETS),
+        exclude_modules=names("exclude_modules", ()),
+        layers_to_transform=tuple(int(i) for i in layer_list),
+        layers_pattern=(layers_pattern,) if isinstance(layers_pattern, str) else layers_pattern,
+    )
+
+
+def _positive_number(value: object) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
+
+def _module_key(layer: int, module: str) -> str:
+    group = "self_attn" if MODULES[module][0] in ("qkv", "o") else "mlp"
+    return f"model.layers.{layer}.{group}.{module}"
+
+
+def _check_against_config(
+    name: str, pairs: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], settings: LoraSettings
+) -> None:
+    """The weights and the config agree: every module with weights is one the config targets, at
+    the config's rank, and every value is finite."""
+    for (layer, module), (a, b) in pairs.items():
+        key = _module_key(layer, module)
+        where = f"adapter {name!r}: layer {layer} {module}"
+        if not settings.targets(key):
+            raise AdapterError(
+                f"{where} has weights, but {CONFIG_FILE} does not target it (target_modules, "
+                "layers_to_transform, exclude_modules)"
+            )
+        if int(a.shape[0]) != settings.rank(key):
+            raise AdapterError(
+                f"{where} has rank {int(a.shape[0])}, but {CONFIG_FILE} gives it rank {settings.rank(key)}"
+            )
+        for half, tensor in (("lora_A", a), ("lora_B", b)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise AdapterError(f"{where}: {half} holds values that are not finite")
 
 
 # Floating-point dtypes in a safetensors header, with their sizes in bytes.
@@ -256,24 +397,11 @@ def _pairs(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, str], tuple[t
     }
 
 
-def _scale(settings: Mapping[str, object], module_name: str, rank: int) -> float:
-    """PEFT's scaling for one module: its alpha (alpha_pattern's first matching key, else
-    lora_alpha) over r, or over sqrt(r) with use_rslora."""
-    alpha = float(settings["lora_alpha"])  # type: ignore[arg-type]
-    pattern = settings.get("alpha_pattern") or {}
-    if isinstance(pattern, dict):
-        for key, value in pattern.items():
-            if re.match(rf"(.*\.)?({key})$", module_name):
-                alpha = float(value)
-                break
-    return alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
-
-
 def _fuse_layer(
     name: str,
     layer: int,
     modules: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-    settings: Mapping[str, object],
+    settings: LoraSettings,
     config: ModelConfig,
 ) -> Mapping[str, LoraDelta]:
     parts_out = {
@@ -298,8 +426,7 @@ def _fuse_layer(
             part_a, part_b = modules[module]
             r = int(part_a.shape[0])
             row = sum(out_sizes[:part])
-            group = "self_attn" if projection in ("qkv", "o") else "mlp"
-            scale = _scale(settings, f"model.layers.{layer}.{group}.{module}", r)
+            scale = settings.scale(_module_key(layer, module), r)
             b[row : row + out_sizes[part], col : col + r] = part_b * scale
             col += r
         fused[projection] = LoraDelta(a.contiguous(), b.contiguous())
