@@ -258,11 +258,18 @@ def test_tenants_see_their_own_adapters_and_the_shared_ones(
     )
     try:
         with Client(s.target, token=alice) as a, Client(s.target, token=bob) as b:
-            a.load_adapter("mine", "mine")
+            info = a.load_adapter("mine", "mine")
             assert [(i.name, i.shared, i.path) for i in a.list_adapters()] == [
                 ("mine", False, "mine"),
                 ("shared", True, ""),
             ]
+            # The engine's name for a tenant's adapter carries a digest of the tenant; no caller sees it.
+            assert info.description.startswith("mine: rank")
+            assert all("~" not in i.description for i in a.list_adapters())
+            with pytest.raises(grpc.RpcError) as exc:
+                a.load_adapter("mine", "mine")
+            assert exc.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert "'mine'" in (exc.value.details() or "") and "~" not in (exc.value.details() or "")
             assert [i.name for i in b.list_adapters()] == ["shared"]
             mine = _tokens(a, "mine")
             with pytest.raises(grpc.RpcError) as exc:

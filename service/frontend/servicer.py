@@ -49,7 +49,7 @@ from service.frontend.limits import (
     check_tokenize_request,
     request_field,
 )
-from service.frontend.tenant_adapters import TenantAdapters, caller_name
+from service.frontend.tenant_adapters import TenantAdapters, caller_name, unscoped
 from service.ipc import AdapterCommand, AdapterOp, ErrorCode
 
 log = structlog.get_logger("dyngen.service")
@@ -180,7 +180,7 @@ class GeneratorService:
             )
             # A full queue clears as jobs finish: come back when one more has.
             retry = self.drain.retry_after() if reason is ErrorReason.QUEUE_FULL else None
-            await self.fail(context, code, exc.rejection.message, reason, field, retry)
+            await self.fail(context, code, unscoped(exc.rejection.message), reason, field, retry)
         if isinstance(exc, EngineBusyError):
             await self.fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ErrorReason.ENGINE_BUSY)
         await self.fail(context, grpc.StatusCode.UNAVAILABLE, str(exc), ErrorReason.ENGINE_UNAVAILABLE)
@@ -527,6 +527,7 @@ class GeneratorService:
         log.info("adapter_loaded", adapter=name, tenant=tenant or None, path=req.path)
         info = reply.adapters[0] if reply.adapters else pb.AdapterInfo(name=engine_name, path=req.path)
         info.name = name
+        info.description = unscoped(info.description)
         return info
 
     async def _check_tenant_adapters(

@@ -6,16 +6,25 @@ tenant's adapter by naming it. Without authentication every adapter is everyone'
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Collection, Iterable, Mapping
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 
 SCOPE = "~"
+_DIGEST = 12  # hex digits of the tenant's digest after SCOPE
+_SCOPED = re.compile(re.escape(SCOPE) + f"[0-9a-f]{{{_DIGEST}}}")
 
 
 def caller_name(engine_name: str) -> str:
     """The name a caller gave (the engine's name less any tenant scope)."""
     return engine_name.split(SCOPE, 1)[0]
+
+
+def unscoped(text: str) -> str:
+    """`text` (an engine's message or description) with every adapter named as its caller named it:
+    the tenant digests are the service's own and mean nothing to a caller."""
+    return _SCOPED.sub("", text)
 
 
 class TenantAdapters:
@@ -34,7 +43,7 @@ class TenantAdapters:
         return sum(1 for name in (*self._loads, *self._loading) if name.endswith(suffix))
 
     def _suffix(self, tenant: str) -> str:
-        return SCOPE + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        return SCOPE + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST]
 
     def own_name(self, tenant: str, name: str) -> str:
         """The engine's name for an adapter `tenant` loads as `name`."""
@@ -63,5 +72,6 @@ class TenantAdapters:
             shown = pb.AdapterInfo()
             shown.CopyFrom(info)
             shown.name = caller_name(info.name)
+            shown.description = unscoped(info.description)
             out.append(shown)
         return sorted(out, key=lambda i: (i.name, not i.shared))
