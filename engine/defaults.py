@@ -37,9 +37,13 @@ MAX_QUEUE = 1024  # jobs waiting for admission
 # KV events the page pool keeps for replay (engine/cache/kv_events.py): at 64-token pages, 4096 events
 # cover the registrations and evictions of a few full turns of the default 512-page cache.
 KV_EVENT_CAPACITY = 4096
-# Waiting jobs one named tenant may hold (with authentication on): a quarter of the queue, so one
-# tenant's flood leaves room for others' requests (`--max-queue-per-tenant`).
-MAX_QUEUE_PER_TENANT = MAX_QUEUE // 4
+# Waiting jobs one named tenant may hold (with authentication on), unless `--max-queue-per-tenant`
+# says: a quarter of the queue (whatever `--max-queue` is), so one tenant's flood leaves room for others'.
+TENANT_QUEUE_SHARE = 4
+
+
+def tenant_queue_cap(max_queue: int) -> int:
+    return max(1, max_queue // TENANT_QUEUE_SHARE)
 # Priority levels a waiting job gains per second of waiting (`--priority-aging`): priority p is a head
 # start of p seconds, so priority 0 always starts (engine/fair_queue.py); 0 = no aging.
 PRIORITY_AGING = 1.0

@@ -20,7 +20,7 @@ With one tenant (or authentication off, where every job is tenant "") the tenant
 tenant every time: the order is priority with aging, then arrival.
 
 A new job enters only while the queue holds fewer than `max_q_size` jobs and, with authentication
-on, its tenant fewer than `max_q_per_tenant` (QueueFullError past either), so one tenant's flood
+on, its tenant fewer than `tenant_queue_cap` (QueueFullError past either), so one tenant's flood
 cannot fill the queue.
 """
 

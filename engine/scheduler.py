@@ -92,7 +92,7 @@ class Scheduler:
         return self.prompt_cost.describe(self.config.prefill_while_decoding, self.alone_tokens) + held
 
     def submit(self, job: JobState) -> None:
-        self.queue.enter(job, self.config.max_q_size, self.config.max_q_per_tenant)
+        self.queue.enter(job, self.config.max_q_size, self.config.tenant_queue_cap)
 
     def remove(self, job: JobState) -> None:
         """Take a job out (finish or cancel) and give its rows' pages back; it is FINISHED from here

@@ -19,10 +19,18 @@ class SchedulerConfig:
     max_q_size: int = defaults.MAX_QUEUE
     max_skips: int = 4
     prefix_cache: bool = True  # reuse full pages across jobs (off: every job computes its whole prompt)
-    # Waiting jobs of one named tenant at once (tenant "", authentication off, has only max_q_size).
-    max_q_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
+    # Waiting jobs of one named tenant at once (tenant "", authentication off, has only max_q_size);
+    # None: a share of max_q_size (defaults.tenant_queue_cap).
+    max_q_per_tenant: int | None = None
     priority_aging: float = defaults.PRIORITY_AGING  # priority levels a waiting job gains per second
     tenant_weights: tuple[tuple[str, float], ...] = ()  # (tenant, weight) of its fair share; default 1
+
+    @property
+    def tenant_queue_cap(self) -> int:
+        """Waiting jobs one named tenant may have."""
+        if self.max_q_per_tenant is None:
+            return defaults.tenant_queue_cap(self.max_q_size)
+        return self.max_q_per_tenant
 
     def __post_init__(self) -> None:
         for name in (
@@ -30,7 +38,7 @@ class SchedulerConfig:
             "max_chunk_size",
             "prefill_while_decoding",
             "max_q_size",
-            "max_q_per_tenant",
+            "tenant_queue_cap",
         ):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -39,7 +39,7 @@ class ServiceConfig:
     kv_cache: str = defaults.KV_CACHE
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     max_queue: int = defaults.MAX_QUEUE
-    max_queue_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
+    max_queue_per_tenant: int | None = None  # None: a quarter of max_queue (defaults.tenant_queue_cap)
     priority_aging: float = defaults.PRIORITY_AGING
     tenant_weight: tuple[str, ...] = ()  # NAME=W, a tenant's weight in fair shares
     chunk_size: int = defaults.MAX_CHUNK_SIZE
@@ -211,7 +211,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "max_queue_per_tenant",
         _positive,
         d.max_queue_per_tenant,
-        "with authentication on: jobs one tenant may have waiting (so one tenant's flood leaves room)",
+        "with authentication on: jobs one tenant may have waiting, so one tenant's flood leaves room "
+        "(default: a quarter of --max-queue)",
     )
     opt(
         "priority_aging",

@@ -33,7 +33,7 @@ class EngineSettings:
     prompt_reserve: float = defaults.PROMPT_RESERVE  # the share a long prompt leaves to those behind
     prefill_alone_ms: float = defaults.PREFILL_ALONE_MS  # prompt work of a forward no stream decodes in
     max_queue: int = defaults.MAX_QUEUE
-    max_queue_per_tenant: int = defaults.MAX_QUEUE_PER_TENANT
+    max_queue_per_tenant: int | None = None  # None: a quarter of max_queue
     priority_aging: float = defaults.PRIORITY_AGING
     tenant_weight: tuple[str, ...] = ()  # NAME=W: a tenant's weight in fair shares (--tenant-weight)
     sampling_threads: int = defaults.SAMPLING_THREADS

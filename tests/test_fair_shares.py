@@ -127,6 +127,22 @@ def test_a_tenant_may_hold_only_its_part_of_the_queue(tiny: LoadedModel) -> None
     gen.close()
 
 
+def test_a_tenants_part_follows_the_queue_size_unless_set(tiny: LoadedModel) -> None:
+    """Without --max-queue-per-tenant a tenant holds a quarter of whatever queue the server has,
+    so with a small queue one tenant's flood still leaves the others room."""
+    gen = tiny_gen(tiny, batch=1, max_q_size=40)
+    assert gen.config.scheduler.tenant_queue_cap == 10
+    for i in range(10):
+        gen.enqueue(spec(i, "A"))
+    with pytest.raises(QueueFullError, match="max-queue-per-tenant"):
+        gen.enqueue(spec(10, "A"))
+    gen.enqueue(spec(0, "B"))
+    drain(gen)
+    gen.close()
+    assert SchedulerConfig(max_q_size=3).tenant_queue_cap == 1
+    assert SchedulerConfig(max_q_size=40, max_q_per_tenant=7).tenant_queue_cap == 7
+
+
 def test_priority_zero_starts_under_constant_higher_priority_traffic(tiny: LoadedModel) -> None:
     """A priority-5 job arrives at every step, enough to keep the one-row batch busy forever. With
     aging (here 50 levels per second, so priority 5 is a 0.1 s head start) the priority-0 job starts,
