@@ -44,6 +44,8 @@ TENANT_QUEUE_SHARE = 4
 
 def tenant_queue_cap(max_queue: int) -> int:
     return max(1, max_queue // TENANT_QUEUE_SHARE)
+
+
 # Priority levels a waiting job gains per second of waiting (`--priority-aging`): priority p is a head
 # start of p seconds, so priority 0 always starts (engine/fair_queue.py); 0 = no aging.
 PRIORITY_AGING = 1.0

@@ -204,7 +204,7 @@ def _gbnf_as_lark(source: str) -> str:
         return gbnf_to_lark(source)
     except GbnfToLarkError:
         raise
-    except Exception as exc:  # noqa: BLE001 - see above; the message names the fault
+    except Exception as exc:  # a bare Exception: see above
         raise ValueError(str(exc)) from exc
 
 
