@@ -22,15 +22,26 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="dyngen", description="Serve and run language models with dyngen.")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="run the model in-process and print the completion")
+    shows_defaults = argparse.ArgumentDefaultsHelpFormatter  # each flag's help ends with its default
+    gen = sub.add_parser(
+        "generate", help="run the model in-process and print the completion", formatter_class=shows_defaults
+    )
     if command in (None, "generate"):
         from service.generate_cli import add_generate_arguments
 
         add_generate_arguments(gen)
-    serve = sub.add_parser("serve", help="serve the model over gRPC (health, reflection, metrics)")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the model over gRPC (health, reflection, metrics)",
+        formatter_class=shows_defaults,
+    )
     if command in (None, "serve"):
         add_serve_arguments(serve)
-    cluster = sub.add_parser("cluster", help="N serve replicas behind HAProxy on this machine (a local try)")
+    cluster = sub.add_parser(
+        "cluster",
+        help="N serve replicas behind HAProxy on this machine (a local try)",
+        formatter_class=shows_defaults,
+    )
     if command in (None, "cluster"):
         from service.cluster import add_cluster_arguments
 

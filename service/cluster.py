@@ -20,8 +20,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from service.config import PORT, whole
 from service.haproxy_config import DEFAULT_BALANCE_FACTOR, Backend, BalancerConfig, render
 from service.health_probe import NotServingError, wait_serving
+from service.replica_restarts import ReplicaRestarts
 from service.smg_gateway import POLICIES, GatewayError, SmgGateway
 
 # How long a replica may take to reach SERVING before the gateway is started in front of it: a
@@ -200,9 +202,9 @@ class Cluster:
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=int, default=2, help="dyngen serve processes")
+    parser.add_argument("--replicas", type=whole(1), default=2, help="dyngen serve processes")
     parser.add_argument("--host", default="127.0.0.1", help="address of HAProxy and the replicas")
-    parser.add_argument("--port", type=int, default=50051, help="HAProxy's gRPC port")
+    parser.add_argument("--port", type=PORT, default=50051, help="HAProxy's gRPC port")
     parser.add_argument(
         "--no-affinity", action="store_true", help="round robin instead of hashing on x-dyngen-affinity"
     )
@@ -267,17 +269,35 @@ def run_cluster(args: argparse.Namespace) -> int:
     replicas = ", ".join(f"{b.name} {b.host}:{b.port}" for b in cluster.backends)
     front = "HAProxy" if args.gateway is None else f"the SMG gateway ({args.gateway})"
     print(f"dyngen cluster: {front} on {cluster.target} -> {replicas}", file=sys.stderr, flush=True)
+    watch = ReplicaRestarts(len(cluster.backends))
+    code = 0
     try:
         while not stopping:
             for i, p in enumerate(cluster.processes):
                 if p is not None and p.poll() is not None:
-                    print(f"dyngen cluster: replica-{i} exited ({p.returncode}); restarting", file=sys.stderr)
+                    wait = watch.exited(i, p.returncode)
+                    if wait is None:
+                        code = 2 if p.returncode == 2 else 1
+                        print(
+                            f"dyngen cluster: replica-{i} {watch.why(i, p.returncode)}; stopping",
+                            file=sys.stderr,
+                        )
+                        stopping = True
+                        break
+                    print(
+                        f"dyngen cluster: replica-{i} exited ({p.returncode}); restarting in {wait:.1f} s",
+                        file=sys.stderr,
+                    )
+                    cluster.processes[i] = None
+                if cluster.processes[i] is None and watch.due(i):
                     cluster.start_replica(i)
+                    watch.started(i)
             front_process = cluster.gateway.process if cluster.gateway is not None else cluster.balancer
             if front_process is not None and front_process.poll() is not None:
                 print("dyngen cluster: the balancer exited; stopping", file=sys.stderr)
+                code = 1
                 break
             time.sleep(0.5)
     finally:
         cluster.stop()
-    return 0
+    return code

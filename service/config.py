@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -11,7 +12,8 @@ from pathlib import Path
 
 from engine import defaults
 from engine.device import check_device_flag
-from engine.errors import DyngenError
+from engine.errors import DyngenError, InvalidRequestError
+from engine.speculation.speculation_config import DrafterKind
 from service.engine_config import (
     EngineConfig,
     EngineSettings,
@@ -21,6 +23,11 @@ from service.engine_config import (
     split_lora_flag,
     split_tenant_weight,
 )
+
+# `--speculate auto`: n-gram drafts where a token's logits are the same bits whatever shares its
+# step (speculation then changes no token), none elsewhere.
+SPECULATE_AUTO = "auto"
+SPECULATE_KINDS = (SPECULATE_AUTO, *(k.value for k in DrafterKind))
 
 # --dtype and --draft-dtype: engine.model.loader.WeightDtype's values, named here so that parsing
 # flags imports no model code (and no torch); tests/test_frontend_imports.py checks they agree.
@@ -172,7 +179,65 @@ def device_flag(text: str) -> str:
 
 
 def _env(name: str, default: str | None) -> str | None:
-    return os.environ.get(f"DYNGEN_{name.upper()}", default)
+    value = os.environ.get(f"DYNGEN_{name.upper()}")
+    return default if value is None else _EnvText(value, f"DYNGEN_{name.upper()}")
+
+
+class _EnvText(str):
+    """A flag's value taken from its environment variable: a bad one is blamed on the variable."""
+
+    variable: str
+
+    def __new__(cls, text: str, variable: str) -> _EnvText:
+        made = super().__new__(cls, text)
+        made.variable = variable
+        return made
+
+
+def _checked(kind: Callable[[str], object]) -> Callable[[str], object]:
+    """`kind` with every failure an argparse error (one line, exit 2) that names an environment
+    variable the value came from. argparse parses a string default as it parses a flag's value,
+    so a variable's value is checked only when its flag is not given, and never for --help."""
+
+    def parse(text: str) -> object:
+        try:
+            return kind(text)
+        except (ValueError, TypeError, OverflowError, argparse.ArgumentTypeError) as exc:
+            why = str(exc) if isinstance(exc, argparse.ArgumentTypeError) else f"invalid value {text!r}"
+            if isinstance(text, _EnvText):
+                why = f"{why} (from {text.variable})"
+            raise argparse.ArgumentTypeError(why) from None
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+def whole(low: int, high: int = 2**63 - 1) -> Callable[[str], int]:
+    """A whole number in [low, high]."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            bound = f">= {low}" if high == 2**63 - 1 else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"expected a whole number {bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def seconds(zero_ok: bool) -> Callable[[str], float]:
+    """A finite time in seconds, > 0 (or >= 0 where 0 means something)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not (math.isfinite(value) and (value > 0 or (zero_ok and value == 0))):
+            raise argparse.ArgumentTypeError(f"expected seconds {'>= 0' if zero_ok else '> 0'}, got {text!r}")
+        return value
+
+    return parse
+
+
+PORT = whole(0, 65535)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,13 +245,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     def opt(name: str, kind: Callable[[str], object], default: object, help_: str) -> None:
         env = _env(name, None)
-        value = kind(env) if env is not None else default
         parser.add_argument(
-            f"--{name.replace('_', '-')}", type=kind, default=value, help=f"{help_} [DYNGEN_{name.upper()}]"
+            f"--{name.replace('_', '-')}",
+            type=_checked(kind),
+            default=default if env is None else env,
+            help=f"{help_} [DYNGEN_{name.upper()}]",
         )
 
     opt("host", str, d.host, "address to listen on")
-    opt("port", int, d.port, "gRPC port (0 = any free port)")
+    opt("port", PORT, d.port, "gRPC port (0 = any free port)")
     opt("model", str, d.model, ".gguf file or Hugging Face folder (default: the shipped model)")
     opt("dtype", _choice(*WEIGHT_DTYPES), d.dtype, "auto (by the CPU), float32 or bfloat16")
     opt(
@@ -195,8 +262,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         d.quant,
         "linear kinds (auto: the fastest that pass the quality gate, timed at load, cached; none: exact float)",
     )
-    opt("page_size", int, d.page_size, "KV cache page size in tokens")
-    opt("cache_tokens", int, d.cache_tokens, "KV cache size in tokens")
+    opt("page_size", _positive, d.page_size, "KV cache page size in tokens")
+    opt("cache_tokens", _positive, d.cache_tokens, "KV cache size in tokens")
     opt(
         "kv_cache",
         _choice(*defaults.KV_CACHE_KINDS),
@@ -226,20 +293,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--tenant-weight",
         type=_tenant_weight_flag,
         action="append",
-        default=[f for f in weight_env.split(",") if f] if weight_env else [],
+        default=[_EnvText(f, "DYNGEN_TENANT_WEIGHT") for f in weight_env.split(",") if f]
+        if weight_env
+        else [],
         metavar="NAME=W",
         help="a tenant's weight in fair shares (default 1: a tenant of weight 2 is served twice the "
         "tokens when both wait); repeatable [DYNGEN_TENANT_WEIGHT: comma-separated]",
     )
     opt(
         "chunk_size",
-        int,
+        _positive,
         d.chunk_size,
         "tokens per forward, counted from depth 0 (a deeper prompt token costs more)",
     )
     opt(
         "prefill_while_decoding",
-        int,
+        _positive,
         d.prefill_while_decoding,
         "prompt tokens per forward while other jobs decode in it, counted from depth 0: a deeper token "
         "costs more (its attention reads more keys); bounds their inter-token stall",
@@ -259,7 +328,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(within --prefill-while-decoding and --chunk-size tokens from depth 0): how long a request "
         "arriving beside a long prefill waits for the forward in flight (0 = --chunk-size)",
     )
-    opt("sampling_threads", int, d.sampling_threads, "sampler thread pool size (threaded sampler mode)")
+    opt("sampling_threads", _positive, d.sampling_threads, "sampler thread pool size (threaded sampler mode)")
     opt(
         "sampler_mode",
         _choice(*defaults.SAMPLER_MODES),
@@ -271,12 +340,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora",
         type=_lora_flag,
         action="append",
-        default=[f for f in lora_env.split(",") if f] if lora_env else [],
+        default=[_EnvText(f, "DYNGEN_LORA") for f in lora_env.split(",") if f] if lora_env else [],
         metavar="NAME=PATH",
         help="load a LoRA adapter (a PEFT folder) at start under NAME, shared by every tenant; repeatable "
         "[DYNGEN_LORA: comma-separated]",
     )
-    opt("max_adapters", int, d.max_adapters, "LoRA adapters loaded at once (--lora and LoadAdapter)")
+    opt("max_adapters", _positive, d.max_adapters, "LoRA adapters loaded at once (--lora and LoadAdapter)")
     opt(
         "adapter_dir",
         _folder,
@@ -293,51 +362,73 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     opt(
         "max_adapters_per_tenant",
-        int,
+        _positive,
         d.max_adapters_per_tenant,
         "with authentication on: run-time adapters one tenant holds at once (the --lora ones are shared)",
     )
     opt("device", device_flag, d.device, DEVICE_HELP)
     opt("attention", _choice(*defaults.ATTENTION_KINDS), d.attention, ATTENTION_HELP)
-    opt("torch_threads", int, d.torch_threads, "torch threads in the engine process (0 = one per core)")
+    opt("torch_threads", whole(0), d.torch_threads, "torch threads in the engine process (0 = one per core)")
     opt(
         "omp_wait_policy",
-        str,
+        _choice("active", "passive"),
         d.omp_wait_policy,
         "OpenMP waiting: active (own machine) or passive (shared CPU)",
     )
     opt(
         "omp_spin_count",
-        int,
+        whole(0),
         d.omp_spin_count,
         "with active waiting, spins before an idle OpenMP worker sleeps (GOMP_SPINCOUNT; 0 = forever)",
     )
-    opt("metrics_port", int, d.metrics_port, "Prometheus metrics HTTP port (0 = off)")
+    opt("metrics_port", PORT, d.metrics_port, "Prometheus metrics HTTP port (0 = off)")
     opt("metrics_host", str, d.metrics_host, "address of the metrics endpoint (default: --host)")
     opt("reflection", _flag, d.reflection, "serve gRPC reflection: true or false")
     opt("tls_cert", str, d.tls_cert, "PEM certificate chain (with --tls-key: serve TLS)")
     opt("tls_key", str, d.tls_key, "PEM private key")
     opt("tls_client_ca", str, d.tls_client_ca, "PEM CA bundle: require client certificates (mTLS)")
     opt("auth_tokens_file", str, d.auth_tokens_file, 'bearer tokens, one "<tenant> <token>" per line')
-    opt("max_message_bytes", int, d.max_message_bytes, "largest gRPC message, both directions")
-    opt("max_prompt_chars", int, d.max_prompt_chars, "longest text or chat prompt, in characters")
-    opt("max_streams", int, d.max_streams, "Generate/Stream calls open at once")
+    opt(
+        "max_message_bytes",
+        whole(1024, 2**31 - 1),
+        d.max_message_bytes,
+        "largest gRPC message, both directions",
+    )
+    opt("max_prompt_chars", _positive, d.max_prompt_chars, "longest text or chat prompt, in characters")
+    opt("max_streams", _positive, d.max_streams, "Generate/Stream calls open at once")
     opt(
         "max_priority_jobs",
-        int,
+        whole(0),
         d.max_priority_jobs,
         "with authentication on: jobs of priority > 0 one tenant may have queued or running at once "
         "(one more is RESOURCE_EXHAUSTED, so no tenant starves the others; no cap without authentication)",
     )
-    opt("max_pending_calls", int, d.max_pending_calls, "engine calls waiting for an answer at once")
-    opt("keepalive_seconds", float, d.keepalive_seconds, "HTTP/2 keepalive ping interval")
-    opt("max_connection_age_seconds", float, d.max_connection_age_seconds, "recycle connections (0 = never)")
-    opt("stream_grace_seconds", float, d.stream_grace_seconds, "cancel an enqueued job not streamed by then")
-    opt("shutdown_grace_seconds", float, d.shutdown_grace_seconds, "SIGTERM: time running jobs get to finish")
-    opt("watchdog_seconds", float, d.watchdog_seconds, "engine silent this long: NOT_SERVING")
+    opt("max_pending_calls", _positive, d.max_pending_calls, "engine calls waiting for an answer at once")
+    opt("keepalive_seconds", seconds(zero_ok=False), d.keepalive_seconds, "HTTP/2 keepalive ping interval")
+    opt(
+        "max_connection_age_seconds",
+        seconds(zero_ok=True),
+        d.max_connection_age_seconds,
+        "recycle connections (0 = never)",
+    )
+    opt(
+        "stream_grace_seconds",
+        seconds(zero_ok=False),
+        d.stream_grace_seconds,
+        "cancel an enqueued job not streamed by then",
+    )
+    opt(
+        "shutdown_grace_seconds",
+        seconds(zero_ok=True),
+        d.shutdown_grace_seconds,
+        "SIGTERM: time running jobs get to finish",
+    )
+    opt(
+        "watchdog_seconds", seconds(zero_ok=False), d.watchdog_seconds, "engine silent this long: NOT_SERVING"
+    )
     opt(
         "drain_delay_seconds",
-        float,
+        seconds(zero_ok=True),
         d.drain_delay_seconds,
         "SIGTERM: keep admitting this long while health says NOT_SERVING (for balancers' checks)",
     )
@@ -349,11 +440,31 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "the model's name in the gateway's worker contract, which OpenAI clients send as `model` "
         "(default: the model file's name)",
     )
-    opt("hang_seconds", float, d.hang_seconds, "engine silent this long: restart it")
-    opt("loop_stall_seconds", float, d.loop_stall_seconds, "engine loop stuck this long: restart it")
-    opt("engine_call_timeout_seconds", float, d.engine_call_timeout_seconds, "engine answer timeout")
-    opt("restart_backoff_seconds", float, d.restart_backoff_seconds, "first engine restart delay")
-    opt("max_restart_failures", int, d.max_restart_failures, "failed engine starts in a row before exit 1")
+    opt("hang_seconds", seconds(zero_ok=False), d.hang_seconds, "engine silent this long: restart it")
+    opt(
+        "loop_stall_seconds",
+        seconds(zero_ok=False),
+        d.loop_stall_seconds,
+        "engine loop stuck this long: restart it",
+    )
+    opt(
+        "engine_call_timeout_seconds",
+        seconds(zero_ok=False),
+        d.engine_call_timeout_seconds,
+        "engine answer timeout",
+    )
+    opt(
+        "restart_backoff_seconds",
+        seconds(zero_ok=True),
+        d.restart_backoff_seconds,
+        "first engine restart delay",
+    )
+    opt(
+        "max_restart_failures",
+        whole(0),
+        d.max_restart_failures,
+        "failed engine starts in a row before exit 1",
+    )
     opt(
         "spare_engine",
         _flag,
@@ -368,14 +479,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "tests only: the engine kills itself after a step that ran a job with this request identifier "
         "(docs/ARCHITECTURE.md, crash resume; off by default)",
     )
-    opt("speculate", str, d.speculate, "speculative decoding: auto, none, ngram or draft_model")
-    opt("num_draft_tokens", int, d.num_draft_tokens, "the most draft tokens a job verifies per step")
-    opt("step_draft_tokens", int, d.step_draft_tokens, "the most draft tokens a step verifies over its jobs")
-    opt("max_ngram", int, d.max_ngram, "longest suffix the n-gram drafter matches")
-    opt("speculate_max_batch", int, d.speculate_max_batch, "no speculation with more running jobs than this")
+    opt(
+        "speculate",
+        _choice(*SPECULATE_KINDS),
+        d.speculate,
+        "speculative decoding: auto, none, ngram or draft_model",
+    )
+    opt("num_draft_tokens", _positive, d.num_draft_tokens, "the most draft tokens a job verifies per step")
+    opt(
+        "step_draft_tokens",
+        _positive,
+        d.step_draft_tokens,
+        "the most draft tokens a step verifies over its jobs",
+    )
+    opt("max_ngram", _positive, d.max_ngram, "longest suffix the n-gram drafter matches")
+    opt(
+        "speculate_max_batch",
+        whole(0),
+        d.speculate_max_batch,
+        "no speculation with more running jobs than this",
+    )
     opt("draft_model", str, d.draft_model, "draft model file (default: the target's own)")
-    opt("draft_layers", int, d.draft_layers, "keep only the draft's first N layers (0 = all)")
-    opt("draft_dtype", str, d.draft_dtype, "draft model dtype: float32 or bfloat16")
+    opt("draft_layers", whole(0), d.draft_layers, "keep only the draft's first N layers (0 = all)")
+    opt("draft_dtype", _choice(*WEIGHT_DTYPES[1:]), d.draft_dtype, "draft model dtype: float32 or bfloat16")
 
 
 def _folder(text: str) -> str:
@@ -424,6 +550,15 @@ def _lora_flag(text: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    # The repeatable flags' values from their variables (comma-separated) are checked here: argparse
+    # parses a string default, not a list of them.
+    for name, check in (("lora", _lora_flag), ("tenant_weight", _tenant_weight_flag)):
+        for text in getattr(args, name, []):
+            try:
+                check(text)
+            except argparse.ArgumentTypeError as exc:
+                where = text.variable if isinstance(text, _EnvText) else f"--{name.replace('_', '-')}"
+                raise InvalidRequestError(f"{where}: {exc}") from None
     return ServiceConfig(
         **{k: getattr(args, k) for k in ServiceConfig.__dataclass_fields__ if hasattr(args, k)}
     )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
-from service.config import WEIGHT_DTYPES
+from service.config import SPECULATE_AUTO, SPECULATE_KINDS, WEIGHT_DTYPES
 from service.engine_config import SpeculationFlags
 
 # The model code (and torch) is imported only where a model is loaded: `dyngen serve` builds its
@@ -19,11 +19,6 @@ if TYPE_CHECKING:
 
     from engine.model.llama import LlamaModel
     from engine.model.loader import WeightDtype
-
-
-# `--speculate auto`: n-gram drafts where a token's logits are the same bits whatever shares its
-# step (speculation then changes no token), none elsewhere.
-SPECULATE_AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -61,7 +56,7 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("speculative decoding")
     g.add_argument(
         "--speculate",
-        choices=[SPECULATE_AUTO, *(k.value for k in DrafterKind)],
+        choices=SPECULATE_KINDS,
         default=d.speculate,
         help="drafter kind (auto: ngram where speculation changes no token, as with the block linears "
         "of --quant auto on the CPU; else none)",

@@ -78,3 +78,63 @@ def test_generate_takes_the_prompt_share_and_the_forward_alone_into_the_engine_s
     for bad in (["--prompt-reserve", "1"], ["--prefill-alone-ms", "-1"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["generate", "hi", *bad])
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--port", "70000"], "--port: expected a whole number in [0, 65535], got '70000'"),
+        (["--metrics-port", "-1"], "--metrics-port: expected a whole number in [0, 65535]"),
+        (["--max-message-bytes", "99999999999"], "--max-message-bytes: expected a whole number in [1024, "),
+        (["--max-streams", "0"], "--max-streams: expected a whole number >= 1"),
+        (["--max-pending-calls", "0"], "--max-pending-calls: expected a whole number >= 1"),
+        (["--sampling-threads", "0"], "--sampling-threads: expected a whole number >= 1"),
+        (["--watchdog-seconds", "0"], "--watchdog-seconds: expected seconds > 0"),
+        (["--hang-seconds", "nan"], "--hang-seconds: expected seconds > 0"),
+        (["--shutdown-grace-seconds", "-1"], "--shutdown-grace-seconds: expected seconds >= 0"),
+        (["--speculate", "bogus"], "--speculate: expected one of auto, none, ngram, draft_model"),
+        (["--omp-wait-policy", "bogus"], "--omp-wait-policy: expected one of active, passive"),
+        (["--torch-threads", "x"], "--torch-threads: invalid value 'x'"),
+    ],
+)
+def test_serve_refuses_values_it_cannot_serve_with_at_the_flag(
+    flags: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each of these once started a server that refused every call (or wrapped the port, or raised
+    a traceback in the engine): now argparse refuses it, one line and exit 2."""
+    with pytest.raises(SystemExit) as ended:
+        build_parser("serve").parse_args(["serve", *flags])
+    assert ended.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_bad_environment_value_is_blamed_on_its_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from engine.errors import InvalidRequestError
+    from service.config import config_from_args
+
+    monkeypatch.setenv("DYNGEN_PORT", "abc")
+    with pytest.raises(SystemExit) as ended:
+        build_parser("serve").parse_args(["serve"])
+    assert ended.value.code == 2 and "(from DYNGEN_PORT)" in capsys.readouterr().err
+    assert build_parser("serve").parse_args(["serve", "--port", "7"]).port == 7  # the flag wins
+    with pytest.raises(SystemExit) as ended:
+        build_parser("serve").parse_args(["serve", "--help"])  # help still works
+    assert ended.value.code == 0 and "DYNGEN_PORT" in capsys.readouterr().out
+    monkeypatch.delenv("DYNGEN_PORT")
+    monkeypatch.setenv("DYNGEN_LORA", f"ok={tmp_path},broken")
+    with pytest.raises(InvalidRequestError, match="DYNGEN_LORA: --lora takes NAME=PATH, got 'broken'"):
+        config_from_args(build_parser("serve").parse_args(["serve"]))
+
+
+def test_a_replica_that_keeps_failing_stops_the_cluster() -> None:
+    from service.frontend.restart_policy import RestartPolicy
+    from service.replica_restarts import ReplicaRestarts
+
+    watch = ReplicaRestarts(2, RestartPolicy(backoff_seconds=0.5, max_failures=3))
+    assert watch.exited(0, 2) is None and "refused its flags" in watch.why(0, 2)  # no restart mends it
+    waits = [watch.exited(1, 1) for _ in range(4)]
+    assert waits == [0.5, 1.0, 2.0, None]
+    assert "failed 4 starts in a row (last exit 1" in watch.why(1, 1)
+    assert not watch.due(1)

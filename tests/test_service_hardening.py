@@ -499,6 +499,32 @@ def test_a_port_in_use_fails_the_start_in_one_line(taken: str, tmp_path: Path) -
             asyncio.run(serve(config))
 
 
+def test_a_certificate_that_is_not_one_fails_the_start_naming_it(tmp_path: Path) -> None:
+    """gRPC itself would report a bad certificate as a port it cannot bind."""
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    config = ServiceConfig(
+        model=str(tmp_path / "never-loaded.gguf"), port=0, tls_cert=str(junk), tls_key=str(junk)
+    )
+    with pytest.raises(SystemExit, match=f"--tls-cert {junk} and --tls-key {junk} are not a PEM"):
+        asyncio.run(serve(config))
+
+
+def test_a_model_the_engine_refuses_ends_the_start_with_status_2(tmp_path: Path) -> None:
+    """As `dyngen generate` does for the same model: 2 is a refused configuration, which a
+    supervisor need not retry; the reason is one line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--model", str(tmp_path / "nope.gguf")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"dyngen: engine error: model not found: {tmp_path / 'nope.gguf'}" in done.stderr
+    assert "refused its configuration" in done.stderr and "Traceback" not in done.stderr
+
+
 PAGE_SIZE = 16
 
 

@@ -45,7 +45,7 @@ from engine.jobs import JobSpec, StopReason
 from service.config import ServiceConfig
 from service.engine_spawn import EarlyEngine, new_runtime_dir, spawn_engine
 from service.frontend.codec import adapter_info, event_to_proto, model_info
-from service.frontend.event_buffer import EngineDownError, EngineLostError
+from service.frontend.event_buffer import EngineDownError, EngineLostError, EngineRefusedConfigError
 from service.frontend.job_channel import JobChannel, short_id
 from service.frontend.job_resume import EngineCallError, JobResume, Recovery
 from service.frontend.kv_event_relay import KvEventRelay
@@ -339,8 +339,14 @@ class EngineClient:
         if self._stopping:
             return
         if not self._first_ready.done():
+            code = proc.process.exitcode
             self._first_ready.set_exception(
-                EngineDownError(f"the engine failed to start (exit code {proc.process.exitcode})")
+                EngineRefusedConfigError(
+                    "the engine refused its configuration (exit code 2; the `dyngen: engine error` line "
+                    "says why)"
+                )
+                if code == 2
+                else EngineDownError(f"the engine failed to start (exit code {code})")
             )
             return
         if waiting:

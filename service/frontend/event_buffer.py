@@ -20,6 +20,11 @@ class EngineDownError(Exception):
     """The engine process is not running (starting, restarting, or stopped)."""
 
 
+class EngineRefusedConfigError(EngineDownError):
+    """The first engine exited 2: it refused what it was told to load (a missing model, say), which
+    no restart mends; it printed the reason on stderr as one line."""
+
+
 class EngineLostError(EngineDownError):
     """The engine process ended with this call sent and unanswered."""
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import ssl
 import time
 
 import grpc
@@ -25,6 +26,7 @@ from service.engine_spawn import EarlyEngine
 from service.frontend.auth import AuthConfigError, Authenticator, TokenInterceptor
 from service.frontend.engine_client import EngineClient
 from service.frontend.engine_load import EngineLoadTracker
+from service.frontend.event_buffer import EngineRefusedConfigError
 from service.frontend.limits import Limits
 from service.frontend.metrics import Metrics
 from service.frontend.servicer import SERVICE_NAME, GeneratorService, generic_handler
@@ -51,12 +53,33 @@ def _credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
         return None
     if not (config.tls_cert and config.tls_key):
         raise SystemExit("dyngen: error: --tls-cert and --tls-key go together")
+    _check_tls_files(config.tls_cert, config.tls_key, config.tls_client_ca)
     pair = [(_read(config.tls_key), _read(config.tls_cert))]
     if config.tls_client_ca:
         return grpc.ssl_server_credentials(
             pair, root_certificates=_read(config.tls_client_ca), require_client_auth=True
         )
     return grpc.ssl_server_credentials(pair)
+
+
+def _check_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+    """gRPC reports a bad certificate or key only as a port it could not bind: the files are
+    parsed here first, so the start fails naming them."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=b"")  # no prompt: gRPC takes no encrypted key
+    except (ssl.SSLError, OSError) as exc:
+        raise SystemExit(
+            f"dyngen: error: --tls-cert {cert} and --tls-key {key} are not a PEM certificate chain and its "
+            f"private key ({exc.strerror or exc})"
+        ) from exc
+    if client_ca:
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise SystemExit(
+                f"dyngen: error: --tls-client-ca {client_ca} is not a PEM CA bundle ({exc.strerror or exc})"
+            ) from exc
 
 
 def _options(config: ServiceConfig) -> list[tuple[str, int]]:
@@ -212,7 +235,8 @@ async def serve(
         log.error("engine_failed_to_start", error=str(ready.exception()))
         await server.stop(0)
         engine.stop()
-        return 1
+        # 2 as for any refused flag (what `dyngen generate` gives the same model), 1 for a crash.
+        return 2 if isinstance(ready.exception(), EngineRefusedConfigError) else 1
     if ready.done():
         # Serving from here on: the modules, the gRPC server and the tokenizer live as long as the
         # process, and a full collection walking them (~9 ms here) would hold up every stream.
