@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from dyngen_client import Chat, ErrorReason, Request, Sampling, collect, pb
+from dyngen_client import Chat, ErrorReason, Request, Sampling, acollect, collect, pb
 from dyngen_client.cli import main as client_main
 from dyngen_client.errors import Failure, details_from_status
 
@@ -32,6 +34,33 @@ def test_request_sets_only_what_was_given() -> None:
     assert list(Request([1, 2, 3]).to_proto().token_ids.ids) == [1, 2, 3]
 
 
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (
+            lambda: Request("x", max_new_tokens=-1),
+            r"max_new_tokens must be an integer in \[0, 4294967295\] \(uint32\), got -1",
+        ),
+        (lambda: Request([1, -2]), r"token_ids.ids\[1\] must be an integer"),
+        (lambda: Request("x", stop_token_ids=(1, 2**40)), r"stop_token_ids\[1\] must be"),
+        (
+            lambda: Request("x", priority=2**31),
+            r"priority must be an integer in \[-2147483648, 2147483647\] \(int32\)",
+        ),
+        (lambda: Request("x", stop_on_loop=(-1, 2)), r"stop_on_loop.window must be"),
+        (lambda: Sampling(top_k=-1), r"sampling.top_k must be"),
+        (lambda: Sampling(seed=-1), r"sampling.seed must be an integer in \[0, 18446744073709551615\]"),
+        (lambda: Sampling(logit_bias=((3, 1.0), (-1, 1.0))), r"sampling.logit_bias\[1\].token_id must be"),
+        (lambda: Request("x", top_logprobs=1.5), r"top_logprobs must be an integer"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_value_its_field_cannot_hold_is_refused_naming_the_field(make: object, words: str) -> None:
+    """protobuf itself would say only "Value out of range: -1"."""
+    assert callable(make)
+    with pytest.raises(ValueError, match=words):
+        make()
+
+
 def test_collect_joins_deltas_and_the_held_back_tail() -> None:
     events = [
         pb.GenerateEvent(job_id="j", started=pb.JobStarted(prompt_tokens=3)),
@@ -45,6 +74,12 @@ def test_collect_joins_deltas_and_the_held_back_tail() -> None:
     result = collect(events)
     assert (result.job_id, result.text, result.token_ids) == ("j", "Hello!", (1, 2))
     assert result.stop_reason == "stop_string"
+
+    async def stream() -> AsyncIterator[pb.GenerateEvent]:
+        for e in events:
+            yield e
+
+    assert asyncio.run(acollect(stream())) == result  # the same over asyncio
 
 
 def test_error_details_round_trip_through_the_status_trailer() -> None:

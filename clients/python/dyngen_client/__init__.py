@@ -35,7 +35,7 @@ if TYPE_CHECKING:
         ResponseFormat,
         Sampling,
     )
-    from dyngen_client.result import Event, Result, collect, stop_reason_name
+    from dyngen_client.result import Event, Result, acollect, collect, stop_reason_name
 
 _WHERE = {
     "AFFINITY_HEADER": "affinity",
@@ -63,6 +63,7 @@ _WHERE = {
     "Event": "result",
     "Result": "result",
     "collect": "result",
+    "acollect": "result",
     "stop_reason_name": "result",
 }
 
@@ -87,6 +88,7 @@ __all__ = [
     "Result",
     "Sampling",
     "StreamCutError",
+    "acollect",
     "affinity_key",
     "collect",
     "error_details",

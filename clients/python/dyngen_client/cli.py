@@ -296,7 +296,14 @@ def run_info(args: argparse.Namespace) -> int:
             info = client.model_info(timeout=30)
         except grpc.RpcError as exc:
             raise server_error(exc) from None
-    print(json.dumps(json_format.MessageToDict(info, always_print_fields_with_no_presence=True), indent=2))
+    print(
+        json.dumps(
+            json_format.MessageToDict(
+                info, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+            ),
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -137,7 +137,9 @@ class Client:
         self.channel.close()
 
     def generate(self, request: Request, timeout: float | None = None) -> Generator[Event, None, None]:
-        """The job's events; leaving the loop early (or close()) cancels the call and so the job."""
+        """The job's events. Closing the generator cancels the call and so the job: close() it, or
+        leave a loop over it early when nothing else holds it (Python closes it then); one kept in a
+        variable runs on until closed or collected."""
         call = self.stub.Generate(request.to_proto(), timeout=timeout, metadata=self._job_metadata(request))
         try:
             yield from _events(call)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import sys
 from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
+from dyngen_client.ranges import check_integers
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,13 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     banned_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        check_integers(
+            {f.name: getattr(self, f.name) for f in fields(self)}, pb.SamplingSettings.DESCRIPTOR, "sampling."
+        )
+        for i, (token, _) in enumerate(self.logit_bias):
+            check_integers({"token_id": token}, pb.LogitBias.DESCRIPTOR, f"sampling.logit_bias[{i}].")
+
     def to_proto(self) -> pb.SamplingSettings:
         s = pb.SamplingSettings(
             logit_bias=[pb.LogitBias(token_id=t, bias=b) for t, b in self.logit_bias],
@@ -72,7 +80,7 @@ class Sampling:
 class JsonSchema:
     """Structured output: the text is one JSON value of this schema (a dict, or its JSON text)."""
 
-    schema: dict[str, object] | str
+    schema: Mapping[str, object] | str
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,11 @@ class PromptEmbedding:
     rows: int | None = None  # how many rows `vectors` holds: required with bytes, checked with floats
 
     def __post_init__(self) -> None:
+        check_integers(
+            {"position": self.position, "placeholder_token_id": self.placeholder_token_id, "rows": self.rows},
+            pb.PromptEmbedding.DESCRIPTOR,
+            "PromptEmbedding.",
+        )
         if (self.position is None) == (self.placeholder_token_id is None):
             raise ValueError("PromptEmbedding: give exactly one of position and placeholder_token_id")
         if isinstance(self.vectors, bytes):
@@ -201,6 +214,16 @@ class Request:
     guidance: Guidance | None = None  # classifier-free guidance against a negative prompt; None = off
     # Vectors fed instead of the token embeddings of spans of the prompt; () = none.
     embeddings: tuple[PromptEmbedding, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_integers({f.name: getattr(self, f.name) for f in fields(self)}, pb.GenerateRequest.DESCRIPTOR)
+        if not isinstance(self.prompt, str | Chat):
+            check_integers({"ids": tuple(self.prompt)}, pb.TokenIds.DESCRIPTOR, "token_ids.")
+        if self.stop_on_loop is not None:
+            window, repetitions = self.stop_on_loop
+            check_integers(
+                {"window": window, "min_repetitions": repetitions}, pb.LoopStop.DESCRIPTOR, "stop_on_loop."
+            )
 
     def to_proto(self) -> pb.GenerateRequest:
         req = pb.GenerateRequest(
