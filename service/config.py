@@ -463,7 +463,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "max_restart_failures",
         whole(0),
         d.max_restart_failures,
-        "failed engine starts in a row before exit 1",
+        "engine restarts in a row that die before serving a minute (with nothing to resume) before exit 1",
     )
     opt(
         "spare_engine",

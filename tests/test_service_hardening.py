@@ -282,7 +282,7 @@ def test_a_drain_waits_for_running_jobs_not_for_finished_unstreamed_ones(tiny_mo
         s.stop()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_to_the_whole_process_group_drains_with_the_engine_alive(
     tiny_model: Path, sig: signal.Signals
 ) -> None:

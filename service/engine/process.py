@@ -29,10 +29,10 @@ def run(
     # imports alone ran three full ones over torch's growing heap, ~0.2 s of a 1.3 s import.
     gc.disable()
     # The front end alone ends this process (QUIT, or its pipe closing; SIGKILL for a hang). A
-    # terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process group: ignored
-    # here, the engine goes on running the front end's drain instead of dying under it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # terminal's Ctrl-C or hangup or a service manager's SIGTERM reaches the whole process group:
+    # ignored here, the engine goes on running the front end's drain instead of dying under it.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     config = EngineConfig.from_json(config_json)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="engine %(levelname)s %(message)s")
     sender = PipeSender(events)

@@ -201,7 +201,7 @@ async def serve(
                 f"dyngen: error: cannot serve metrics on {metrics_host}:{config.metrics_port}: {exc.strerror}"
             ) from exc
 
-    # A second SIGTERM/SIGINT (Ctrl-C pressed again) cuts the drain short: what still runs is
+    # SIGHUP (its terminal closed) drains as SIGTERM does. A second signal (Ctrl-C pressed again) cuts the drain short: what still runs is
     # cancelled at once, its readers still getting their CANCELLED finish.
     hurry = asyncio.Event()
 
@@ -210,7 +210,7 @@ async def serve(
             hurry.set()
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal)
 
     engine.start()
