@@ -63,6 +63,12 @@ class InvalidRequestError(DyngenError):
         self.field = field
 
 
+class CacheTooLargeError(DyngenError):
+    """The KV cache asked for cannot be had: more than the machine's memory, or refused by the OS."""
+
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
 class QueueFullError(DyngenError):
     """The generator's queue holds max_q_size jobs already; try again later."""
 

@@ -33,3 +33,17 @@ def test_every_offered_choice_resolves() -> None:
         assert isinstance(choose_kv_cache(setting, torch.float32, True), KVCacheKind)
     with pytest.raises(ValueError):
         choose_kv_cache("float8", torch.float32, True)
+
+
+def test_a_cache_larger_than_the_machine_is_refused_in_one_line() -> None:
+    """The cache's memory is mapped lazily, so the OS may grant far more than the machine has and
+    kill the engine later; its size is checked against the machine first."""
+    from engine.cache.kv_cache import CacheShape, PagedKVCache
+    from engine.errors import CacheTooLargeError, ErrorKind
+
+    shape = CacheShape(num_layers=30, num_pages=10**9, page_size=64, num_kv_heads=3, head_dim=64)
+    with pytest.raises(
+        CacheTooLargeError, match=r"a KV cache of 64000000000 tokens .* is more than this machine"
+    ):
+        PagedKVCache(shape, torch.float32, torch.device("cpu"))
+    assert CacheTooLargeError.kind is ErrorKind.RESOURCE_EXHAUSTED

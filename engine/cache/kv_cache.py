@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
 import torch
 
+from engine.errors import CacheTooLargeError
 from kernels.attention.kv_layer import KV_SCALE_DTYPE, KVCacheKind, KVLayer
 
 __all__ = ["CacheShape", "KVCacheKind", "PagedKVCache", "choose_kv_cache"]
@@ -102,6 +104,10 @@ def choose_kv_cache(setting: str, dtype: torch.dtype, quantized: bool, tiles: bo
     return KVCacheKind.FLOAT
 
 
+def _machine_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros that cost nothing until written. On the CPU the memory is an anonymous map, which
     the OS hands out zeroed page by page as it is first touched, so a 1.4 GiB cache is not
@@ -131,13 +137,25 @@ class PagedKVCache:
         self.kind = kind
         dims = (shape.num_layers, shape.num_pages, shape.num_kv_heads, shape.page_size, shape.head_dim)
         store = storage_dtype(kind, dtype)
-        self.k = _zeroed(dims, store, device)
-        self.v = _zeroed(dims, store, device)
+        wanted = shape.num_slots * shape.bytes_per_token(dtype, kind)
+        what = f"a KV cache of {shape.num_slots} tokens ({wanted / 2**30:.1f} GiB)"
+        if device.type == "cpu" and wanted > _machine_memory():
+            raise CacheTooLargeError(
+                f"{what} is more than this machine's memory ({_machine_memory() / 2**30:.1f} GiB); "
+                "ask for fewer cache tokens"
+            )
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
-        if kind is KVCacheKind.INT8:
-            self.k_scale = _zeroed(dims[:-1], KV_SCALE_DTYPE, device)
-            self.v_scale = _zeroed(dims[:-1], KV_SCALE_DTYPE, device)
+        try:
+            self.k = _zeroed(dims, store, device)
+            self.v = _zeroed(dims, store, device)
+            if kind is KVCacheKind.INT8:
+                self.k_scale = _zeroed(dims[:-1], KV_SCALE_DTYPE, device)
+                self.v_scale = _zeroed(dims[:-1], KV_SCALE_DTYPE, device)
+        except (OSError, MemoryError, RuntimeError) as exc:  # the OS or the device said no
+            raise CacheTooLargeError(
+                f"{what} cannot be allocated ({exc}); ask for fewer cache tokens"
+            ) from exc
         # Built once: the forward asks for every layer's view twice per step.
         self._layers = tuple(
             KVLayer(
