@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from dyngen_client import cli as client_cli
 from dyngen_client.cli import CliError, guidance_flags, json_record, positive_int, prompt_texts
@@ -34,16 +35,21 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
 
     # The flags shared with `dyngen-client generate` (which this mode's --server runs).
     client_cli.add_request_arguments(gen)
-    gen.add_argument(
-        "--model", type=Path, default=None, help=".gguf file or Hugging Face folder (default: shipped)"
-    )
-    gen.add_argument(
+    # The flags that set up the in-process engine: with --server the server's own settings apply,
+    # so giving one there is refused rather than silently ignored.
+    engine_flags: list[argparse.Action] = []
+
+    def local(*names: str, **options: Any) -> None:
+        engine_flags.append(gen.add_argument(*names, **options))
+
+    local("--model", type=Path, default=None, help=".gguf file or Hugging Face folder (default: shipped)")
+    local(
         "--dtype",
         choices=WEIGHT_DTYPES,
         default=EngineSettings.dtype,
         help="activations and float weights: auto = bfloat16 only on CPUs with native bfloat16 and float linears",
     )
-    gen.add_argument(
+    local(
         "--quant",
         choices=["auto", "none", "int8", "int4"],
         default=GENERATE_QUANT,
@@ -51,13 +57,9 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
         "Q4_0/Q4_1 blocks (others re-quantized), int8 head; auto = the fastest kinds that pass the "
         "quality gate, timed at load per shape and cached (see engine/model/quantization.py)",
     )
-    gen.add_argument(
-        "--page-size", type=positive_int, default=defaults.PAGE_SIZE, help="KV cache page size in tokens"
-    )
-    gen.add_argument(
-        "--cache-tokens", type=positive_int, default=defaults.CACHE_TOKENS, help="KV cache size in tokens"
-    )
-    gen.add_argument(
+    local("--page-size", type=positive_int, default=defaults.PAGE_SIZE, help="KV cache page size in tokens")
+    local("--cache-tokens", type=positive_int, default=defaults.CACHE_TOKENS, help="KV cache size in tokens")
+    local(
         "--kv-cache",
         choices=defaults.KV_CACHE_KINDS,
         default=defaults.KV_CACHE,
@@ -66,56 +68,60 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
         "float = the model's dtype; float16 = half float32's bytes; int8 = int8 "
         "K/V with a float16 scale per token and head (~3.9x less memory than float32, ~1.9x less than bfloat16)",
     )
-    gen.add_argument(
-        "--max-batch-size", type=positive_int, default=defaults.MAX_BATCH_SIZE, help="jobs running at once"
-    )
-    gen.add_argument(
-        "--chunk-size", type=positive_int, default=defaults.MAX_CHUNK_SIZE, help="tokens per forward"
-    )
-    gen.add_argument(
+    local("--max-batch-size", type=positive_int, default=defaults.MAX_BATCH_SIZE, help="jobs running at once")
+    local("--chunk-size", type=positive_int, default=defaults.MAX_CHUNK_SIZE, help="tokens per forward")
+    local(
         "--prefill-while-decoding",
         type=positive_int,
         default=defaults.PREFILL_WHILE_DECODING,
         help="prompt tokens per forward while other jobs decode in it",
     )
-    gen.add_argument(
+    local(
         "--prompt-reserve",
         type=fraction_flag,
         default=defaults.PROMPT_RESERVE,
         help="the share of a forward's prompt tokens that a prompt not finishing in it leaves to shorter "
         "prompts behind it (0 = arrival order)",
     )
-    gen.add_argument(
+    local(
         "--prefill-alone-ms",
         type=non_negative_flag,
         default=defaults.PREFILL_ALONE_MS,
         help="the prompt work of a forward no job decodes in, in ms by the warm-up's timing, when it "
         "runs (0 = --chunk-size tokens)",
     )
-    gen.add_argument(
+    local(
         "--sampler-mode",
         choices=defaults.SAMPLER_MODES,
         default=defaults.SAMPLER_MODE,
         help="sampled rows: batched (one set of tensor ops for the batch) or threaded (one pool task per job)",
     )
-    gen.add_argument(
+    local(
         "--sampling-threads",
         type=positive_int,
         default=defaults.SAMPLING_THREADS,
         help="sampler thread pool size (threaded sampler mode)",
     )
-    gen.add_argument("--device", type=device_flag, default=defaults.DEVICE, help=DEVICE_HELP)
-    gen.add_argument(
-        "--attention", choices=defaults.ATTENTION_KINDS, default=defaults.ATTENTION, help=ATTENTION_HELP
-    )
+    local("--device", type=device_flag, default=defaults.DEVICE, help=DEVICE_HELP)
+    local("--attention", choices=defaults.ATTENTION_KINDS, default=defaults.ATTENTION, help=ATTENTION_HELP)
     gen.add_argument("--quiet", action="store_true", help="no progress bar while loading")
-    add_speculation_arguments(gen)
+    engine_flags.extend(add_speculation_arguments(gen))
+    gen.set_defaults(engine_flags=tuple((a.dest, a.option_strings[0], a.default) for a in engine_flags))
     client_cli.add_connection_arguments(gen, None, "run through a dyngen server instead of in-process")
 
 
 def run_generate(args: argparse.Namespace) -> int:
     if args.server is not None:
+        given = [flag for dest, flag, default in args.engine_flags if getattr(args, dest) != default]
+        if given:
+            raise CliError(
+                f"{', '.join(given)}: the in-process engine's settings; with --server the server's own apply"
+            )
         return client_cli.run_generate(args)
+    remote = ("tls", "tls_ca", "tls_cert", "tls_key", "token_file")
+    given = [f"--{d.replace('_', '-')}" for d in remote if getattr(args, d)]
+    if given:
+        raise CliError(f"{', '.join(given)}: only with --server (this run is in-process)")
     texts = prompt_texts(args)
     flags = guidance_flags(args)
     # Heavy imports after argument parsing, so `dyngen --help` and usage errors are instant.

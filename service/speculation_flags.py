@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
 from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
@@ -51,40 +51,46 @@ class SpeculationOptions:
         ).model
 
 
-def add_speculation_arguments(parser: argparse.ArgumentParser) -> None:
+def add_speculation_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """`dyngen generate`'s speculation flags (serve has its own), returned."""
     d = SpeculationFlags()
     g = parser.add_argument_group("speculative decoding")
-    g.add_argument(
+    added: list[argparse.Action] = []
+
+    def arg(*names: str, **options: Any) -> None:
+        added.append(g.add_argument(*names, **options))
+
+    arg(
         "--speculate",
         choices=SPECULATE_KINDS,
         default=d.speculate,
         help="drafter kind (auto: ngram where speculation changes no token, as with the block linears "
         "of --quant auto on the CPU; else none)",
     )
-    g.add_argument(
+    arg(
         "--num-draft-tokens",
         type=int,
         default=d.num_draft_tokens,
         help="the most draft tokens a job verifies per step (each job's own length adapts below it)",
     )
-    g.add_argument(
+    arg(
         "--step-draft-tokens",
         type=int,
         default=d.step_draft_tokens,
         help="the most draft tokens one step verifies over all its jobs (bounds the rows drafts add to a step)",
     )
-    g.add_argument(
-        "--max-ngram", type=int, default=d.max_ngram, help="longest suffix the n-gram drafter matches"
-    )
-    g.add_argument(
+    arg("--max-ngram", type=int, default=d.max_ngram, help="longest suffix the n-gram drafter matches")
+    arg(
         "--speculate-max-batch",
         type=int,
         default=d.speculate_max_batch,
         help="no speculation with more running jobs than this",
     )
-    g.add_argument("--draft-model", type=Path, default=None, help="draft model file (default: the target's)")
-    g.add_argument("--draft-layers", type=int, default=None, help="keep only the draft's first N layers")
-    g.add_argument("--draft-dtype", choices=WEIGHT_DTYPES, default=d.draft_dtype)
+    arg("--draft-model", type=Path, default=None, help="draft model file (default: the target's)")
+    arg("--draft-layers", type=int, default=None, help="keep only the draft's first N layers")
+    arg("--draft-dtype", choices=WEIGHT_DTYPES, default=d.draft_dtype)
+
+    return added
 
 
 def speculation_options(

@@ -138,3 +138,23 @@ def test_a_replica_that_keeps_failing_stops_the_cluster() -> None:
     assert waits == [0.5, 1.0, 2.0, None]
     assert "failed 4 starts in a row (last exit 1" in watch.why(1, 1)
     assert not watch.due(1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (
+            ["--server", "127.0.0.1:1", "--model", "x.gguf", "--quant", "int8"],
+            "--model, --quant: the in-process",
+        ),
+        (["--server", "127.0.0.1:1", "--speculate", "none"], "--speculate: the in-process engine's settings"),
+        (["--tls-ca", "ca.pem"], "--tls-ca: only with --server"),
+        (["--token-file", "t"], "--token-file: only with --server"),
+    ],
+)
+def test_generate_refuses_flags_its_mode_would_ignore(flags: list[str], words: str) -> None:
+    from service.generate_cli import CliError, run_generate
+
+    args = build_parser("generate").parse_args(["generate", *flags, "hi"])
+    with pytest.raises(CliError, match=words):
+        run_generate(args)
