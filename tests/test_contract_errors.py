@@ -138,3 +138,21 @@ def test_unknown_reasons_and_domains_are_not_guessed() -> None:
     status = status_pb2.Status(code=8, message="x", details=[detail])
     d = details_from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "x", status.SerializeToString())
     assert d.reason is None and d.retry_delay_seconds is None
+
+
+def test_a_job_that_fails_in_the_engine_sends_its_finish_event_then_the_status(server: ServerProcess) -> None:
+    """Its finish event carries STOP_REASON_ERROR, the error and the status code; the stream then
+    ends with that status (JOB_FAILED). A regex that can only spell a banned string fails in the
+    engine whatever the model."""
+    request = pb.GenerateRequest(text="Hi", max_new_tokens=8, banned_strings=["abc"])
+    request.response_format.regex = "abc"
+    events: list[pb.GenerateEvent] = []
+    with server.client() as client, pytest.raises(grpc.RpcError) as failed:
+        for event in client.stub.Generate(request, timeout=60):
+            events.append(event)
+    d = error_details(failed.value)
+    assert d.reason is ErrorReason.JOB_FAILED, d
+    assert [e.WhichOneof("event") for e in events][-1] == "finished"
+    finished = events[-1].finished
+    assert finished.stop_reason == pb.STOP_REASON_ERROR and "banned strings" in finished.error
+    assert finished.error_code == failed.value.code().value[0]

@@ -363,12 +363,14 @@ class GeneratorService:
                         prefill_s=round(f.timings.prefill_seconds, 4),
                         decode_s=round(f.timings.decode_seconds, 4),
                     )
+                    # The finish event goes out first, even for a failed job: its `error` and counts
+                    # are the caller's, and then the stream ends with the failure's status.
+                    yield item
                     if f.stop_reason == pb.STOP_REASON_ERROR:
                         code = _BY_NUMBER.get(f.error_code, grpc.StatusCode.INTERNAL)
                         await self.fail(
                             context, code, f.error or "the job failed in the engine", ErrorReason.JOB_FAILED
                         )
-                    yield item
                     return
                 yield item
         except BaseException as exc:
