@@ -138,6 +138,12 @@ def test_banned_strings_and_token_healing_through_the_client(server: ServerProce
             )
         )
         assert healed.text.startswith("zy")
+        # Every count of the prompt leaves out the taken-back token: Enqueue's as the events' do.
+        heal_request = Request("The quick brown fox jumps over the la", max_new_tokens=4, token_healing=True)
+        reply = client.stub.Enqueue(heal_request.to_proto(), timeout=60)
+        streamed = list(client.stream(reply.job_id))
+        assert reply.prompt_tokens == streamed[0].started.prompt_tokens == streamed[-1].finished.prompt_tokens
+        assert reply.prompt_tokens == healed.finished.prompt_tokens
         with pytest.raises(grpc.RpcError) as info:
             collect(client.generate(Request("Hi", banned_strings=tuple(f"b{i}" for i in range(65)))))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "banned_strings" in str(

@@ -246,7 +246,9 @@ class EngineLoop:
         except Exception as exc:
             self._refuse(msg.request, exc, "bad request")
         else:
-            self._send(Tag.ACCEPTED, msg.request, Accepted(job_id, len(spec.prompt_ids)).to_bytes())
+            # The job's own count: less a token-healed prompt's taken-back token, as its events say.
+            prompt_tokens = self.generator.jobs[job_id].prompt_len
+            self._send(Tag.ACCEPTED, msg.request, Accepted(job_id, prompt_tokens).to_bytes())
 
     def _adapter(self, msg: Message) -> None:
         """Load, unload or list LoRA adapters. A load's files are read in a worker thread while jobs
