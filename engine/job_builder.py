@@ -82,7 +82,8 @@ class JobBuilder:
             values = torch.frombuffer(bytearray(e.data), dtype=torch.float32).view(e.rows, self._hidden_size)
             if not bool(torch.isfinite(values).all()):
                 raise InvalidRequestError(
-                    f"embeddings[{i}].data: holds values that are not finite (NaN or inf)"
+                    f"embeddings[{i}].data: holds values that are not finite (NaN or inf)",
+                    f"embeddings[{i}].data",
                 )
             spans.append((e.position, values))
         return tuple(spans)

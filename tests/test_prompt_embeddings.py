@@ -177,8 +177,11 @@ def test_bad_spans_are_refused_naming_the_field(tiny: LoadedModel) -> None:
     with pytest.raises(InvalidRequestError, match="hidden size"):
         gen.enqueue(JobSpec(tuple(range(3, 13)), 4, embeddings=(PromptEmbedding(0, 1, wide),)))
     nan = struct.pack("<f", math.nan) * hidden + good[4 * hidden :]
-    with pytest.raises(InvalidRequestError, match=r"embeddings\[0\]\.data: holds values that are not finite"):
+    with pytest.raises(
+        InvalidRequestError, match=r"embeddings\[0\]\.data: holds values that are not finite"
+    ) as bad:
         gen.enqueue(JobSpec(tuple(range(3, 13)), 4, embeddings=(PromptEmbedding(0, 2, nan),)))
+    assert bad.value.field == "embeddings[0].data"  # the caller's BadRequest names it
     with pytest.raises(InvalidRequestError, match="token_healing"):
         gen.enqueue(
             JobSpec(tuple(range(3, 13)), 4, token_healing=True, embeddings=(PromptEmbedding(0, 2, good),))

@@ -613,6 +613,7 @@ def test_model_and_server_info_and_health(worker: Worker, bundle: zipfile.ZipFil
     assert facts.block_size == PAGE
     assert facts.max_num_seqs == 1
     assert facts.data_parallel_size == 1 and facts.uptime_seconds > 0 and not facts.is_paused
+    assert facts.kv_cache_dtype in ("float32", "float16", "bfloat16", "int8"), facts.kv_cache_dtype
 
     health = worker.health()
     assert health.healthy, health

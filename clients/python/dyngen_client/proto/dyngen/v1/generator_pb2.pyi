@@ -1150,7 +1150,9 @@ class ModelInfo(_message.Message):
     vocab_size: _builtins.int
     """Token ids are below this."""
     context_length: _builtins.int
-    """Most prompt + new tokens of one job, in tokens."""
+    """The model's context: the most prompt + new tokens of one job, in tokens, unless the KV cache
+    (page_size x num_pages) is smaller, which then bounds a job too.
+    """
     page_size: _builtins.int
     """KV cache page size, in tokens."""
     num_pages: _builtins.int
