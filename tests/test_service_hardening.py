@@ -29,7 +29,16 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from dyngen_client import AsyncClient, Chat, Client, Request, collect, tls_credentials
+from dyngen_client import (
+    AsyncClient,
+    Chat,
+    Client,
+    ErrorReason,
+    Request,
+    collect,
+    error_details,
+    tls_credentials,
+)
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
 from engine.jobs import JobEvent, JobFinished, JobId, JobSpec, JobTimings, StopReason, TokensGenerated
 from service.config import ServiceConfig
@@ -579,6 +588,12 @@ def test_tokens_own_jobs_and_salt_the_prefix_cache(tiny_model: Path, tmp_path: P
                 with pytest.raises(grpc.RpcError) as info:
                     flush(cpb.FlushCacheRequest(), metadata=metadata, timeout=10)
                 assert info.value.code() == code
+                wanted = (
+                    ErrorReason.NOT_PERMITTED
+                    if code == grpc.StatusCode.PERMISSION_DENIED
+                    else ErrorReason.UNAUTHENTICATED
+                )
+                assert error_details(info.value).reason is wanted
         token_file = tmp_path / "alice.token"
         token_file.write_text(alice + "\n")
         cli = [

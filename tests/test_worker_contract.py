@@ -24,6 +24,7 @@ import zipfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NoReturn, cast
 
 import grpc
@@ -521,6 +522,7 @@ def test_bad_requests_are_refused_naming_the_field_and_the_server_serves_on(
         assert next(running).WhichOneof("response") == "chunk"  # running: its id is taken
         twin = refusal(lambda: worker.generate(tokenized(ok, "twin", max_tokens=2)))
         assert twin.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert error_details(twin).reason is ErrorReason.REQUEST_ID_IN_USE
         assert [v.field for v in error_details(twin).field_violations] == ["request_id"]
     finally:
         running.cancel()
@@ -620,6 +622,7 @@ def test_model_and_server_info_and_health(worker: Worker, bundle: zipfile.ZipFil
 
     embed = refusal(lambda: worker.embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=PROMPT))))
     assert embed.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert error_details(embed).reason is ErrorReason.UNSUPPORTED
     assert "Embed" in (embed.details() or "")
 
 
@@ -805,6 +808,7 @@ def test_kv_events_snapshot_store_evict_heartbeat_and_replay(kv_worker: Worker) 
     ahead = kv_worker.subscribe(last + 100, timeout=CALL_SECONDS)
     error = refusal(lambda: next(ahead))
     assert error.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert error_details(error).reason is ErrorReason.KV_EVENTS_GONE
     assert "start_sequence_number" in (error.details() or "")
 
 
@@ -914,7 +918,7 @@ class StandInJobs:
         return request
 
     async def tenant_of(self, context: object) -> str:
-        return ""
+        return str(getattr(context, "tenant", ""))  # a test's stand-in context may name one
 
     async def fail(self, context: object, code: grpc.StatusCode, *details: object) -> NoReturn:
         raise RefusedError(code)
@@ -959,6 +963,28 @@ def test_two_generates_with_one_request_id_at_once_are_not_both_run() -> None:
         return list(await asyncio.gather(one(), one()))
 
     assert sorted(asyncio.run(both())) == ["ALREADY_EXISTS", "length"]
+
+
+def test_a_request_id_is_the_tenants_own() -> None:
+    """Two tenants may run one request_id at once, and neither learns that the other's runs."""
+    service, _ = stand_in_service()
+    request = greedy(PROMPT, 4, request_id="twin")
+
+    async def one(tenant: str) -> str:
+        context = cast(
+            "grpc.aio.ServicerContext[vpb.GenerateRequest, vpb.GenerateResponse]",
+            SimpleNamespace(tenant=tenant),
+        )
+        try:
+            responses = [r async for r in service.Generate(request, context)]
+        except RefusedError as refused:
+            return refused.code.name
+        return complete_of(responses).finish_reason
+
+    async def run() -> list[str]:
+        return list(await asyncio.gather(one("alice"), one("bob"), one("alice")))
+
+    assert sorted(asyncio.run(run())) == ["ALREADY_EXISTS", "length", "length"]
 
 
 def test_a_batch_published_while_the_snapshot_is_sent_is_not_skipped() -> None:

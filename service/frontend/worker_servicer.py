@@ -73,8 +73,10 @@ class WorkerService:
         self.served_model_name = served_model_name
         self.started_at = time.monotonic()
         self.last_request_at = 0.0  # wall clock of the last Generate
-        self.requests: dict[str, list[JobChannel]] = {}  # request_id -> its samples' jobs, while it runs
-        self.reserved: set[str] = set()  # request_ids whose Generate has not got its job yet
+        # (tenant, request_id) -> its samples' jobs, while it runs: a tenant's ids are its own, so
+        # another tenant neither collides with them nor learns which are running.
+        self.requests: dict[tuple[str, str], list[JobChannel]] = {}
+        self.reserved: set[tuple[str, str]] = set()  # those whose Generate has not got its job yet
         self.kv_subscribers = 0
         self._bundle: tuple[str, TokenizerBundle] | None = None
 
@@ -96,23 +98,24 @@ class WorkerService:
         except RequestError as exc:
             await jobs.invalid(context, exc)
         rid = req.request_id
-        if rid in self.requests or rid in self.reserved:
+        key = (tenant, rid)
+        if key in self.requests or key in self.reserved:
             await jobs.fail(
                 context,
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {rid!r} is already running",
-                ErrorReason.INVALID_ARGUMENT,
+                ErrorReason.REQUEST_ID_IN_USE,
                 "request_id",
             )
         if rid:
-            self.reserved.add(rid)  # before any await: a second call with this id is refused above
+            self.reserved.add(key)  # before any await: a second call with this id is refused above
         self.last_request_at = time.time()
         samples: list[JobChannel] = []
         ended_by: BaseException | None = None
         try:
             await jobs.open_stream(context)
         except BaseException:
-            self.reserved.discard(rid)
+            self.reserved.discard(key)
             raise
         try:
             if inner.WhichOneof("prompt") == "text" and not inner.HasField("max_new_tokens"):
@@ -123,7 +126,7 @@ class WorkerService:
             for sample in sample_requests(inner, max(1, req.sampling_params.n)):
                 samples.append(await jobs.submit(sample, tenant, context, streamed=True))
             if rid:
-                self.requests[rid] = samples
+                self.requests[key] = samples
             started = [pb.JobStarted() for _ in samples]
             output_ids: list[list[int]] = [[] for _ in samples]
             deltas: list[list[pb.TextDelta]] = [[] for _ in samples]
@@ -148,9 +151,9 @@ class WorkerService:
             raise
         finally:
             jobs.open_streams -= 1
-            self.reserved.discard(rid)
-            if samples and self.requests.get(rid) is samples:
-                del self.requests[rid]
+            self.reserved.discard(key)
+            if samples and self.requests.get(key) is samples:
+                del self.requests[key]
             why = why_left(context, ended_by) if any(not job.finished for job in samples) else ""
             for job in samples:  # a sample whose stream never started is cancelled here
                 self.engine.release(job, why)
@@ -198,8 +201,8 @@ class WorkerService:
         tenant = await self.jobs.tenant_of(context)
         unknown: list[str] = []
         for rid in req.request_ids:
-            samples = self.requests.get(rid)
-            if samples is None or samples[0].owner != tenant:
+            samples = self.requests.get((tenant, rid))
+            if samples is None:
                 unknown.append(rid)
             else:
                 for job in samples:
@@ -339,7 +342,7 @@ class WorkerService:
                 grpc.StatusCode.PERMISSION_DENIED,
                 "FlushCache would drop every tenant's cached prefix pages: it is only served without "
                 "authentication (a worker behind a gateway, on a network only the gateway reaches)",
-                ErrorReason.UNAUTHENTICATED,
+                ErrorReason.NOT_PERMITTED,
             )
         try:
             dropped = await self.engine.flush_cache()
@@ -352,7 +355,7 @@ class WorkerService:
 
     async def _unimplemented(self, context: grpc.aio.ServicerContext[Req, Resp], text: str) -> None:
         await self.jobs.tenant_of(context)
-        await self.jobs.fail(context, grpc.StatusCode.UNIMPLEMENTED, text, ErrorReason.INVALID_ARGUMENT)
+        await self.jobs.fail(context, grpc.StatusCode.UNIMPLEMENTED, text, ErrorReason.UNSUPPORTED)
 
     async def Embed(
         self,
@@ -410,7 +413,7 @@ class WorkerService:
                 grpc.StatusCode.OUT_OF_RANGE,
                 f"start_sequence_number {start}: not in this server's history (last {relay.last_seq}); "
                 "subscribe from 0 for a snapshot",
-                ErrorReason.INVALID_ARGUMENT,
+                ErrorReason.KV_EVENTS_GONE,
                 "start_sequence_number",
             )
         self.kv_subscribers += 1

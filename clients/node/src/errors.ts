@@ -31,6 +31,11 @@ export const ERROR_REASONS = [
   "ADAPTER_PATH_REFUSED",
   "ADAPTER_LOADING_OFF",
   "TENANT_ADAPTER_LIMIT",
+  // the gateway's worker contract:
+  "UNSUPPORTED", // an RPC this server does not provide (UNIMPLEMENTED)
+  "REQUEST_ID_IN_USE", // the tenant's request_id is running already (ALREADY_EXISTS)
+  "KV_EVENTS_GONE", // the KV events asked for are no longer kept: subscribe from 0
+  "NOT_PERMITTED", // an RPC not served with authentication on (PERMISSION_DENIED)
 ] as const;
 export type ErrorReason = (typeof ERROR_REASONS)[number];
 

@@ -56,6 +56,11 @@ class ErrorReason(enum.StrEnum):
         "ADAPTER_LOADING_OFF"  # the server takes no run-time adapter loads (no --adapter-dir)
     )
     TENANT_ADAPTER_LIMIT = "TENANT_ADAPTER_LIMIT"  # the tenant holds --max-adapters-per-tenant adapters
+    # The gateway's worker contract:
+    UNSUPPORTED = "UNSUPPORTED"  # an RPC this server does not provide (UNIMPLEMENTED)
+    REQUEST_ID_IN_USE = "REQUEST_ID_IN_USE"  # the tenant's request_id is running already (ALREADY_EXISTS)
+    KV_EVENTS_GONE = "KV_EVENTS_GONE"  # the KV events asked for are no longer kept: subscribe from 0
+    NOT_PERMITTED = "NOT_PERMITTED"  # an RPC not served with authentication on (PERMISSION_DENIED)
 
 
 @dataclass(frozen=True)
