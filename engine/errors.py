@@ -26,6 +26,7 @@ class DyngenError(Exception):
     """Base of every error dyngen raises on purpose."""
 
     kind: ErrorKind = ErrorKind.INVALID_ARGUMENT
+    spec_index: int | None = None  # DynamicGenerator.generate: which of its specs was refused
 
 
 class ModelNotFoundError(DyngenError):

@@ -430,8 +430,20 @@ class DynamicGenerator:
     # -- convenience ---------------------------------------------------------------------------
 
     def generate(self, specs: Sequence[JobSpec]) -> list[Completion]:
-        """Run jobs to completion together; results in the specs' order."""
-        return run_to_completion([self.enqueue(s) for s in specs], self.iterate)
+        """Run jobs to completion together; results in the specs' order. All or nothing: if one spec
+        is refused, those enqueued before it are cancelled, and the error's `spec_index` says which."""
+        ids: list[JobId] = []
+        try:
+            for spec in specs:
+                ids.append(self.enqueue(spec))
+        except DyngenError as exc:
+            for job_id in ids:
+                self.cancel(job_id)
+            mine = set(ids)  # their CANCELLED finishes go to no one: no caller knows these jobs
+            self._pending_events = [e for e in self._pending_events if e.job_id not in mine]
+            exc.spec_index = len(ids)
+            raise
+        return run_to_completion(ids, self.iterate)
 
     def warmup(self, step_costs: Path | None = None) -> None:
         """Run a few throwaway forwards so first requests don't pay one-time kernel setup; time

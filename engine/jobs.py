@@ -61,6 +61,11 @@ class JobStage(enum.Enum):
     FINISHED = "finished"
 
 
+def _strings(value: object) -> bool:
+    """A sequence of strings, and not one string (which is a sequence of its characters)."""
+    return isinstance(value, tuple | list) and all(isinstance(s, str) for s in value)
+
+
 def _check(ok: bool, message: str, field: str | None) -> None:
     if not ok:
         raise InvalidRequestError(message, field)
@@ -206,12 +211,24 @@ class JobSpec:
     def validate(self, vocab_size: int, hidden_size: int | None = None) -> None:
         """InvalidRequestError naming the field and its limit; `hidden_size`: prompt embeddings' rows
         must be that wide (None: unchecked)."""
-        _check(len(self.prompt_ids) > 0, "prompt must hold at least one token", "prompt_ids")
+        # Types first: an in-process caller's float or string would otherwise pass a range check, or
+        # fail deep in the forward as the engine's error rather than the caller's.
         _check(
-            all(0 <= t < vocab_size for t in self.prompt_ids),
-            f"prompt token ids must be in [0, {vocab_size})",
+            not isinstance(self.prompt_ids, str | bytes),
+            "prompt_ids must be token ids (ints), not text",
             "prompt_ids",
         )
+        _check(len(self.prompt_ids) > 0, "prompt must hold at least one token", "prompt_ids")
+        _check(
+            all(type(t) is int and 0 <= t < vocab_size for t in self.prompt_ids),
+            f"prompt token ids must be ints in [0, {vocab_size})",
+            "prompt_ids",
+        )
+        for name in ("max_new_tokens", "min_new_tokens", "top_logprobs", "priority"):
+            value = getattr(self, name)
+            _check(type(value) is int, f"{name} must be an int, got {value!r}", name)
+        for name, strings in (("stop_strings", self.stop_strings), ("banned_strings", self.banned_strings)):
+            _check(_strings(strings), f"{name} must be a sequence of strings", name)
         _check(
             self.max_new_tokens >= 1,
             f"max_new_tokens must be >= 1, got {self.max_new_tokens}",
@@ -274,7 +291,7 @@ class JobSpec:
         _check(
             len(self.tenant) <= MAX_TENANT_CHARS,
             f"tenant must be at most {MAX_TENANT_CHARS} characters",
-            None,
+            "tenant",
         )
         _check(
             len(self.cache_salt) <= MAX_CACHE_SALT_CHARS,

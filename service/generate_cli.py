@@ -7,18 +7,34 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dyngen_client import cli as client_cli
 from dyngen_client.cli import CliError, guidance_flags, json_record, positive_int, prompt_texts
 from engine import defaults
+from engine.errors import DyngenError
 
 # `dyngen generate` runs float linears unless asked: its output is the reference's, token for token
 # (`serve` defaults to EngineSettings.quant, auto, for throughput).
 GENERATE_QUANT = "none"
 
 __all__ = ["CliError", "add_generate_arguments", "run_generate"]
+
+
+class EngineFlag(argparse.Action):
+    """Stores a flag's value and records that it was given (even at its default's value)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.engine_flags_given = (*namespace.engine_flags_given, option_string or self.dest)
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
@@ -35,12 +51,11 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
 
     # The flags shared with `dyngen-client generate` (which this mode's --server runs).
     client_cli.add_request_arguments(gen)
+
     # The flags that set up the in-process engine: with --server the server's own settings apply,
     # so giving one there is refused rather than silently ignored.
-    engine_flags: list[argparse.Action] = []
-
     def local(*names: str, **options: Any) -> None:
-        engine_flags.append(gen.add_argument(*names, **options))
+        gen.add_argument(*names, action=EngineFlag, **options)
 
     local("--model", type=Path, default=None, help=".gguf file or Hugging Face folder (default: shipped)")
     local(
@@ -105,14 +120,15 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     local("--device", type=device_flag, default=defaults.DEVICE, help=DEVICE_HELP)
     local("--attention", choices=defaults.ATTENTION_KINDS, default=defaults.ATTENTION, help=ATTENTION_HELP)
     gen.add_argument("--quiet", action="store_true", help="no progress bar while loading")
-    engine_flags.extend(add_speculation_arguments(gen))
-    gen.set_defaults(engine_flags=tuple((a.dest, a.option_strings[0], a.default) for a in engine_flags))
+    add_speculation_arguments(gen, EngineFlag)
+    gen.set_defaults(engine_flags_given=())
+
     client_cli.add_connection_arguments(gen, None, "run through a dyngen server instead of in-process")
 
 
 def run_generate(args: argparse.Namespace) -> int:
     if args.server is not None:
-        given = [flag for dest, flag, default in args.engine_flags if getattr(args, dest) != default]
+        given = list(dict.fromkeys(args.engine_flags_given))
         if given:
             raise CliError(
                 f"{', '.join(given)}: the in-process engine's settings; with --server the server's own apply"
@@ -184,6 +200,10 @@ def run_generate(args: argparse.Namespace) -> int:
     ]
     try:
         completions = generator.generate(specs)
+    except DyngenError as exc:
+        if len(specs) > 1 and exc.spec_index is not None:  # which line of a prompts file
+            raise CliError(f"prompt {exc.spec_index + 1} of {len(specs)}: {exc}") from exc
+        raise
     finally:
         generator.close()
     as_json = args.json or args.prompts_file is not None

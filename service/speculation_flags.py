@@ -51,14 +51,13 @@ class SpeculationOptions:
         ).model
 
 
-def add_speculation_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """`dyngen generate`'s speculation flags (serve has its own), returned."""
+def add_speculation_arguments(parser: argparse.ArgumentParser, action: type[argparse.Action]) -> None:
+    """`dyngen generate`'s speculation flags (serve has its own), each stored by `action`."""
     d = SpeculationFlags()
     g = parser.add_argument_group("speculative decoding")
-    added: list[argparse.Action] = []
 
     def arg(*names: str, **options: Any) -> None:
-        added.append(g.add_argument(*names, **options))
+        g.add_argument(*names, action=action, **options)
 
     arg(
         "--speculate",
@@ -89,8 +88,6 @@ def add_speculation_arguments(parser: argparse.ArgumentParser) -> list[argparse.
     arg("--draft-model", type=Path, default=None, help="draft model file (default: the target's)")
     arg("--draft-layers", type=int, default=None, help="keep only the draft's first N layers")
     arg("--draft-dtype", choices=WEIGHT_DTYPES, default=d.draft_dtype)
-
-    return added
 
 
 def speculation_options(

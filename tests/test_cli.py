@@ -45,6 +45,24 @@ def test_prompts_file_json_lines_in_order(tmp_path: Path) -> None:
         assert 2 not in r["token_ids"]  # the stop token is not part of the output
 
 
+def test_a_prompts_file_line_that_cannot_run_is_named(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    lines = ["Hi", "word " * 400, "Hello"]  # the second is past a 256-token cache
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+    done = run_cli(
+        "generate",
+        "--prompts-file",
+        str(prompts),
+        "--cache-tokens",
+        "256",
+        "--max-new-tokens",
+        "8",
+        "--quiet",
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1].startswith("dyngen: error: prompt 2 of 3: "), done.stderr
+
+
 def test_json_single_prompt_max_tokens() -> None:
     done = run_cli(
         "generate", "Once upon a time", "--max-new-tokens", "7", "--ignore-eos", "--json", "--quiet"
@@ -148,6 +166,11 @@ def test_a_replica_that_keeps_failing_stops_the_cluster() -> None:
             "--model, --quant: the in-process",
         ),
         (["--server", "127.0.0.1:1", "--speculate", "none"], "--speculate: the in-process engine's settings"),
+        # Given at its default's value, it is given all the same.
+        (
+            ["--server", "127.0.0.1:1", "--cache-tokens", str(defaults.CACHE_TOKENS)],
+            "--cache-tokens: the in-process",
+        ),
         (["--tls-ca", "ca.pem"], "--tls-ca: only with --server"),
         (["--token-file", "t"], "--token-file: only with --server"),
     ],

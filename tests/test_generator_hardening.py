@@ -267,6 +267,45 @@ def test_cache_salt_is_bounded(tiny: LoadedModel) -> None:
     gen.enqueue(JobSpec((5, 6), max_new_tokens=2, cache_salt="s" * 256))
 
 
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (JobSpec((1.5, 2.0)), "prompt_ids"),  # type: ignore[arg-type]
+        (JobSpec("hello"), "prompt_ids"),  # type: ignore[arg-type]
+        (JobSpec((5, 6), max_new_tokens=2.5), "max_new_tokens"),  # type: ignore[arg-type]
+        (JobSpec((5, 6), stop_strings="the"), "stop_strings"),  # type: ignore[arg-type]
+        (JobSpec((5, 6), tenant="t" * 300), "tenant"),
+    ],
+)
+def test_values_of_the_wrong_type_are_the_callers_error_at_enqueue(
+    tiny: LoadedModel, spec: JobSpec, field: str
+) -> None:
+    """Not a range check passed (a float id), nor a failure deep in the forward counted as the
+    engine's: InvalidRequestError naming the field, and nothing queued."""
+    gen = make(tiny)
+    with pytest.raises(InvalidRequestError) as refused:
+        gen.enqueue(spec)
+    assert refused.value.field == field
+    assert not gen.jobs and not gen.has_work()
+
+
+def test_generate_is_all_or_nothing(tiny: LoadedModel) -> None:
+    """A refused spec leaves none of the others queued (the caller never learns their ids), and the
+    error says which spec it was."""
+    gen = make(tiny, num_pages=16)
+    specs = [
+        JobSpec((5, 6), max_new_tokens=4),
+        JobSpec((7, 8), max_new_tokens=4),
+        JobSpec((9,), max_new_tokens=0),
+    ]
+    with pytest.raises(InvalidRequestError, match="max_new_tokens") as refused:
+        gen.generate(specs)
+    assert refused.value.spec_index == 2
+    assert not gen.jobs and not gen.has_work() and gen.stats().pages_used == 0
+    done = gen.generate([JobSpec((5, 6), max_new_tokens=3)])
+    assert done[0].finished.new_tokens == 3 and not gen.jobs
+
+
 # -- stats ---------------------------------------------------------------------------------------
 
 
