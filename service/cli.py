@@ -11,8 +11,17 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from engine.errors import DyngenError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A refused flag is one line, as every other refusal at start is (argparse's own error prints
+    the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -20,8 +29,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     or for all (None), so `dyngen serve` loads nothing of `generate`'s (the client's command line)."""
     from service.config import add_serve_arguments
 
-    parser = argparse.ArgumentParser(prog="dyngen", description="Serve and run language models with dyngen.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="dyngen", description="Serve and run language models with dyngen.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     shows_defaults = argparse.ArgumentDefaultsHelpFormatter  # each flag's help ends with its default
     gen = sub.add_parser(
         "generate", help="run the model in-process and print the completion", formatter_class=shows_defaults
