@@ -108,7 +108,9 @@ class GeneratorServicer:
 
     def Cancel(self, request, context):
         """Cancels a running or queued job; its stream (if any) ends with a CANCELLED finish event.
-        NOT_FOUND for an unknown job, one that already ended, or another tenant's.
+        NOT_FOUND for an unknown job, one that already ended (its events may still wait for its
+        Stream), or another tenant's. A job that ends on its own as the Cancel arrives keeps its own
+        finish (max_new_tokens, say): OK means the engine was told, not that the job ended CANCELLED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -61,7 +61,9 @@ class GeneratorStub:
     """
     Cancel: _grpc.UnaryUnaryMultiCallable[_generator_pb2.CancelRequest, _generator_pb2.CancelResponse]
     """Cancels a running or queued job; its stream (if any) ends with a CANCELLED finish event.
-    NOT_FOUND for an unknown job, one that already ended, or another tenant's.
+    NOT_FOUND for an unknown job, one that already ended (its events may still wait for its
+    Stream), or another tenant's. A job that ends on its own as the Cancel arrives keeps its own
+    finish (max_new_tokens, say): OK means the engine was told, not that the job ended CANCELLED.
     """
     Generate: _grpc.UnaryStreamMultiCallable[_generator_pb2.GenerateRequest, _generator_pb2.GenerateEvent]
     """Enqueue and Stream in one call, with the errors of both. Cancelling the call cancels the job."""
@@ -108,7 +110,9 @@ class GeneratorAsyncStub(GeneratorStub):
     """
     Cancel: _aio.UnaryUnaryMultiCallable[_generator_pb2.CancelRequest, _generator_pb2.CancelResponse]  # type: ignore[assignment]
     """Cancels a running or queued job; its stream (if any) ends with a CANCELLED finish event.
-    NOT_FOUND for an unknown job, one that already ended, or another tenant's.
+    NOT_FOUND for an unknown job, one that already ended (its events may still wait for its
+    Stream), or another tenant's. A job that ends on its own as the Cancel arrives keeps its own
+    finish (max_new_tokens, say): OK means the engine was told, not that the job ended CANCELLED.
     """
     Generate: _aio.UnaryStreamMultiCallable[_generator_pb2.GenerateRequest, _generator_pb2.GenerateEvent]  # type: ignore[assignment]
     """Enqueue and Stream in one call, with the errors of both. Cancelling the call cancels the job."""
@@ -170,7 +174,9 @@ class GeneratorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generator_pb2.CancelResponse, _abc.Awaitable[_generator_pb2.CancelResponse]]:
         """Cancels a running or queued job; its stream (if any) ends with a CANCELLED finish event.
-        NOT_FOUND for an unknown job, one that already ended, or another tenant's.
+        NOT_FOUND for an unknown job, one that already ended (its events may still wait for its
+        Stream), or another tenant's. A job that ends on its own as the Cancel arrives keeps its own
+        finish (max_new_tokens, say): OK means the engine was told, not that the job ended CANCELLED.
         """
 
     @_abc_1.abstractmethod
