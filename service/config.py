@@ -263,7 +263,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "linear kinds (auto: the fastest that pass the quality gate, timed at load, cached; none: exact float)",
     )
     opt("page_size", _positive, d.page_size, "KV cache page size in tokens")
-    opt("cache_tokens", _positive, d.cache_tokens, "KV cache size in tokens")
+    opt(
+        "cache_tokens",
+        _positive,
+        d.cache_tokens,
+        "KV cache size in tokens, rounded down to whole pages (at least one)",
+    )
     opt(
         "kv_cache",
         _choice(*defaults.KV_CACHE_KINDS),

@@ -73,7 +73,12 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
         "quality gate, timed at load per shape and cached (see engine/model/quantization.py)",
     )
     local("--page-size", type=positive_int, default=defaults.PAGE_SIZE, help="KV cache page size in tokens")
-    local("--cache-tokens", type=positive_int, default=defaults.CACHE_TOKENS, help="KV cache size in tokens")
+    local(
+        "--cache-tokens",
+        type=positive_int,
+        default=defaults.CACHE_TOKENS,
+        help="KV cache size in tokens, rounded down to whole pages (at least one)",
+    )
     local(
         "--kv-cache",
         choices=defaults.KV_CACHE_KINDS,
