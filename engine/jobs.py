@@ -227,8 +227,6 @@ class JobSpec:
         for name in ("max_new_tokens", "min_new_tokens", "top_logprobs", "priority"):
             value = getattr(self, name)
             _check(type(value) is int, f"{name} must be an int, got {value!r}", name)
-        for name, strings in (("stop_strings", self.stop_strings), ("banned_strings", self.banned_strings)):
-            _check(_strings(strings), f"{name} must be a sequence of strings", name)
         _check(
             self.max_new_tokens >= 1,
             f"max_new_tokens must be >= 1, got {self.max_new_tokens}",
@@ -245,6 +243,7 @@ class JobSpec:
             "top_logprobs",
         )
         for name, strings in (("stop_strings", self.stop_strings), ("banned_strings", self.banned_strings)):
+            _check(_strings(strings), f"{name} must be a sequence of strings", name)
             for i, text in enumerate(strings):
                 _check(bool(text), f"{name}[{i}] must not be empty", f"{name}[{i}]")
         _check(

@@ -238,6 +238,7 @@ def seconds(zero_ok: bool) -> Callable[[str], float]:
 
 
 PORT = whole(0, 65535)
+_positive = whole(1)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -513,13 +514,6 @@ def _folder(text: str) -> str:
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text} is not a folder")
     return text
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
 
 
 def non_negative_flag(text: str) -> float:

@@ -246,6 +246,7 @@ class Ready:
     linears: str  # which linear kernel runs per projection
     cpu: str  # the CPU features the kernels were chosen for
     kv_cache: str  # what the KV cache stores and its size (PagedKVCache.describe)
+    kv_cache_dtype: str  # the dtype it stores K/V in ("bfloat16", "int8", ...: PagedKVCache.stored_dtype)
     vocab_size: int  # token ids are below this (the front end checks a negative prompt's ids)
     cache_tokens: int  # the whole KV cache in tokens (pages x page size)
     hidden_size: int  # the model's embedding width (the front end checks prompt embeddings' rows)
@@ -268,6 +269,7 @@ class Ready:
             str(obj["linears"]),
             str(obj["cpu"]),
             str(obj["kv_cache"]),
+            str(obj["kv_cache_dtype"]),
             int(obj["vocab_size"]),
             int(obj["cache_tokens"]),
             int(obj["hidden_size"]),

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
 from engine.speculation.speculation_config import DrafterKind, SpeculationConfig
-from service.config import SPECULATE_AUTO, SPECULATE_KINDS, WEIGHT_DTYPES
+from service.config import SPECULATE_AUTO, SPECULATE_KINDS, WEIGHT_DTYPES, whole
 from service.engine_config import SpeculationFlags
 
 # The model code (and torch) is imported only where a model is loaded: `dyngen serve` builds its
@@ -68,25 +68,25 @@ def add_speculation_arguments(parser: argparse.ArgumentParser, action: type[argp
     )
     arg(
         "--num-draft-tokens",
-        type=int,
+        type=whole(1),
         default=d.num_draft_tokens,
         help="the most draft tokens a job verifies per step (each job's own length adapts below it)",
     )
     arg(
         "--step-draft-tokens",
-        type=int,
+        type=whole(1),
         default=d.step_draft_tokens,
         help="the most draft tokens one step verifies over all its jobs (bounds the rows drafts add to a step)",
     )
-    arg("--max-ngram", type=int, default=d.max_ngram, help="longest suffix the n-gram drafter matches")
+    arg("--max-ngram", type=whole(1), default=d.max_ngram, help="longest suffix the n-gram drafter matches")
     arg(
         "--speculate-max-batch",
-        type=int,
+        type=whole(0),
         default=d.speculate_max_batch,
         help="no speculation with more running jobs than this",
     )
     arg("--draft-model", type=Path, default=None, help="draft model file (default: the target's)")
-    arg("--draft-layers", type=int, default=None, help="keep only the draft's first N layers")
+    arg("--draft-layers", type=whole(0), default=None, help="keep only the draft's first N layers")
     arg("--draft-dtype", choices=WEIGHT_DTYPES, default=d.draft_dtype)
 
 

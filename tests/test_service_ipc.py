@@ -68,7 +68,20 @@ def test_messages_round_trip() -> None:
     s = EngineStats(1, 2, 3, 4, 5, 6, 7, 8, 9)
     assert EngineStats.from_bytes(s.to_bytes()) == s
     ready = Ready(
-        "m.gguf", "/tmp/t", 4096, "lin", "cpu", "kv", 512, 16384, 64, "cpu", 64, "slices", {"imports": 1.5}
+        "m.gguf",
+        "/tmp/t",
+        4096,
+        "lin",
+        "cpu",
+        "kv",
+        "bfloat16",
+        512,
+        16384,
+        64,
+        "cpu",
+        64,
+        "slices",
+        {"imports": 1.5},
     )
     assert Ready.from_bytes(ready.to_bytes()) == ready
     kv: list[KvEvent] = [

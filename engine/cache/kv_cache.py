@@ -139,10 +139,10 @@ class PagedKVCache:
         store = storage_dtype(kind, dtype)
         wanted = shape.num_slots * shape.bytes_per_token(dtype, kind)
         what = f"a KV cache of {shape.num_slots} tokens ({wanted / 2**30:.1f} GiB)"
-        if device.type == "cpu" and wanted > _machine_memory():
+        memory = _machine_memory() if device.type == "cpu" else None
+        if memory is not None and wanted > memory:
             raise CacheTooLargeError(
-                f"{what} is more than this machine's memory ({_machine_memory() / 2**30:.1f} GiB); "
-                "ask for fewer cache tokens"
+                f"{what} is more than this machine's memory ({memory / 2**30:.1f} GiB); ask for fewer cache tokens"
             )
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
@@ -207,6 +207,11 @@ class PagedKVCache:
         for t in (self.k, self.v, self.k_scale, self.v_scale):
             if t is not None:
                 t[:, dst, :, :tokens] = t[:, src, :, :tokens]
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype K/V are stored in: "bfloat16", "float32", "int8", ..."""
+        return str(storage_dtype(self.kind, self.dtype)).removeprefix("torch.")
 
     def describe(self) -> str:
         """What the cache holds, for logs and GetModelInfo."""

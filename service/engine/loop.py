@@ -112,6 +112,7 @@ class EngineLoop:
             loaded.model.describe(),
             cpu_features().summary(),
             self.generator.cache.describe(),
+            self.generator.cache.stored_dtype,
             loaded.model.config.vocab_size,
             self.generator.pool.num_pages * self.generator.pool.page_size,
             loaded.model.config.hidden_size,

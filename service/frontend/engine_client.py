@@ -120,6 +120,7 @@ class EngineClient:
         # Named in every JobFinished and ModelInfo; the server sets "<hostname>:<port>" once bound.
         self.replica = config.replica_id
         self.model_name = ""
+        self.kv_cache_dtype = ""  # the engine's, from its READY (the worker contract reports it)
         self.tokenizer_dir: str | None = None  # the engine's saved tokenizer folder, from its READY
         # The model's vocabulary, context, cache and embedding sizes, from the engine's READY (None before).
         self.bounds: ModelBounds | None = None
@@ -443,6 +444,7 @@ class EngineClient:
             return
         proc.ready_at = time.monotonic()
         self.model_name = ready.model
+        self.kv_cache_dtype = ready.kv_cache_dtype
         self.tokenizer_dir = ready.tokenizer_dir
         self.bounds = ModelBounds(
             ready.vocab_size, ready.context_length, ready.cache_tokens, ready.hidden_size, ready.page_size

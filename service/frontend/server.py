@@ -201,8 +201,9 @@ async def serve(
                 f"dyngen: error: cannot serve metrics on {metrics_host}:{config.metrics_port}: {exc.strerror}"
             ) from exc
 
-    # SIGHUP (its terminal closed) drains as SIGTERM does. A second signal (Ctrl-C pressed again) cuts the drain short: what still runs is
-    # cancelled at once, its readers still getting their CANCELLED finish.
+    # SIGHUP (its terminal closed) drains as SIGTERM does. A second signal (Ctrl-C pressed again)
+    # cuts the drain short: what still runs is cancelled at once, its readers still getting their
+    # CANCELLED finish.
     hurry = asyncio.Event()
 
     def on_signal() -> None:

@@ -55,15 +55,6 @@ MAX_KV_SUBSCRIBERS = 16  # open SubscribeKvEvents streams (a gateway holds one p
 SNAPSHOT_CHUNK_BLOCKS = 512  # blocks per snapshot batch
 
 
-def kv_storage_dtype(described: str) -> str:
-    """The dtype the KV cache stores, from ModelInfo.kv_cache's text (PagedKVCache.describe:
-    "float (bfloat16): ...", "float16: ...", "int8 (float16 scale per token and head): ...")."""
-    head = described.partition(":")[0]
-    if head.startswith("float (") and head.endswith(")"):
-        return head.removeprefix("float (").removesuffix(")")
-    return head.split(" ", 1)[0]
-
-
 class WorkerService:
     def __init__(self, jobs: GeneratorService, load: EngineLoadTracker, served_model_name: str) -> None:
         self.jobs = jobs
@@ -290,7 +281,7 @@ class WorkerService:
             uptime_seconds=time.monotonic() - self.started_at,
             server_type=SERVER_TYPE,
             data_parallel_size=1,
-            kv_cache_dtype=kv_storage_dtype(info.kv_cache),
+            kv_cache_dtype=self.engine.kv_cache_dtype,
             block_size=info.page_size,
             model_dtype=info.dtype,
             max_num_seqs=info.max_batch_size,

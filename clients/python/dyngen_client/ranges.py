@@ -4,8 +4,13 @@ refusal ("Value out of range: -1") names no field, and a caller should learn whi
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _BOUNDS: Mapping[int, tuple[str, int, int]] = {
     FieldDescriptor.TYPE_UINT32: ("uint32", 0, 2**32 - 1),
@@ -28,3 +33,8 @@ def check_integers(values: Mapping[str, object], message: Descriptor, path: str 
             if isinstance(item, bool) or not isinstance(item, int) or not low <= item <= high:
                 where = f"{path}{name}[{i}]" if field.is_repeated else f"{path}{name}"
                 raise ValueError(f"{where} must be an integer in [{low}, {high}] ({kind}), got {item!r}")
+
+
+def check_fields(obj: DataclassInstance, message: Descriptor, path: str = "") -> None:
+    """check_integers over a dataclass's fields, each checked against the field of its name."""
+    check_integers({f.name: getattr(obj, f.name) for f in fields(obj)}, message, path)

@@ -6,10 +6,10 @@ import json
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from dyngen_client.proto.dyngen.v1 import generator_pb2 as pb
-from dyngen_client.ranges import check_integers
+from dyngen_client.ranges import check_fields, check_integers
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,7 @@ class Sampling:
     banned_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        check_integers(
-            {f.name: getattr(self, f.name) for f in fields(self)}, pb.SamplingSettings.DESCRIPTOR, "sampling."
-        )
+        check_fields(self, pb.SamplingSettings.DESCRIPTOR, "sampling.")
         for i, (token, _) in enumerate(self.logit_bias):
             check_integers({"token_id": token}, pb.LogitBias.DESCRIPTOR, f"sampling.logit_bias[{i}].")
 
@@ -216,7 +214,7 @@ class Request:
     embeddings: tuple[PromptEmbedding, ...] = ()
 
     def __post_init__(self) -> None:
-        check_integers({f.name: getattr(self, f.name) for f in fields(self)}, pb.GenerateRequest.DESCRIPTOR)
+        check_fields(self, pb.GenerateRequest.DESCRIPTOR)
         if not isinstance(self.prompt, str | Chat):
             check_integers({"ids": tuple(self.prompt)}, pb.TokenIds.DESCRIPTOR, "token_ids.")
         if self.stop_on_loop is not None:
